@@ -1,0 +1,309 @@
+"""Run the raw DeepSpeed loop and the Lightning path on the same model, seed, batches and DeepSpeed dict, and
+report how fast each is, where each spends its time, and the gap.
+
+    python compare.py                                    # no GPU: tiny preset, 1 CPU process (gloo)
+    python compare.py --stage 3 --precision bf16         # GPUs: 1.5b preset on every GPU
+    python compare.py --preset 1.5b --gpus 2 --micro_batch 8 --repeats 3 --out reports/h200x2
+
+Runs are subprocesses launched the same way for both paths (torchrun), interleaved raw, lightning, raw,
+lightning, ... so that drift of the machine hits both; warmup steps are excluded inside each run. Orchestration
+only: the numbers come from the RunResult JSON each run writes (shared/results.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from shared.cli import add_config_args, config_from_args, to_argv
+from shared.config import TrainConfig
+from shared.results import RunResult, versions
+
+ROOT = Path(__file__).resolve().parent
+SCRIPTS = {"deepspeed": ROOT / "plain_deepspeed" / "train.py", "lightning": ROOT / "lightning_app" / "train.py"}
+PATHS = ("deepspeed", "lightning")
+PHASES = ("data", "forward", "backward", "step")
+# Largest |loss_lightning - loss_deepspeed| over the compared steps that still counts as parity. Both paths run
+# the same kernels on the same batches with the same seeds; on CPU they agree bit for bit. On GPUs, kernels with
+# atomics (embedding backward, split-K matmuls, the flash-attention backward) are not bitwise deterministic,
+# so losses drift apart in the low bits after step 0, and half-precision rounding amplifies that.
+LOSS_TOLERANCE = {"fp32": 1e-3, "bf16": 2e-2, "fp16": 2e-2}
+PARITY_STEPS = 10
+
+
+class CompareError(Exception):
+    """A run failed; the message names it and where its log is."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_args(p)
+    p.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all); error if fewer exist")
+    p.add_argument("--nproc", type=int, default=None, help="processes on a machine without GPUs (default 1)")
+    p.add_argument("--repeats", type=int, default=2, help="runs of each path, interleaved (default 2)")
+    p.add_argument("--cross_check", "--cross-check", action="store_true",
+                   help="one extra run per path with DeepSpeed's wall_clock_breakdown (synchronized timers)")
+    p.add_argument("--timeout", type=int, default=1800, help="seconds before a single run is killed")
+    # compare.py's --out is a report folder; each run's own JSON goes under it.
+    p.set_defaults(out=None)
+    return p
+
+
+def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
+    """Validate everything before a process is started: a bad flag exits with status 2 and names the value."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    try:
+        if ns.gpus is not None and ns.gpus > n_gpus:
+            raise ValueError(f"--gpus {ns.gpus} asked for but {n_gpus} GPU(s) available")
+        if ns.gpus is not None and ns.gpus <= 0:
+            raise ValueError(f"--gpus must be positive, got {ns.gpus}")
+        if ns.nproc is not None and (ns.nproc <= 0 or n_gpus):
+            raise ValueError("--nproc is for machines without GPUs and must be positive; use --gpus on GPUs")
+        if ns.repeats <= 0:
+            raise ValueError(f"--repeats must be positive, got {ns.repeats}")
+        ns.world = ns.gpus or n_gpus or ns.nproc or 1
+        gpu_defaults = dict(preset="1.5b", micro_batch=8, steps=30, warmup_steps=10) if n_gpus else {}
+        for key, value in gpu_defaults.items():
+            if getattr(ns, key) is None:
+                setattr(ns, key, value)
+        ns.report_dir = Path(ns.out or "reports/latest")
+        train = config_from_args(ns, out=str(ns.report_dir / "runs" / "run.json"))
+    except ValueError as e:
+        parser.error(str(e))
+    return train, ns
+
+
+def launch(path: str, train: TrainConfig, world: int, out: Path, log: Path, timeout: int) -> RunResult:
+    """Run one path in its own processes (torchrun, one process per GPU) and read back its RunResult."""
+    run_cfg = dataclasses.replace(train, out=str(out))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+           str(SCRIPTS[path]), *to_argv(run_cfg)]
+    log.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        f.write(" ".join(cmd) + "\n")
+        f.flush()
+        try:
+            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            raise CompareError(f"{path} run timed out after {timeout}s; log: {log}") from e
+    if proc.returncode != 0 or not out.is_file():
+        tail = "".join(log.read_text().splitlines(keepends=True)[-25:])
+        raise CompareError(f"{path} run failed (exit {proc.returncode}); log: {log}\n--- last lines ---\n{tail}")
+    result = RunResult.from_json(out)
+    print(f"  {path:<9} {result.tflops_per_gpu:9.3f} TFLOPs/GPU  step {result.step_time_s['median'] * 1e3:8.1f} ms"
+          f"  ({time.perf_counter() - t0:.0f}s incl. start-up)", flush=True)
+    return result
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "stdev": statistics.stdev(values) if len(values) > 1 else 0.0, "n": len(values)}
+
+
+def summarize_path(runs: list[RunResult]) -> dict:
+    tflops = [r.tflops_per_gpu for r in runs]
+    mfus = [r.mfu for r in runs if r.mfu is not None]
+    mems = [r.peak_mem_gib for r in runs if r.peak_mem_gib is not None]
+    return {
+        "tflops_per_gpu": statistics.median(tflops),
+        "tflops_spread": spread(tflops),
+        "sparse_tflops_per_gpu": statistics.median(r.sparse_tflops_per_gpu for r in runs),
+        "mfu": statistics.median(mfus) if mfus else None,
+        "tokens_per_s_per_gpu": statistics.median(r.tokens_per_s_per_gpu for r in runs),
+        "step_time_s": spread([r.step_time_s["median"] for r in runs]),
+        "phases_s": {p: statistics.median(r.phases_s[p] for r in runs) for p in PHASES},
+        "peak_mem_gib": max(mems) if mems else None,
+        "peak_rss_gib": max(r.peak_rss_gib for r in runs),
+        "losses": runs[0].losses,
+        "attention": runs[0].attention,
+        "fused": runs[0].fused,
+        "ds_config": runs[0].ds_config,
+        "runs": [{"tflops_per_gpu": r.tflops_per_gpu, "step_time_s": r.step_time_s["median"],
+                  "command": r.command} for r in runs],
+    }
+
+
+def loss_parity(a: list[float], b: list[float], precision: str) -> dict:
+    n = min(len(a), len(b), PARITY_STEPS)
+    diff = max(abs(x - y) for x, y in zip(a[:n], b[:n]))
+    tol = LOSS_TOLERANCE[precision]
+    return {"steps": n, "max_abs_diff": diff, "tolerance": tol, "ok": diff <= tol}
+
+
+def build_report(train: TrainConfig, ns: argparse.Namespace, results: dict[str, list[RunResult]],
+                 cross: dict[str, RunResult], argv: list[str]) -> dict:
+    ds, pl = results["deepspeed"], results["lightning"]
+    ratios = [b.tflops_per_gpu / a.tflops_per_gpu for a, b in zip(ds, pl)]
+    first = ds[0]
+    report = {
+        "command": " ".join(["python", "compare.py", *argv]),
+        "preset": train.preset,
+        "world_size": ns.world,
+        "device": first.device,
+        "versions": versions(),
+        "train": dataclasses.asdict(train),
+        "repeats": ns.repeats,
+        "flops_factor": train.flops_factor,
+        "paths": {"deepspeed": summarize_path(ds), "lightning": summarize_path(pl)},
+        "ratio_lightning_over_deepspeed": statistics.median(ratios),
+        "ratio_spread": spread(ratios),
+        "loss_parity": loss_parity(ds[0].losses, pl[0].losses, train.precision),
+        "same_ds_config": all(r.ds_config == ds[0].ds_config for r in ds + pl),
+    }
+    if cross:
+        report["cross_check"] = {
+            path: {"ds_wall_clock_breakdown_ms": r.ds_breakdown_ms,
+                   "phase_timer_ms": {p: r.phases_s[p] * 1e3 for p in PHASES},
+                   "tflops_per_gpu_with_syncs": r.tflops_per_gpu}
+            for path, r in cross.items()
+        }
+    return report
+
+
+def _fmt(x: float | None, spec: str = ".2f") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def tflops_spec(report: dict) -> str:
+    """Enough digits to tell the paths apart: TFLOPs on a CPU are in the thousandths."""
+    return ".2f" if report["paths"]["deepspeed"]["tflops_per_gpu"] >= 1 else ".5f"
+
+
+def format_table(report: dict) -> str:
+    spec = tflops_spec(report)
+    rows = [("", "deepspeed", "lightning")]
+    P = report["paths"]
+
+    def row(name, fn):
+        rows.append((name, fn(P["deepspeed"]), fn(P["lightning"])))
+
+    def tflops_cell(p):
+        s = p["tflops_spread"]
+        return f"{p['tflops_per_gpu']:{spec}} [{s['min']:{spec}}, {s['max']:{spec}}]"
+
+    row(f"TFLOPs/GPU (k={report['flops_factor']})", tflops_cell)
+    row("MFU", lambda p: _fmt(p["mfu"] and 100 * p["mfu"], ".1f") + ("%" if p["mfu"] else ""))
+    row("tokens/s/GPU", lambda p: f"{p['tokens_per_s_per_gpu']:,.0f}")
+    row("step time ms (median)", lambda p: f"{p['step_time_s']['median'] * 1e3:.1f}")
+    for ph in PHASES:
+        row(f"  {ph} ms", lambda p, ph=ph: f"{p['phases_s'][ph] * 1e3:.2f}")
+    row("peak memory GiB", lambda p: _fmt(p["peak_mem_gib"]) if p["peak_mem_gib"] is not None
+        else f"RSS {p['peak_rss_gib']:.2f}")
+    row("attention", lambda p: p["attention"])
+    w0 = max(len(r[0]) for r in rows)
+    w1 = max(len(r[1]) for r in rows)
+    lines = [f"{a:<{w0}}  {b:>{w1}}  {c}" for a, b, c in rows]
+    rs, lp = report["ratio_spread"], report["loss_parity"]
+    lines.append("")
+    lines.append(f"Lightning / DeepSpeed throughput: {report['ratio_lightning_over_deepspeed']:.4f} "
+                 f"(min {rs['min']:.4f}, max {rs['max']:.4f}, {rs['n']} interleaved pairs)")
+    lines.append(f"loss parity over {lp['steps']} steps: max |diff| {lp['max_abs_diff']:.2e} "
+                 f"(tolerance {lp['tolerance']:.0e}) -> {'OK' if lp['ok'] else 'MISMATCH'}")
+    lines.append(f"same DeepSpeed config in every run: {report['same_ds_config']}")
+    if "cross_check" in report:
+        for path, c in report["cross_check"].items():
+            b = c["ds_wall_clock_breakdown_ms"] or {}
+            lines.append(f"cross-check {path}: DeepSpeed timers fwd {_fmt(b.get('forward'))} bwd "
+                         f"{_fmt(b.get('backward'))} step {_fmt(b.get('step'))} ms vs phase timer fwd "
+                         f"{c['phase_timer_ms']['forward']:.2f} bwd {c['phase_timer_ms']['backward']:.2f} step "
+                         f"{c['phase_timer_ms']['step']:.2f} ms")
+    return "\n".join(lines)
+
+
+def write_markdown(report: dict, path: Path, chart: str) -> None:
+    d = report["device"]
+    md = [
+        f"# DeepSpeed vs Lightning: {report['preset']} on {report['world_size']} x {d['name']}",
+        "",
+        f"Command: `{report['command']}`",
+        "",
+        f"ZeRO stage {report['train']['stage']}, {report['train']['precision']}, micro-batch "
+        f"{report['train']['micro_batch']}, {report['train']['steps']} steps ({report['train']['warmup_steps']} "
+        f"warmup excluded), {report['repeats']} interleaved repeats per path.",
+        "",
+        "```",
+        format_table(report),
+        "```",
+        "",
+        f"![per-phase time]({chart})",
+        "",
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v),
+        "",
+    ]
+    path.write_text("\n".join(md))
+
+
+def plot_phases(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 2.6))
+    colors = {"data": "#999999", "forward": "#4c72b0", "backward": "#dd8452", "step": "#55a868"}
+    for i, name in enumerate(PATHS):
+        left = 0.0
+        for ph in PHASES:
+            ms = report["paths"][name]["phases_s"][ph] * 1e3
+            ax.barh(i, ms, left=left, color=colors[ph], label=ph if i == 0 else None)
+            left += ms
+    ax.set_yticks(range(len(PATHS)), PATHS)
+    ax.set_xlabel("median time per step (ms)")
+    ax.set_title(f"{report['preset']}, {report['world_size']} x {report['device']['name']}, "
+                 f"ratio {report['ratio_lightning_over_deepspeed']:.3f}", fontsize=9)
+    ax.legend(ncol=4, fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    train, ns = parse(argv)
+    out_dir: Path = ns.report_dir
+    (out_dir / "runs").mkdir(parents=True, exist_ok=True)
+    where = f"{ns.world} GPU(s)" if torch.cuda.is_available() else f"{ns.world} CPU process(es), gloo"
+    print(f"compare: preset {train.preset}, ZeRO-{train.stage} {train.precision}, micro-batch {train.micro_batch}, "
+          f"{train.steps} steps ({train.warmup_steps} warmup), {ns.repeats} repeats, {where}", flush=True)
+    results: dict[str, list[RunResult]] = {p: [] for p in PATHS}
+    for i in range(ns.repeats):
+        for path in PATHS:
+            out = out_dir / "runs" / f"{path}_{i}.json"
+            results[path].append(launch(path, train, ns.world, out, out_dir / "logs" / f"{path}_{i}.log",
+                                        ns.timeout))
+    cross = {}
+    if ns.cross_check:
+        diag = dataclasses.replace(train, wall_clock_breakdown=True)
+        for path in PATHS:
+            out = out_dir / "runs" / f"{path}_breakdown.json"
+            cross[path] = launch(path, diag, ns.world, out, out_dir / "logs" / f"{path}_breakdown.log", ns.timeout)
+    report = build_report(train, ns, results, cross, argv)
+    (out_dir / "report.json").write_text(json.dumps(report, indent=1))
+    plot_phases(report, out_dir / "phases.png")
+    write_markdown(report, out_dir / "report.md", "phases.png")
+    print()
+    print(format_table(report))
+    print(f"\nwrote {out_dir / 'report.json'}, {out_dir / 'report.md'}, {out_dir / 'phases.png'}")
+    return report
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except CompareError as e:
+        print(f"compare.py: error: {e}", file=sys.stderr)
+        sys.exit(1)

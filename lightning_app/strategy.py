@@ -1,0 +1,54 @@
+"""DeepSpeedStrategy that also runs on CPU (gloo), for the tiny preset in tests and on laptops.
+
+Lightning refuses DeepSpeed off CUDA ("The DeepSpeed strategy is only supported on CUDA GPUs"), yet DeepSpeed
+itself trains ZeRO-3 on CPU with gloo. The smallest honest adaptation overrides three private hooks of
+pytorch_lightning 2.6's DeepSpeedStrategy, each only where it assumes a CUDA device index; on GPUs every
+override defers to Lightning's own code. They are private API: pyproject pins pytorch-lightning to 2.6.x and
+tests/test_lightning.py runs them on 1 and 2 CPU processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from lightning_fabric.utilities.seed import reset_seed
+from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy
+
+
+class ZeroStrategy(DeepSpeedStrategy):
+    strategy_name = "zero3bench_deepspeed"
+
+    @property
+    def _on_cpu(self) -> bool:
+        return self.root_device.type == "cpu"
+
+    def setup_environment(self) -> None:
+        if not self._on_cpu:
+            return super().setup_environment()
+        # Skip DeepSpeedStrategy's CUDA-only check; DDPStrategy's set-up (which calls setup_distributed) remains.
+        DDPStrategy.setup_environment(self)
+
+    def setup_distributed(self) -> None:
+        if not self._on_cpu:
+            return super().setup_distributed()
+        # Lightning validates that every parallel device has an index; CPU devices have none.
+        reset_seed()
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+
+    def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
+        if not self._on_cpu:
+            return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
+        import deepspeed
+
+        # As Lightning's, but device_rank comes from the local rank: root_device.index is None on CPU.
+        engine, ds_optimizer, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=self.local_rank),
+            config=self.config,
+            model=model,
+            model_parameters=filter(lambda p: p.requires_grad, model.parameters()),
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            dist_init_required=False,
+        )
+        return engine, ds_optimizer

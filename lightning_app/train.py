@@ -1,0 +1,109 @@
+"""PyTorch Lightning path: the same GPT, optimizer, schedule, batches and DeepSpeed dict as the raw loop.
+
+    python lightning_app/train.py --preset 1.5b --stage 3 --precision bf16 --devices 8   # Lightning's launcher
+    torchrun --nproc_per_node 8 lightning_app/train.py --preset 1.5b                     # torchrun
+    fabric run --devices 8 lightning_app/train.py --preset 1.5b                          # the old `lightning run model`
+    python lightning_app/train.py                          # one CPU process (gloo) when there is no GPU
+
+The original study launched with `lightning run model --devices 8 ...`; that CLI left Lightning in 2.5 and the
+Trainer never needed it: `python lightning_app/train.py --devices 8` starts the other ranks itself (Lightning's
+subprocess launcher), and torchrun works as well. See README "Launching".
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import pytorch_lightning as pl
+import torch
+
+from lightning_app.module import GPTModule, TimingCallback
+from lightning_app.strategy import ZeroStrategy
+from shared.cli import parse_train_config
+from shared.config import TrainConfig
+from shared.data import make_loader
+from shared.distributed import exit_process
+from shared.ds_config import build_ds_config
+from shared.results import RunResult
+
+LIGHTNING_PRECISION = {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp32": "32-true"}
+
+
+def default_devices(train: TrainConfig) -> int:
+    if "LOCAL_WORLD_SIZE" in os.environ:  # under torchrun / fabric run: one process per device, already spawned
+        return int(os.environ["LOCAL_WORLD_SIZE"])
+    if train.devices is not None:
+        return train.devices
+    return torch.cuda.device_count() if torch.cuda.is_available() else 1
+
+
+def lightning_ds_config(train: TrainConfig, world_size: int) -> dict:
+    """build_ds_config's dict, less gradient_accumulation_steps: Lightning refuses that key and writes it back
+    itself from Trainer(accumulate_grad_batches=...), so deepspeed.initialize gets the same dict as the raw loop."""
+    cfg = build_ds_config(train, train.model(), world_size)
+    cfg.pop("gradient_accumulation_steps", None)
+    return cfg
+
+
+class DataModule(pl.LightningDataModule):
+    def __init__(self, train: TrainConfig):
+        super().__init__()
+        self.train_cfg = train
+
+    def train_dataloader(self):
+        cfg, model = self.train_cfg, self.train_cfg.model()
+        return make_loader(cfg.data, model.vocab_size, model.seq_len, cfg.micro_batch, cfg.seed,
+                           self.trainer.global_rank, cfg.steps * cfg.grad_accum,
+                           pin_memory=torch.cuda.is_available())
+
+
+def build_trainer(train: TrainConfig, callbacks: list[pl.Callback]) -> pl.Trainer:
+    devices = default_devices(train)
+    on_gpu = torch.cuda.is_available()
+    if on_gpu and devices > torch.cuda.device_count():
+        raise ValueError(f"{devices} GPU(s) asked for but {torch.cuda.device_count()} available")
+    num_nodes = int(os.environ.get("WORLD_SIZE", devices)) // devices if "LOCAL_WORLD_SIZE" in os.environ else 1
+    strategy = ZeroStrategy(config=lightning_ds_config(train, devices * num_nodes))
+    return pl.Trainer(
+        accelerator="gpu" if on_gpu else "cpu",
+        devices=devices,
+        num_nodes=num_nodes,
+        strategy=strategy,
+        precision=LIGHTNING_PRECISION[train.precision],
+        max_steps=train.steps,
+        accumulate_grad_batches=train.grad_accum,
+        callbacks=callbacks,
+        # Per-step host syncs the measurement does not need: the progress bar reads the loss every step, a logger
+        # flushes metrics; progress comes from shared/progress.py instead (async, once per log interval).
+        enable_progress_bar=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        # Each rank builds its own (seed, rank, step) batches; a DistributedSampler would reshuffle them.
+        use_distributed_sampler=False,
+    )
+
+
+def main(train: TrainConfig) -> RunResult | None:
+    """Train with Lightning; rank 0 writes the RunResult JSON to train.out and every rank returns it."""
+    timing = TimingCallback(train)
+    trainer = build_trainer(train, [timing])
+    with warnings.catch_warnings():
+        # Our loaders are already batched (batch_size=None); Lightning warns it cannot infer a batch size.
+        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+        trainer.fit(GPTModule(train), datamodule=DataModule(train))
+    return timing.result
+
+
+def cli(argv: list[str] | None = None) -> None:
+    train = parse_train_config(argv, __doc__)
+    main(train)
+    exit_process(0, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+if __name__ == "__main__":
+    cli(sys.argv[1:])

@@ -1,0 +1,95 @@
+"""Attention backends behind one call: `attn(q, k, v) -> y`, q/k/v/y of shape (B, n_head, T, head_dim).
+
+The backend is chosen once, at construction (`build_attention(cfg)`), from cfg.attention:
+  reference    plain masked attention over any block layout: the numerical definition every test compares to
+  sdpa         torch scaled_dot_product_attention, dense causal (only the causal layout)
+  blocksparse  our fused Triton kernel (shared/kernels/blocksparse_attention.py)
+  flex         PyTorch FlexAttention with a BlockMask built from the same layout
+  xformers     xformers.ops.memory_efficient_attention with the layout as an attention bias
+
+No backend falls back to another: one that cannot run raises with the reason, and `module.backend` names what runs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared import layouts
+from shared.config import GPTConfig
+
+
+class Attention(nn.Module):
+    """Base: holds the layout and the dropout rate; subclasses implement forward(q, k, v)."""
+
+    backend = "?"
+
+    def __init__(self, cfg: GPTConfig, layout: torch.Tensor):
+        super().__init__()
+        self.dropout_p = cfg.attn_dropout
+        self.block = cfg.sparse_block
+        self.layout_cpu = layout  # plain attribute, not a buffer: never partitioned, saved or moved by DeepSpeed
+
+    def _dropout(self) -> float:
+        return self.dropout_p if self.training else 0.0
+
+
+class ReferenceAttention(Attention):
+    """softmax(q k^T / sqrt(d) + mask) v in fp32, with the layout's token mask; O(T^2) memory, for tests."""
+
+    backend = "reference"
+
+    def __init__(self, cfg: GPTConfig, layout: torch.Tensor):
+        super().__init__(cfg, layout)
+        self.register_buffer("mask", layouts.token_mask(layout, cfg.sparse_block), persistent=False)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        T = q.shape[-2]
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        att = (q.float() @ k.float().transpose(-2, -1)) * scale  # (B, H, T, T)
+        att = att.masked_fill(~self.mask[:, :T, :T], float("-inf"))
+        att = torch.softmax(att, dim=-1)
+        att = F.dropout(att, p=self._dropout(), training=True)
+        return (att @ v.float()).to(q.dtype)
+
+
+class SDPAttention(Attention):
+    """torch.nn.functional.scaled_dot_product_attention with is_causal=True (flash / cuDNN / efficient kernels)."""
+
+    backend = "sdpa"
+
+    def __init__(self, cfg: GPTConfig, layout: torch.Tensor):
+        super().__init__(cfg, layout)
+        if not layouts.is_causal(layout):
+            raise ValueError(
+                f"attention backend 'sdpa' computes dense causal attention only, but layout {cfg.layout!r} is "
+                "sparse; use --attention blocksparse, flex or reference for sparse layouts"
+            )
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=self._dropout(), is_causal=True)
+
+
+def build_attention(cfg: GPTConfig) -> Attention:
+    """The attention module for cfg.attention over cfg's layout (validated here, once)."""
+    layout = layouts.make_layout(cfg)
+    if cfg.attention == "reference":
+        return ReferenceAttention(cfg, layout)
+    if cfg.attention == "sdpa":
+        return SDPAttention(cfg, layout)
+    if cfg.attention == "blocksparse":
+        from shared.kernels.blocksparse_attention import BlockSparseAttention
+
+        return BlockSparseAttention(cfg, layout)
+    if cfg.attention == "flex":
+        from shared.flex_attention import FlexAttention
+
+        return FlexAttention(cfg, layout)
+    if cfg.attention == "xformers":
+        from shared.xformers_attention import XFormersAttention
+
+        return XFormersAttention(cfg, layout)
+    raise ValueError(f"unknown attention backend {cfg.attention!r}")

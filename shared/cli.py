@@ -1,0 +1,92 @@
+"""Command-line flags from the config dataclasses: flag names are field names (`--micro_batch`, `--micro-batch`).
+
+Both paths build their parser here, so a flag means the same thing everywhere. The original study's flag names
+keep working as aliases (`--batch_size_per_gpu`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import textwrap
+import typing
+
+from shared.config import TrainConfig
+
+# The original min-LLM scripts' flags, mapped to our field names.
+ALIASES = {"micro_batch": ["--batch_size_per_gpu", "--batch-size-per-gpu"]}
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean (true/false), got {text!r}")
+
+
+def field_docs(cls) -> dict[str, str]:
+    """The docstring under each dataclass field (the config files document fields that way)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = nxt.value.value.strip()
+    return docs
+
+
+def add_config_args(parser: argparse.ArgumentParser, cls=TrainConfig) -> None:
+    """One flag per dataclass field, typed from the annotation, defaulting to None (= the field's default)."""
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        args = typing.get_args(tp)
+        if args and type(None) in args:  # X | None
+            tp = next(a for a in args if a is not type(None))
+        names = [f"--{f.name}"]
+        if "_" in f.name:
+            names.append(f"--{f.name.replace('_', '-')}")
+        names += ALIASES.get(f.name, [])
+        doc = f"{docs.get(f.name, '')} (default: {f.default})".replace("%", "%%")
+        if tp is bool:
+            parser.add_argument(*names, dest=f.name, type=_parse_bool, nargs="?", const=True, default=None,
+                                help=doc)
+        else:
+            parser.add_argument(*names, dest=f.name, type=tp, default=None, help=doc)
+
+
+def config_from_args(ns: argparse.Namespace, cls=TrainConfig, **fixed):
+    """Build `cls` from parsed flags; flags left unset keep the dataclass default."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {k: v for k, v in vars(ns).items() if k in names and v is not None}
+    kwargs.update(fixed)
+    return cls(**kwargs)
+
+
+def parse_train_config(argv: list[str] | None, description: str) -> TrainConfig:
+    """Parse argv into a TrainConfig; a bad value exits with status 2 and a message naming it."""
+    parser = argparse.ArgumentParser(description=description)
+    add_config_args(parser)
+    # Launchers pass these; DeepSpeed's launcher adds --local_rank=N.
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    ns = parser.parse_args(argv)
+    try:
+        return config_from_args(ns)
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def to_argv(cfg) -> list[str]:
+    """The flags that rebuild `cfg` in another process (every field set explicitly; None fields omitted)."""
+    argv = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if value is None:
+            continue
+        argv += [f"--{f.name}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return argv

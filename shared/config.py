@@ -1,0 +1,227 @@
+"""The one source of every flag: GPTConfig (model shape, named presets) and TrainConfig (a run).
+
+Both training paths, compare.py and the tests build these dataclasses; CLI flags are the field names
+(`--micro_batch` and `--micro-batch` both work, see shared/cli.py). Validation lives in __post_init__ and
+raises ValueError naming the offending value, so a bad flag fails before any process group or GPU is touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+ATTENTION_BACKENDS = ("sdpa", "reference", "blocksparse", "flex", "xformers")
+LAYOUTS = ("causal", "local", "strided", "dense")  # or a path to a saved bool tensor (see shared/layouts.py)
+PRECISIONS = ("bf16", "fp16", "fp32")
+OPTIMIZERS = ("adamw", "fusedadam")
+ZERO_PROFILES = ("original", "tuned")
+
+
+@dataclass
+class GPTConfig:
+    """Shape of the GPT and how its attention is computed."""
+
+    n_layer: int = 2
+    """number of transformer blocks (l in the FLOPs formula)"""
+    n_head: int = 4
+    """attention heads per block"""
+    n_embd: int = 64
+    """hidden size (h in the FLOPs formula)"""
+    seq_len: int = 128
+    """tokens per sample (s); also the size of the learned position table"""
+    vocab_size: int = 256
+    """vocabulary size (V); 50257 is GPT-2's BPE, 256 the byte-level tokenizer"""
+    dropout: float = 0.1
+    """dropout on embeddings and on both residual branches (the original study used 0.1)"""
+    attn_dropout: float = 0.1
+    """dropout on the attention probabilities"""
+    bias: bool = True
+    """biases in Linear and LayerNorm layers (GPT-2/Megatron style)"""
+    attention: str = "sdpa"
+    """attention backend: one of ATTENTION_BACKENDS"""
+    layout: str = "causal"
+    """block layout for sparse backends: causal | local | strided | dense | path to a .pt bool tensor"""
+    sparse_block: int = 128
+    """tokens per layout block (the original study used 128)"""
+    local_blocks: int = 4
+    """window of the `local` layout, in blocks (each query block sees itself and local_blocks-1 before it)"""
+    stride_blocks: int = 4
+    """segment length of the `strided` layout, in blocks (Sparse Transformer's fixed pattern)"""
+    activation_checkpointing: bool = False
+    """recompute each block in backward (torch.utils.checkpoint): FLOPs factor k=4 instead of 3"""
+
+    def __post_init__(self) -> None:
+        for name in ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "sparse_block",
+                     "local_blocks", "stride_blocks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(
+                f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}): "
+                f"head_dim would be {self.n_embd / self.n_head:g}"
+            )
+        if self.attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"unknown attention backend {self.attention!r}; choose one of {ATTENTION_BACKENDS}")
+        if self.seq_len % self.sparse_block != 0:
+            raise ValueError(
+                f"seq_len ({self.seq_len}) must be a multiple of sparse_block ({self.sparse_block}) "
+                "so that the block layout tiles the sequence"
+            )
+        for name in ("dropout", "attn_dropout"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {value!r}")
+        if self.layout not in LAYOUTS and not self.layout.endswith(".pt"):
+            raise ValueError(f"unknown layout {self.layout!r}; choose one of {LAYOUTS} or a path to a .pt file")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def n_blocks(self) -> int:
+        return self.seq_len // self.sparse_block
+
+
+# Megatron/GPT-3-style sizes. `1.5b` is the original study's model (n_embd 2304, 24 layers, 24 heads, seq 2048,
+# vocab 50257), 1.65B parameters by the Megatron formula (shared/flops.py). `tiny` runs a CPU step in milliseconds.
+PRESETS: dict[str, dict] = {
+    "tiny": dict(n_layer=2, n_head=4, n_embd=64, seq_len=128, vocab_size=256, sparse_block=16,
+                 local_blocks=2, stride_blocks=4),
+    "125m": dict(n_layer=12, n_head=12, n_embd=768, seq_len=2048, vocab_size=50257),
+    "350m": dict(n_layer=24, n_head=16, n_embd=1024, seq_len=2048, vocab_size=50257),
+    "760m": dict(n_layer=24, n_head=16, n_embd=1536, seq_len=2048, vocab_size=50257),
+    "1.5b": dict(n_layer=24, n_head=24, n_embd=2304, seq_len=2048, vocab_size=50257),
+    "3b": dict(n_layer=26, n_head=24, n_embd=3072, seq_len=2048, vocab_size=50257),
+}
+
+
+def preset(name: str, **overrides) -> GPTConfig:
+    """GPTConfig of a named preset, with field overrides (None values are ignored)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {tuple(PRESETS)}")
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    unknown = set(overrides) - fields
+    if unknown:
+        raise ValueError(f"unknown GPTConfig field(s) {sorted(unknown)}")
+    kwargs = {**PRESETS[name], **{k: v for k, v in overrides.items() if v is not None}}
+    return GPTConfig(**kwargs)
+
+
+@dataclass
+class TrainConfig:
+    """One training or benchmark run; both paths read exactly these fields."""
+
+    preset: str = "tiny"
+    """model preset: one of PRESETS"""
+    stage: int = 3
+    """ZeRO stage 0-3"""
+    precision: str = "bf16"
+    """bf16 | fp16 | fp32 (Lightning's bf16-mixed/bf16-true/16-mixed/32-true are accepted and mapped)"""
+    micro_batch: int = 2
+    """sequences per GPU per micro-step (the original study's --batch_size_per_gpu)"""
+    grad_accum: int = 1
+    """micro-steps per optimizer step"""
+    steps: int = 20
+    """optimizer steps to run (warmup included)"""
+    warmup_steps: int = 5
+    """first steps excluded from every timing figure (allocator, cuDNN/Triton autotune, DeepSpeed warm-up)"""
+    lr: float = 3e-4
+    """peak learning rate"""
+    min_lr: float = 3e-5
+    """learning rate at the end of the cosine decay"""
+    lr_warmup_steps: int = 10
+    """linear LR warmup steps before the cosine decay"""
+    weight_decay: float = 0.1
+    """AdamW weight decay (applied to matrices, not to biases, norms or embeddings' positions)"""
+    grad_clip: float = 1.0
+    """global gradient-norm clip, handed to DeepSpeed's gradient_clipping (0 disables)"""
+    optimizer: str = "adamw"
+    """adamw (torch AdamW, fused kernel on CUDA) | fusedadam (DeepSpeed FusedAdam, JIT-compiled)"""
+    seed: int = 1234
+    """seeds model init, dropout and the data order"""
+    attention: str | None = None
+    """override the preset's attention backend"""
+    layout: str | None = None
+    """override the preset's block layout"""
+    seq_len: int | None = None
+    """override the preset's sequence length"""
+    dropout: float | None = None
+    """override both dropout rates of the preset"""
+    activation_checkpointing: bool = False
+    """recompute blocks in backward (FLOPs factor k=4)"""
+    zero_profile: str = "original"
+    """DeepSpeed config rules: original (the 2022 study's bucket sizes) | tuned (see shared/ds_config.py)"""
+    ds_config: str | None = None
+    """path to a user DeepSpeed JSON that replaces the built dict (micro-batch and precision must agree)"""
+    wall_clock_breakdown: bool = False
+    """turn on DeepSpeed's own synchronized forward/backward/step timers (diagnostics: adds syncs)"""
+    data: str = "synthetic"
+    """synthetic (seeded random tokens) or the prefix of a token file made by `python -m shared.prepare_data`"""
+    log_every: int = 10
+    """print a progress line every N steps (read asynchronously: no extra host sync)"""
+    out: str = "runs/result.json"
+    """where rank 0 writes the RunResult JSON"""
+    devices: int | None = None
+    """processes/GPUs for launchers that spawn themselves (Lightning); default: all GPUs, else 1 CPU process"""
+
+    def __post_init__(self) -> None:
+        self.precision = normalize_precision(self.precision)
+        if self.preset not in PRESETS:
+            raise ValueError(f"unknown preset {self.preset!r}; choose one of {tuple(PRESETS)}")
+        if self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {self.stage!r}")
+        for name in ("micro_batch", "grad_accum", "steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not 0 <= self.warmup_steps < self.steps:
+            raise ValueError(
+                f"warmup_steps ({self.warmup_steps}) must be >= 0 and below steps ({self.steps}): "
+                "at least one step must be timed"
+            )
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; choose one of {OPTIMIZERS}")
+        if self.zero_profile not in ZERO_PROFILES:
+            raise ValueError(f"unknown zero_profile {self.zero_profile!r}; choose one of {ZERO_PROFILES}")
+        if self.log_every <= 0:
+            raise ValueError(f"log_every must be positive, got {self.log_every!r}")
+        if self.devices is not None and self.devices <= 0:
+            raise ValueError(f"devices must be positive, got {self.devices!r}")
+        self.model()  # validate the model overrides now, not after the process group is up
+
+    def model(self) -> GPTConfig:
+        """The GPTConfig this run trains: the preset with this run's overrides."""
+        drop = self.dropout
+        return preset(
+            self.preset,
+            attention=self.attention,
+            layout=self.layout,
+            seq_len=self.seq_len,
+            dropout=drop,
+            attn_dropout=drop,
+            activation_checkpointing=self.activation_checkpointing,
+        )
+
+    @property
+    def flops_factor(self) -> int:
+        """k in the Megatron formula: 3 (forward + 2x backward), 4 with activation recompute."""
+        return 4 if self.activation_checkpointing else 3
+
+
+_PRECISION_ALIASES = {
+    "bf16": "bf16", "bf16-mixed": "bf16", "bf16-true": "bf16", "bfloat16": "bf16",
+    "fp16": "fp16", "16": "fp16", "16-mixed": "fp16", "16-true": "fp16", "float16": "fp16",
+    "fp32": "fp32", "32": "fp32", "32-true": "fp32", "float32": "fp32",
+}
+
+
+def normalize_precision(value: str) -> str:
+    """Map Lightning's and DeepSpeed's spellings to bf16 | fp16 | fp32."""
+    key = str(value).lower()
+    if key not in _PRECISION_ALIASES:
+        raise ValueError(f"unknown precision {value!r}; choose one of {PRECISIONS} (or Lightning's bf16-mixed, ...)")
+    return _PRECISION_ALIASES[key]
+
+

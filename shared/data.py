@@ -1,0 +1,119 @@
+"""Batches both paths train on: seeded synthetic tokens, or windows of a memory-mapped token file.
+
+Every micro-batch is a pure function of (seed, rank, micro_step), so the raw loop and Lightning see identical
+batches, a resumed run continues with the batch it would have seen, and no global RNG is touched (a
+RandomSampler would draw from torch's global generator and shift every dropout mask after it).
+
+Token files (written by `python -m shared.prepare_data`): `PREFIX.train.bin` / `PREFIX.val.bin`, a flat array
+of uint16 (vocab <= 65535) or uint32 token ids, and `PREFIX.meta.json` with the dtype, vocab size and tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+_MIX = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D)
+
+
+def batch_seed(seed: int, rank: int, micro_step: int) -> int:
+    """A 63-bit seed unique to (seed, rank, micro_step)."""
+    return (seed * _MIX[0] + rank * _MIX[1] + micro_step * _MIX[2]) % (2**63 - 1)
+
+
+class SyntheticTokens(Dataset):
+    """Item i is micro-step i's batch for this rank: (x, y) of shape (micro_batch, seq_len), y = x shifted by one."""
+
+    def __init__(self, vocab_size: int, seq_len: int, micro_batch: int, seed: int, rank: int, length: int):
+        self.vocab_size, self.seq_len, self.micro_batch = vocab_size, seq_len, micro_batch
+        self.seed, self.rank, self.length = seed, rank, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, micro_step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(batch_seed(self.seed, self.rank, micro_step))
+        tokens = torch.randint(0, self.vocab_size, (self.micro_batch, self.seq_len + 1), generator=g)
+        return tokens[:, :-1], tokens[:, 1:]
+
+
+def read_meta(prefix: str | Path) -> dict:
+    meta_path = Path(f"{prefix}.meta.json")
+    if not meta_path.is_file():
+        raise ValueError(
+            f"token file metadata {str(meta_path)!r} not found; make it with "
+            f"`python -m shared.prepare_data TEXT --out {prefix}`"
+        )
+    return json.loads(meta_path.read_text())
+
+
+class TokenFile(Dataset):
+    """Item i: micro_batch random windows of seq_len+1 tokens from a memory-mapped token file."""
+
+    def __init__(self, prefix: str | Path, split: str, vocab_size: int, seq_len: int, micro_batch: int,
+                 seed: int, rank: int, length: int):
+        meta = read_meta(prefix)
+        path = Path(f"{prefix}.{split}.bin")
+        if not path.is_file():
+            raise ValueError(f"token file {str(path)!r} not found")
+        if meta["vocab_size"] > vocab_size:
+            raise ValueError(
+                f"token file {str(path)!r} was made with vocab_size {meta['vocab_size']} but the model has "
+                f"vocab_size {vocab_size}: token ids would index past the embedding"
+            )
+        self.tokens = np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r")
+        if len(self.tokens) < seq_len + 2:
+            raise ValueError(f"token file {str(path)!r} has {len(self.tokens)} tokens, fewer than seq_len+2")
+        self.seq_len, self.micro_batch, self.seed, self.rank, self.length = seq_len, micro_batch, seed, rank, length
+        self.split_salt = 0 if split == "train" else 1_000_003
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, micro_step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(batch_seed(self.seed + self.split_salt, self.rank, micro_step))
+        starts = torch.randint(0, len(self.tokens) - self.seq_len - 1, (self.micro_batch,), generator=g)
+        rows = np.stack([self.tokens[s: s + self.seq_len + 1] for s in starts.tolist()]).astype(np.int64)
+        tokens = torch.from_numpy(rows)
+        return tokens[:, :-1], tokens[:, 1:]
+
+
+class _FromStep(Dataset):
+    """View of a dataset starting at micro-step `start` (resume without replaying the data)."""
+
+    def __init__(self, base: Dataset, start: int):
+        self.base, self.start = base, start
+
+    def __len__(self) -> int:
+        return len(self.base) - self.start
+
+    def __getitem__(self, i: int):
+        return self.base[self.start + i]
+
+
+def make_dataset(data: str, split: str, vocab_size: int, seq_len: int, micro_batch: int, seed: int, rank: int,
+                 length: int) -> Dataset:
+    if data == "synthetic":
+        salt = 0 if split == "train" else 7_777_777
+        return SyntheticTokens(vocab_size, seq_len, micro_batch, seed + salt, rank, length)
+    return TokenFile(data, split, vocab_size, seq_len, micro_batch, seed, rank, length)
+
+
+def make_loader(data: str, vocab_size: int, seq_len: int, micro_batch: int, seed: int, rank: int,
+                micro_steps: int, start_micro_step: int = 0, split: str = "train", pin_memory: bool = False,
+                ) -> DataLoader:
+    """The DataLoader both paths iterate: already-batched items, in order, no worker processes.
+
+    Batches are tiny (B x s int64) and built in microseconds, so workers would only add IPC; pinning lets the
+    host-to-device copy run asynchronously.
+    """
+    ds = make_dataset(data, split, vocab_size, seq_len, micro_batch, seed, rank, start_micro_step + micro_steps)
+    if start_micro_step:
+        ds = _FromStep(ds, start_micro_step)
+    # An own generator: iterating a DataLoader otherwise draws its base seed from torch's global RNG.
+    return DataLoader(ds, batch_size=None, shuffle=False, num_workers=0, pin_memory=pin_memory,
+                      generator=torch.Generator().manual_seed(seed))

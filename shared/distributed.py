@@ -1,0 +1,69 @@
+"""Process-level set-up shared by both paths: environment defaults, device, seeds, clean exit."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+import torch
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_env() -> None:
+    """Let a plain `python train.py` run as a one-process world (torchrun and the deepspeed launcher set these)."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def pick_device(require_gpus: int | None = None) -> torch.device:
+    """cuda:LOCAL_RANK when CUDA is present, else the CPU; fails clearly when asked-for GPUs are absent."""
+    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if require_gpus and require_gpus > n_gpus:
+        raise ValueError(f"{require_gpus} GPU(s) asked for but {n_gpus} available")
+    if n_gpus == 0:
+        return torch.device("cpu")
+    if local_world > n_gpus:
+        raise ValueError(f"{local_world} processes per node asked for but only {n_gpus} GPU(s) are available")
+    torch.cuda.set_device(local_rank())
+    return torch.device("cuda", local_rank())
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def seed_all(seed: int) -> None:
+    """Seed torch's CPU and CUDA generators (model init and dropout); data has its own (shared/data.py)."""
+    torch.manual_seed(seed)
+
+
+def dropout_seed(seed: int, rank: int) -> int:
+    """Seed of the dropout stream of `rank`, set right before the first step in both paths."""
+    return seed * 1000 + 17 + rank
+
+
+def exit_process(code: int, device: torch.device) -> None:
+    """Leave the process with `code`.
+
+    On CPU, DeepSpeed 0.19.8's engine leaves a joinable C++ thread behind, and about half of the runs abort at
+    interpreter teardown ("terminate called without an active exception", exit -6) after all work is done
+    and the result is written. We flush and leave with os._exit there; on GPUs the normal exit path runs.
+    """
+    if device.type == "cpu":
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -1,0 +1,150 @@
+"""The GPT both training paths train: token + position embeddings -> n_layer pre-LN blocks -> ln_f -> LM head.
+
+Choices, and why:
+- Learned absolute position embeddings (GPT-2, Megatron-LM's GPT and the original study's model). They keep
+  the parameter count equal to the Megatron formula's 12*l*h^2*(1 + 13/(12h) + (V+s)/(12*l*h)), which counts
+  the s x h position table; with them the `1.5b` preset has the study's 1.65B parameters.
+- The LM head is tied to the token embedding (GPT-2, Megatron): the formula counts V*h once, and the head is the
+  largest single matrix. The tie is a module (`LMHead`) that holds the embedding's own Parameter, so DeepSpeed
+  ZeRO-3 gathers it through the head's own forward hook like any other parameter.
+- Megatron/BigScience init (Shoeybi et al. 2019, sec. 2.3; GPT-2): every weight ~ N(0, 0.02), the two output
+  projections of each block (attention proj, MLP proj) ~ N(0, 0.02/sqrt(2*n_layer)) so the residual stream's
+  variance does not grow with depth, biases 0, LayerNorm 1/0. Each layer initializes itself inside its own
+  constructor (`reset_parameters`), because under deepspeed.zero.Init a parameter is partitioned as soon as the
+  module that owns it is constructed: an `apply(init_fn)` at the end of GPT.__init__ would write into empty
+  shards and silently leave the model at PyTorch's default init.
+- GELU with the tanh approximation (Megatron's bias_gelu, GPT-2), dropout on embeddings, attention probabilities
+  and both residual branches.
+
+No Lightning or DeepSpeed import: the LightningModule wraps this very object and the raw loop trains it directly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from shared.attention import build_attention
+from shared.config import GPTConfig
+
+INIT_STD = 0.02
+
+
+class Linear(nn.Linear):
+    """nn.Linear with Megatron init: weight ~ N(0, std), bias 0."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, std: float = INIT_STD):
+        self.init_std = std  # read by reset_parameters(), which nn.Linear.__init__ calls
+        super().__init__(in_features, out_features, bias=bias)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding with weight ~ N(0, 0.02) instead of PyTorch's N(0, 1)."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=INIT_STD)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = Linear(cfg.n_embd, 3 * cfg.n_embd, cfg.bias)
+        self.proj = Linear(cfg.n_embd, cfg.n_embd, cfg.bias, std=INIT_STD / math.sqrt(2 * cfg.n_layer))
+        self.attn = build_attention(cfg)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        y = self.attn(q, k, v)  # (B, H, T, D)
+        y = y.transpose(1, 2).reshape(B, T, C)
+        return self.resid_dropout(self.proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc = Linear(cfg.n_embd, 4 * cfg.n_embd, cfg.bias)
+        self.proj = Linear(4 * cfg.n_embd, cfg.n_embd, cfg.bias, std=INIT_STD / math.sqrt(2 * cfg.n_layer))
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(F.gelu(self.fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class LMHead(nn.Module):
+    """Logits (or the loss) against the tied token-embedding matrix; owns no new parameter."""
+
+    def __init__(self, weight: nn.Parameter):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        logits = F.linear(x, self.weight)  # (B, T, V)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = Embedding(cfg.seq_len, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.head = LMHead(self.wte.weight)
+        self.attention_backend = self.blocks[0].attn.attn.backend
+        self.register_buffer("pos", torch.arange(cfg.seq_len), persistent=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """idx (B, T) token ids -> logits (B, T, V), or the mean cross-entropy loss when targets are given."""
+        T = idx.shape[1]
+        if T > self.cfg.seq_len:
+            raise ValueError(f"sequence length {T} exceeds the model's seq_len {self.cfg.seq_len}")
+        x = self.drop(self.wte(idx) + self.wpe(self.pos[:T]))  # (B, T, C)
+        for block in self.blocks:
+            if self.cfg.activation_checkpointing and self.training:
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        return self.head(self.ln_f(x), targets)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Unique parameters, counting a tied weight once; reads DeepSpeed's ds_numel on ZeRO-3 partitioned params."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += getattr(p, "ds_numel", p.numel())
+    return total

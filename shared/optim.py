@@ -1,0 +1,57 @@
+"""The optimizer and LR schedule both paths use: the same functions, called by each path, never copied."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from shared.config import TrainConfig
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices (Linear weights, embeddings); not biases or LayerNorm parameters (nanoGPT, Megatron).
+
+    Under ZeRO-3 a parameter's data is an empty shard; its real shape is `ds_shape`.
+    """
+    seen, decay, no_decay = set(), [], []
+    for p in model.parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        ndim = len(getattr(p, "ds_shape", p.shape))
+        (decay if ndim >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, train: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW(betas 0.9/0.95, eps 1e-8) over param_groups.
+
+    `adamw` is torch's AdamW with its fused CUDA kernel (one launch for all tensors); `fusedadam` is DeepSpeed's
+    FusedAdam, imported lazily because it JIT-compiles a CUDA extension on first use (the only DeepSpeed import
+    reachable from shared/, and only when asked for).
+    """
+    groups = param_groups(model, train.weight_decay)
+    kwargs = dict(lr=train.lr, betas=(0.9, 0.95), eps=1e-8)
+    if train.optimizer == "fusedadam":
+        if device.type != "cuda":
+            raise ValueError("optimizer 'fusedadam' (DeepSpeed FusedAdam) needs a CUDA device; use 'adamw' on CPU")
+        from deepspeed.ops.adam import FusedAdam
+
+        return FusedAdam(groups, adam_w_mode=True, **kwargs)
+    return torch.optim.AdamW(groups, fused=device.type == "cuda", **kwargs)
+
+
+def lr_at(step: int, train: TrainConfig) -> float:
+    """Linear warmup to lr over lr_warmup_steps, then cosine decay to min_lr at the last step."""
+    if step < train.lr_warmup_steps:
+        return train.lr * (step + 1) / train.lr_warmup_steps
+    decay_steps = max(1, train.steps - train.lr_warmup_steps)
+    progress = min(1.0, (step - train.lr_warmup_steps) / decay_steps)
+    return train.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (train.lr - train.min_lr)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    """LambdaLR over lr_at, stepped once per optimizer step (by DeepSpeed's engine in both paths)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, train) / train.lr)

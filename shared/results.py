@@ -1,0 +1,173 @@
+"""RunResult <-> JSON: what one training run measured, written by rank 0 of either path.
+
+Throughput figures are derived here, once, from the PhaseTimer summary and shared/flops.py, so the two paths
+cannot compute them differently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from shared import flops, layouts
+from shared.config import GPTConfig, TrainConfig
+
+RESULT_VERSION = 1
+
+
+def versions() -> dict[str, str | None]:
+    """Versions of everything that moves the numbers."""
+    out: dict[str, str | None] = {"python": platform.python_version(), "torch": torch.__version__,
+                                  "cuda": torch.version.cuda}
+    for pkg in ("deepspeed", "pytorch-lightning", "lightning", "triton", "xformers", "numpy", "liger-kernel"):
+        try:
+            out[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def device_info(device: torch.device) -> dict:
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return {"type": "cuda", "name": props.name, "count": torch.cuda.device_count(),
+                "memory_gib": props.total_memory / 2**30, "capability": f"{props.major}.{props.minor}"}
+    return {"type": "cpu", "name": platform.processor() or platform.machine(), "count": os.cpu_count(),
+            "memory_gib": None, "capability": None}
+
+
+@dataclass
+class RunResult:
+    """One run of one path. Times in seconds; throughput per GPU (per process on CPU)."""
+
+    path: str  # "deepspeed" | "lightning"
+    command: str
+    preset: str
+    model: dict
+    train: dict
+    ds_config: dict
+    versions: dict
+    device: dict
+    world_size: int
+    attention: str  # the backend that actually ran
+    fused: dict  # every optional fused path and whether it ran
+    losses: list[float]
+    steps: int
+    warmup_steps: int
+    flops_factor: int
+    phases_s: dict[str, float]
+    step_time_s: dict[str, float]
+    per_step_s: list[float]
+    tokens_per_s_per_gpu: float
+    tflops_per_gpu: float
+    sparse_tflops_per_gpu: float
+    layout_density: float
+    mfu: float | None
+    peak_mem_gib: float | None
+    peak_rss_gib: float
+    n_params: int
+    ds_breakdown_ms: dict | None = None
+    extra: dict = field(default_factory=dict)
+    version: int = RESULT_VERSION
+
+    def to_json(self, path: str | Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(dataclasses.asdict(self), indent=1, allow_nan=False))
+        tmp.replace(path)  # a reader never sees a half-written result
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> RunResult:
+        data = json.loads(Path(path).read_text())
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = names - set(data) - {"ds_breakdown_ms", "extra", "version"}
+        if missing:
+            raise ValueError(f"result {str(path)!r} lacks field(s) {sorted(missing)}")
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def build_result(*, path: str, train: TrainConfig, model_cfg: GPTConfig, ds_config: dict, world_size: int,
+                 device: torch.device, attention: str, fused: dict, losses: list[float], timing: dict,
+                 n_params: int, peak_mem_bytes: float | None, ds_breakdown_ms: dict | None = None,
+                 extra: dict | None = None) -> RunResult:
+    """Assemble a RunResult from a finished run's raw measurements."""
+    if not all(math.isfinite(x) for x in losses):
+        bad = next(i for i, x in enumerate(losses) if not math.isfinite(x))
+        raise FloatingPointError(f"loss is not finite at step {bad}: {losses[bad]}")
+    step_time = timing["step_time_s"]["median"]
+    global_batch = train.micro_batch * train.grad_accum * world_size
+    k = train.flops_factor
+    step_flops = flops.step_flops(model_cfg, global_batch, k)
+    density = layouts.density(layouts.make_layout(model_cfg))
+    sparse_flops = flops.sparse_model_flops(global_batch, model_cfg.seq_len, model_cfg.n_layer, model_cfg.n_embd,
+                                            model_cfg.vocab_size, k, density)
+    tflops = step_flops / step_time / world_size / 1e12
+    dev = device_info(device)
+    return RunResult(
+        path=path,
+        command=" ".join([os.path.basename(sys.executable)] + sys.argv),
+        preset=train.preset,
+        model=dataclasses.asdict(model_cfg),
+        train=dataclasses.asdict(train),
+        ds_config=ds_config,
+        versions=versions(),
+        device=dev,
+        world_size=world_size,
+        attention=attention,
+        fused=fused,
+        losses=losses,
+        steps=train.steps,
+        warmup_steps=train.warmup_steps,
+        flops_factor=k,
+        phases_s=timing["phases_s"],
+        step_time_s=timing["step_time_s"],
+        per_step_s=timing["per_step_s"],
+        tokens_per_s_per_gpu=train.micro_batch * train.grad_accum * model_cfg.seq_len / step_time,
+        tflops_per_gpu=tflops,
+        sparse_tflops_per_gpu=sparse_flops / step_time / world_size / 1e12,
+        layout_density=density,
+        mfu=flops.mfu(tflops, dev["name"], train.precision) if device.type == "cuda" else None,
+        peak_mem_gib=peak_mem_bytes / 2**30 if peak_mem_bytes is not None else None,
+        peak_rss_gib=_peak_rss_gib(),
+        n_params=n_params,
+        ds_breakdown_ms=ds_breakdown_ms,
+        extra=extra or {},
+    )
+
+
+def _peak_rss_gib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
+
+
+def format_summary(r: RunResult) -> str:
+    """The end-of-run table both paths print."""
+    ph = r.phases_s
+    mfu = f"{r.mfu:.1%}" if r.mfu is not None else "n/a (unknown peak)"
+    mem = f"{r.peak_mem_gib:.2f} GiB" if r.peak_mem_gib is not None else f"host RSS {r.peak_rss_gib:.2f} GiB"
+    rows = [
+        ("path", f"{r.path}  ({r.world_size} x {r.device['name']})"),
+        ("model", f"{r.preset}, {r.n_params / 1e6:.1f}M params, attention={r.attention}"),
+        ("ZeRO / precision", f"stage {r.train['stage']}, {r.train['precision']}, micro-batch {r.train['micro_batch']}"),
+        ("timed steps", f"{len(r.per_step_s)} (after {r.warmup_steps} warmup)"),
+        ("step time", f"{r.step_time_s['median'] * 1e3:.1f} ms median "
+                      f"(min {r.step_time_s['min'] * 1e3:.1f}, max {r.step_time_s['max'] * 1e3:.1f})"),
+        ("phases (median ms)", "  ".join(f"{p} {ph[p] * 1e3:.1f}" for p in ("data", "forward", "backward", "step"))),
+        ("throughput", f"{r.tflops_per_gpu:.2f} TFLOPs/GPU (k={r.flops_factor}), MFU {mfu}, "
+                       f"{r.tokens_per_s_per_gpu:,.0f} tokens/s/GPU"),
+        ("peak memory", mem),
+        ("loss", f"{r.losses[0]:.4f} -> {r.losses[-1]:.4f}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
