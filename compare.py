@@ -101,8 +101,13 @@ def launch(path: str, train: TrainConfig, world: int, out: Path, log: Path, time
         except subprocess.TimeoutExpired as e:
             raise CompareError(f"{path} run timed out after {timeout}s; log: {log}") from e
     if proc.returncode != 0 or not out.is_file():
-        tail = "".join(log.read_text().splitlines(keepends=True)[-25:])
-        raise CompareError(f"{path} run failed (exit {proc.returncode}); log: {log}\n--- last lines ---\n{tail}")
+        lines = log.read_text().splitlines()
+        # The script's own message ("error: ...", or a Python exception line) says more than torchrun's summary.
+        reasons = [ln for ln in lines if ln.startswith("error:") or ln.startswith("[rank0]: ") and "Error" in ln]
+        tail = "\n".join(lines[-15:])
+        reason = f"\nreason: {reasons[0]}" if reasons else ""
+        raise CompareError(f"{path} run failed (exit {proc.returncode}); log: {log}{reason}\n"
+                           f"--- last lines of the log ---\n{tail}")
     result = RunResult.from_json(out)
     print(f"  {path:<9} {result.tflops_per_gpu:9.3f} TFLOPs/GPU  step {result.step_time_s['median'] * 1e3:8.1f} ms"
           f"  ({time.perf_counter() - t0:.0f}s incl. start-up)", flush=True)

@@ -44,7 +44,11 @@ class GPTModule(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        return self.gpt(x, y)
+        loss = self.gpt(x, y)
+        # Lightning divides what we return by accumulate_grad_batches before backward; the callback records
+        # the undivided loss, as the raw loop does.
+        self.last_loss = loss.detach()
+        return loss
 
 
 class TimingCallback(pl.Callback):
@@ -82,7 +86,7 @@ class TimingCallback(pl.Callback):
 
     def on_before_backward(self, trainer, pl_module, loss):
         self.timer.mark("forward")
-        self._step_loss += loss.detach()
+        self._step_loss += pl_module.last_loss
 
     def on_after_backward(self, trainer, pl_module):
         self.timer.mark("backward")

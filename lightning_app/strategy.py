@@ -5,6 +5,14 @@ itself trains ZeRO-3 on CPU with gloo. The smallest honest adaptation overrides 
 pytorch_lightning 2.6's DeepSpeedStrategy, each only where it assumes a CUDA device index; on GPUs every
 override defers to Lightning's own code. They are private API: pyproject pins pytorch-lightning to 2.6.x and
 tests/test_lightning.py runs them on 1 and 2 CPU processes.
+
+ZeroPrecision fixes a gradient-scale bug of Lightning + DeepSpeed with accumulate_grad_batches > 1: Lightning's
+automatic optimization divides the loss by accumulate_grad_batches (loops/optimization/automatic.py) and
+DeepSpeedEngine.backward divides it again by gradient_accumulation_steps, so gradients come out 1/gas^2 instead
+of 1/gas (Lightning issue #6170 noted the double scaling in 2021; 2.6.6 still does it). With AdamW that mostly
+hides (Adam is scale-invariant) but gradient clipping and eps see 1/gas-times-smaller gradients. We keep
+Lightning's division and tell DeepSpeed not to scale again (scale_wrt_gas=False), which gives the raw loop's
+gradients exactly.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from __future__ import annotations
 import argparse
 
 from lightning_fabric.utilities.seed import reset_seed
+from pytorch_lightning.plugins.precision import DeepSpeedPrecision
 from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy
 
 
@@ -52,3 +61,9 @@ class ZeroStrategy(DeepSpeedStrategy):
             dist_init_required=False,
         )
         return engine, ds_optimizer
+
+
+class ZeroPrecision(DeepSpeedPrecision):
+    def backward(self, tensor, model, optimizer, *args, **kwargs):
+        # Lightning already divided the loss by accumulate_grad_batches: DeepSpeed must not divide again.
+        model.trainer.model.backward(tensor, *args, scale_wrt_gas=False, **kwargs)

@@ -20,11 +20,11 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_app.module import GPTModule, TimingCallback
-from lightning_app.strategy import ZeroStrategy
+from lightning_app.strategy import ZeroPrecision, ZeroStrategy
 from shared.cli import parse_train_config
 from shared.config import TrainConfig
 from shared.data import make_loader
-from shared.distributed import exit_process
+from shared.distributed import check_precision, run_cli
 from shared.ds_config import build_ds_config
 from shared.results import RunResult
 
@@ -62,16 +62,17 @@ class DataModule(pl.LightningDataModule):
 def build_trainer(train: TrainConfig, callbacks: list[pl.Callback]) -> pl.Trainer:
     devices = default_devices(train)
     on_gpu = torch.cuda.is_available()
+    check_precision(torch.device("cuda" if on_gpu else "cpu"), train.precision)
     if on_gpu and devices > torch.cuda.device_count():
         raise ValueError(f"{devices} GPU(s) asked for but {torch.cuda.device_count()} available")
     num_nodes = int(os.environ.get("WORLD_SIZE", devices)) // devices if "LOCAL_WORLD_SIZE" in os.environ else 1
-    strategy = ZeroStrategy(config=lightning_ds_config(train, devices * num_nodes))
+    strategy = ZeroStrategy(config=lightning_ds_config(train, devices * num_nodes),
+                            precision_plugin=ZeroPrecision(LIGHTNING_PRECISION[train.precision]))
     return pl.Trainer(
         accelerator="gpu" if on_gpu else "cpu",
         devices=devices,
         num_nodes=num_nodes,
         strategy=strategy,
-        precision=LIGHTNING_PRECISION[train.precision],
         max_steps=train.steps,
         accumulate_grad_batches=train.grad_accum,
         callbacks=callbacks,
@@ -100,9 +101,7 @@ def main(train: TrainConfig) -> RunResult | None:
 
 
 def cli(argv: list[str] | None = None) -> None:
-    train = parse_train_config(argv, __doc__)
-    main(train)
-    exit_process(0, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    run_cli(main, parse_train_config(argv, __doc__), "cuda" if torch.cuda.is_available() else "cpu")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,15 @@ from shared import flops
 from shared.cli import parse_train_config
 from shared.config import TrainConfig
 from shared.data import make_loader
-from shared.distributed import backend_for, dropout_seed, ensure_env, exit_process, pick_device, seed_all
+from shared.distributed import (
+    backend_for,
+    check_precision,
+    dropout_seed,
+    ensure_env,
+    pick_device,
+    run_cli,
+    seed_all,
+)
 from shared.ds_config import build_ds_config
 from shared.ds_runtime import BreakdownCollector
 from shared.model import GPT, count_parameters
@@ -33,6 +41,7 @@ def main(train: TrainConfig) -> RunResult:
     """Train `train.steps` steps; rank 0 writes the RunResult JSON to train.out and every rank returns it."""
     ensure_env()
     device = pick_device()
+    check_precision(device, train.precision)
     import deepspeed  # after the device is set: DeepSpeed picks its accelerator at import
 
     deepspeed.init_distributed(dist_backend=backend_for(device))
@@ -99,9 +108,7 @@ def main(train: TrainConfig) -> RunResult:
 
 
 def cli(argv: list[str] | None = None) -> None:
-    train = parse_train_config(argv, __doc__)
-    main(train)
-    exit_process(0, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    run_cli(main, parse_train_config(argv, __doc__), "cuda" if torch.cuda.is_available() else "cpu")
 
 
 if __name__ == "__main__":

@@ -38,7 +38,10 @@ class Attention(nn.Module):
 
 
 class ReferenceAttention(Attention):
-    """softmax(q k^T / sqrt(d) + mask) v in fp32, with the layout's token mask; O(T^2) memory, for tests."""
+    """softmax(q k^T / sqrt(d) + mask) v in fp32 (fp64 for fp64 inputs), with the layout's token mask.
+
+    O(T^2) memory: the numerical definition for tests, not a training backend for long sequences.
+    """
 
     backend = "reference"
 
@@ -49,11 +52,12 @@ class ReferenceAttention(Attention):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         T = q.shape[-2]
         scale = 1.0 / math.sqrt(q.shape[-1])
-        att = (q.float() @ k.float().transpose(-2, -1)) * scale  # (B, H, T, T)
+        acc = torch.promote_types(q.dtype, torch.float32)
+        att = (q.to(acc) @ k.to(acc).transpose(-2, -1)) * scale  # (B, H, T, T)
         att = att.masked_fill(~self.mask[:, :T, :T], float("-inf"))
         att = torch.softmax(att, dim=-1)
         att = F.dropout(att, p=self._dropout(), training=True)
-        return (att @ v.float()).to(q.dtype)
+        return (att @ v.to(acc)).to(q.dtype)
 
 
 class SDPAttention(Attention):

@@ -41,6 +41,25 @@ def pick_device(require_gpus: int | None = None) -> torch.device:
     return torch.device("cuda", local_rank())
 
 
+def check_precision(device: torch.device, precision: str) -> None:
+    """Refuse, before DeepSpeed starts, a precision the device cannot run (DeepSpeed would fail mid-init)."""
+    if device.type == "cpu" and precision == "fp16":
+        raise ValueError("precision fp16 is not supported by DeepSpeed on CPU; use --precision bf16 or fp32")
+    if device.type == "cuda" and precision == "bf16" and not torch.cuda.is_bf16_supported():
+        name = torch.cuda.get_device_name(device)
+        raise ValueError(f"precision bf16 is not supported on {name}; use --precision fp16 or fp32")
+
+
+def run_cli(main, train, device_hint: str) -> None:
+    """Run a path's main(train) as a command: a ValueError (bad input) exits 2 with its message, not a traceback."""
+    try:
+        main(train)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        exit_process(2, torch.device(device_hint))
+    exit_process(0, torch.device(device_hint))
+
+
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 

@@ -21,15 +21,15 @@ from shared.config import GPTConfig
 
 def causal(n_blocks: int) -> torch.Tensor:
     """Lower-triangular layout: the original study's layout over 128-token blocks (dense causal attention)."""
-    return torch.ones(n_blocks, n_blocks, dtype=torch.bool).tril().unsqueeze(0)
+    return torch.ones(n_blocks, n_blocks, dtype=torch.bool, device="cpu").tril().unsqueeze(0)
 
 
 def local(n_blocks: int, window: int) -> torch.Tensor:
     """Sliding window: query block i sees key blocks i-window+1 .. i."""
     if window <= 0:
         raise ValueError(f"local window must be >= 1 block, got {window}")
-    i = torch.arange(n_blocks).unsqueeze(1)
-    j = torch.arange(n_blocks).unsqueeze(0)
+    i = torch.arange(n_blocks, device="cpu").unsqueeze(1)
+    j = torch.arange(n_blocks, device="cpu").unsqueeze(0)
     return ((j <= i) & (j > i - window)).unsqueeze(0)
 
 
@@ -41,15 +41,19 @@ def strided(n_blocks: int, stride: int, n_summary: int = 1) -> torch.Tensor:
     """
     if stride <= 0 or not 0 < n_summary <= stride:
         raise ValueError(f"strided layout needs stride >= 1 and 1 <= n_summary <= stride, got {stride}, {n_summary}")
-    i = torch.arange(n_blocks).unsqueeze(1)
-    j = torch.arange(n_blocks).unsqueeze(0)
+    i = torch.arange(n_blocks, device="cpu").unsqueeze(1)
+    j = torch.arange(n_blocks, device="cpu").unsqueeze(0)
     same_segment = (j // stride) == (i // stride)
     summary = (j % stride) >= (stride - n_summary)
     return ((j <= i) & (same_segment | summary)).unsqueeze(0)
 
 
 def validate(layout: torch.Tensor, n_head: int, n_blocks: int) -> torch.Tensor:
-    """Check a user layout and return it as a bool tensor of shape (n_head or 1, n_blocks, n_blocks)."""
+    """Check a user layout and return it as a CPU bool tensor of shape (n_head or 1, n_blocks, n_blocks).
+
+    Layouts always live on the CPU (they describe the computation; backends copy what they need to the device),
+    also when built under a default-device context such as deepspeed.zero.Init or torch.device("meta").
+    """
     if not isinstance(layout, torch.Tensor):
         raise ValueError(f"a layout must be a torch.Tensor, got {type(layout).__name__}")
     if layout.dim() == 2:
@@ -64,7 +68,7 @@ def validate(layout: torch.Tensor, n_head: int, n_blocks: int) -> torch.Tensor:
             raise ValueError(f"layout must be bool or 0/1 integers, got dtype {layout.dtype}")
         layout = layout.bool()
     layout = layout.cpu()
-    above = layout & ~torch.ones(n_blocks, n_blocks, dtype=torch.bool).tril()
+    above = layout & ~torch.ones(n_blocks, n_blocks, dtype=torch.bool, device="cpu").tril()
     if above.any():
         h, i, j = above.nonzero()[0].tolist()
         raise ValueError(

@@ -1,0 +1,38 @@
+"""Launch the training scripts as a user would, in subprocesses with a hard timeout (a hang fails, not blocks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RAW = ROOT / "plain_deepspeed" / "train.py"
+LIGHTNING = ROOT / "lightning_app" / "train.py"
+FAST = ["--preset", "tiny", "--steps", "6", "--warmup_steps", "2", "--log_every", "3"]
+
+
+def env() -> dict:
+    e = dict(os.environ, PYTHONUNBUFFERED="1")
+    e["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), e.get("PYTHONPATH")]))
+    return e
+
+
+def run(cmd: list[str], timeout: int = 240, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env(), timeout=timeout,
+                          cwd=ROOT)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}: {' '.join(map(str, cmd))}\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-5000:]}")
+    return proc
+
+
+def torchrun(script: Path, nproc: int, args: list[str], timeout: int = 240, check: bool = True):
+    return run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                script, *args], timeout=timeout, check=check)
+
+
+def load(path: Path) -> dict:
+    return json.loads(Path(path).read_text())

@@ -1,0 +1,72 @@
+"""compare.py end to end on CPU, and its refusal of bad arguments."""
+
+import json
+import sys
+
+import pytest
+
+from tests.helpers import ROOT, run
+
+COMPARE = ROOT / "compare.py"
+
+
+@pytest.mark.slow
+def test_compare_end_to_end_on_cpu(tmp_path):
+    out = tmp_path / "report"
+    proc = run([sys.executable, COMPARE, "--repeats", "2", "--steps", "6", "--warmup_steps", "2", "--cross-check",
+                "--out", out], timeout=400)
+    report = json.loads((out / "report.json").read_text())
+    for key in ("command", "preset", "world_size", "device", "versions", "paths", "ratio_lightning_over_deepspeed",
+                "loss_parity", "ratio_spread", "cross_check"):
+        assert key in report, key
+    assert report["preset"] == "tiny" and report["world_size"] == 1
+    for path in ("lightning", "deepspeed"):
+        p = report["paths"][path]
+        for key in ("tflops_per_gpu", "tflops_spread", "mfu", "tokens_per_s_per_gpu", "step_time_s", "phases_s",
+                    "peak_mem_gib", "losses"):
+            assert key in p, (path, key)
+        assert set(p["phases_s"]) == {"data", "forward", "backward", "step"}
+        assert p["tflops_spread"]["n"] == 2 and len(p["losses"]) == 6 and len(p["runs"]) == 2
+        assert report["cross_check"][path]["ds_wall_clock_breakdown_ms"]["forward"] > 0
+    ratios = [pl["tflops_per_gpu"] / ds["tflops_per_gpu"]
+              for ds, pl in zip(report["paths"]["deepspeed"]["runs"], report["paths"]["lightning"]["runs"])]
+    assert report["ratio_lightning_over_deepspeed"] == pytest.approx(sorted(ratios)[0] / 2 + sorted(ratios)[1] / 2)
+    assert report["loss_parity"]["ok"] and report["loss_parity"]["max_abs_diff"] == 0.0
+    assert report["same_ds_config"]
+    md = (out / "report.md").read_text()
+    assert "Lightning / DeepSpeed throughput" in md and "phases.png" in md
+    assert (out / "phases.png").read_bytes()[:4] == b"\x89PNG"
+    assert "Lightning / DeepSpeed throughput" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--preset", "huge"], "unknown preset 'huge'"),
+        (["--stage", "4"], "ZeRO stage must be 0, 1, 2 or 3, got 4"),
+        (["--micro-batch", "0"], "micro_batch must be a positive integer, got 0"),
+        (["--gpus", "1"], "--gpus 1 asked for but 0 GPU(s) available"),
+        (["--repeats", "0"], "--repeats must be positive"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_clear_message(args, message):
+    proc = run([sys.executable, COMPARE, *args], check=False, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+
+
+def test_model_overrides_are_validated_before_any_run(tmp_path):
+    # seq_len 100 is not a multiple of the tiny preset's 16-token sparse block
+    proc = run([sys.executable, COMPARE, "--seq_len", "100", "--out", tmp_path], check=False, timeout=60)
+    assert proc.returncode == 2 and "multiple of sparse_block" in proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+def test_a_failing_run_is_reported_with_its_log(tmp_path):
+    proc = run([sys.executable, COMPARE, "--data", tmp_path / "missing", "--out", tmp_path], check=False,
+               timeout=120)
+    assert proc.returncode == 1
+    assert "deepspeed run failed" in proc.stderr
+    assert "reason: error: token file metadata" in proc.stderr and "missing.meta.json" in proc.stderr
+    assert (tmp_path / "logs" / "deepspeed_0.log").is_file()

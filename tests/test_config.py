@@ -1,0 +1,74 @@
+import pytest
+
+from shared.cli import parse_train_config, to_argv
+from shared.config import GPTConfig, TrainConfig, normalize_precision, preset
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(n_embd=100, n_head=3), "divisible by n_head"),
+        (dict(seq_len=100, sparse_block=16), "multiple of sparse_block"),
+        (dict(attention="flash9"), "unknown attention backend 'flash9'"),
+        (dict(layout="zigzag"), "unknown layout 'zigzag'"),
+        (dict(n_layer=0), "n_layer must be a positive integer"),
+        (dict(dropout=1.0), "dropout must be in"),
+    ],
+)
+def test_gpt_config_errors_name_the_value(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        GPTConfig(**kwargs)
+
+
+def test_unknown_preset():
+    with pytest.raises(ValueError, match="unknown preset 'huge'"):
+        preset("huge")
+    with pytest.raises(ValueError, match="unknown preset"):
+        TrainConfig(preset="huge")
+
+
+def test_study_preset_shape():
+    cfg = preset("1.5b")
+    assert (cfg.n_embd, cfg.n_layer, cfg.n_head, cfg.seq_len, cfg.vocab_size) == (2304, 24, 24, 2048, 50257)
+    assert cfg.sparse_block == 128 and cfg.head_dim == 96
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(stage=4), "ZeRO stage must be 0, 1, 2 or 3, got 4"),
+        (dict(micro_batch=0), "micro_batch must be a positive integer, got 0"),
+        (dict(steps=5, warmup_steps=5), "warmup_steps"),
+        (dict(precision="fp8"), "unknown precision 'fp8'"),
+        (dict(attention="nope"), "unknown attention backend"),
+        (dict(optimizer="sgd"), "unknown optimizer"),
+    ],
+)
+def test_train_config_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**kwargs)
+
+
+def test_lightning_precision_names_map_to_deepspeed():
+    assert normalize_precision("bf16-mixed") == normalize_precision("bf16-true") == "bf16"
+    assert normalize_precision("16-mixed") == "fp16"
+    assert normalize_precision("32-true") == "fp32"
+
+
+def test_cli_flags_are_field_names_with_study_aliases():
+    cfg = parse_train_config(["--batch_size_per_gpu", "36", "--attention", "reference", "--precision", "bf16",
+                              "--activation-checkpointing"], "test")
+    assert cfg.micro_batch == 36 and cfg.attention == "reference" and cfg.activation_checkpointing
+    assert cfg.flops_factor == 4
+
+
+def test_cli_bad_value_exits_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_train_config(["--stage", "4"], "test")
+    assert e.value.code == 2
+    assert "ZeRO stage must be 0, 1, 2 or 3, got 4" in capsys.readouterr().err
+
+
+def test_to_argv_round_trips():
+    cfg = TrainConfig(preset="tiny", micro_batch=3, dropout=0.0, activation_checkpointing=True, seq_len=64)
+    assert parse_train_config(to_argv(cfg), "test") == cfg

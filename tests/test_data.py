@@ -1,0 +1,81 @@
+import numpy as np
+import pytest
+import torch
+
+from shared.data import SyntheticTokens, TokenFile, make_loader
+from shared.prepare_data import byte_decode, prepare
+from shared.prepare_data import main as prepare_main
+
+
+def test_synthetic_batches_are_a_function_of_seed_rank_and_step():
+    a = SyntheticTokens(256, 16, 2, seed=1, rank=0, length=10)
+    b = SyntheticTokens(256, 16, 2, seed=1, rank=0, length=10)
+    x, y = a[3]
+    assert x.shape == y.shape == (2, 16) and x.dtype == torch.long
+    assert torch.equal(x[:, 1:], y[:, :-1])  # targets are inputs shifted by one
+    assert torch.equal(a[3][0], b[3][0])
+    assert not torch.equal(a[3][0], a[4][0])
+    assert not torch.equal(a[3][0], SyntheticTokens(256, 16, 2, seed=1, rank=1, length=10)[3][0])
+    assert not torch.equal(a[3][0], SyntheticTokens(256, 16, 2, seed=2, rank=0, length=10)[3][0])
+
+
+def test_loader_does_not_touch_the_global_rng_and_resumes():
+    torch.manual_seed(0)
+    expected = torch.rand(1)
+    torch.manual_seed(0)
+    batches = [x for x, _ in make_loader("synthetic", 256, 16, 2, seed=5, rank=0, micro_steps=6)]
+    assert torch.equal(torch.rand(1), expected)  # dropout masks after the loader stay the same
+    resumed = [x for x, _ in make_loader("synthetic", 256, 16, 2, seed=5, rank=0, micro_steps=2,
+                                         start_micro_step=4)]
+    assert all(torch.equal(a, b) for a, b in zip(batches[4:], resumed, strict=True))
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    text = "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(200))
+    src = tmp_path / "corpus.txt"
+    src.write_text(text)
+    return src, text
+
+
+def test_prepare_and_read_token_files(tmp_path, corpus):
+    src, text = corpus
+    meta = prepare(src, tmp_path / "c", "byte", val_fraction=0.1)
+    assert meta["vocab_size"] == 256 and meta["dtype"] == "uint16"
+    train = np.fromfile(tmp_path / "c.train.bin", dtype=np.uint16)
+    val = np.fromfile(tmp_path / "c.val.bin", dtype=np.uint16)
+    assert byte_decode(np.concatenate([train, val]).tolist()) == text
+    ds = TokenFile(tmp_path / "c", "train", vocab_size=256, seq_len=32, micro_batch=4, seed=0, rank=0, length=3)
+    x, y = ds[1]
+    assert x.shape == (4, 32) and torch.equal(x[:, 1:], y[:, :-1])
+    assert torch.equal(ds[1][0], x)
+
+
+def test_token_file_errors(tmp_path, corpus):
+    src, _ = corpus
+    prepare(src, tmp_path / "c", "byte")
+    with pytest.raises(ValueError, match="vocab_size 256 but the model has vocab_size 128"):
+        TokenFile(tmp_path / "c", "train", vocab_size=128, seq_len=32, micro_batch=1, seed=0, rank=0, length=1)
+    with pytest.raises(ValueError, match="metadata .* not found"):
+        TokenFile(tmp_path / "missing", "train", 256, 32, 1, 0, 0, 1)
+
+
+def test_prepare_cli_errors(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        prepare_main([str(tmp_path / "nope.txt"), "--out", str(tmp_path / "x")])
+    assert e.value.code == 2 and "neither a file nor a folder" in capsys.readouterr().err
+    small = tmp_path / "small.txt"
+    small.write_text("tiny")
+    with pytest.raises(ValueError, match="only 4 tokens"):
+        prepare(small, tmp_path / "x")
+
+
+def test_prepare_folder_keeps_whole_documents_for_validation(tmp_path):
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for i in range(10):
+        (folder / f"{i:02d}.txt").write_text(f"document {i} " * 50)
+    meta = prepare(folder, tmp_path / "d", val_fraction=0.2)
+    assert meta["documents"] == 10
+    val = byte_decode(np.fromfile(tmp_path / "d.val.bin", dtype=np.uint16).tolist())
+    assert val == "document 8 " * 50 + "document 9 " * 50

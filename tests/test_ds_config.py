@@ -1,0 +1,70 @@
+import json
+
+import pytest
+
+from shared.config import TrainConfig
+from shared.ds_config import build_ds_config
+
+
+def test_original_profile_is_the_study_config():
+    train = TrainConfig(preset="1.5b", stage=3, precision="bf16", micro_batch=8)
+    cfg = build_ds_config(train)
+    h = 2304
+    assert cfg["zero_optimization"] == {
+        "stage": 3, "contiguous_gradients": True, "overlap_comm": True, "allgather_partitions": True,
+        "reduce_scatter": True, "reduce_bucket_size": h * h, "stage3_prefetch_bucket_size": int(0.9 * h * h),
+        "stage3_param_persistence_threshold": 10 * h,
+    }
+    assert cfg["gradient_clipping"] == 1.0
+    assert cfg["bf16"] == {"enabled": True} and "fp16" not in cfg
+    assert cfg["train_micro_batch_size_per_gpu"] == 8 and cfg["gradient_accumulation_steps"] == 1
+    assert "timers" not in cfg  # DeepSpeed's (synchronized) throughput timer stays at its default here
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_every_stage_builds(stage):
+    cfg = build_ds_config(TrainConfig(stage=stage))
+    assert cfg["zero_optimization"]["stage"] == stage
+    assert ("stage3_prefetch_bucket_size" in cfg["zero_optimization"]) == (stage == 3)
+
+
+def test_precisions():
+    assert build_ds_config(TrainConfig(precision="fp16"))["fp16"]["enabled"] is True
+    fp32 = build_ds_config(TrainConfig(precision="fp32"))
+    assert "fp16" not in fp32 and "bf16" not in fp32
+
+
+def test_tuned_profile_turns_off_synchronized_timer_and_grows_buckets():
+    cfg = build_ds_config(TrainConfig(preset="1.5b", zero_profile="tuned"))
+    zero = cfg["zero_optimization"]
+    assert zero["stage3_prefetch_bucket_size"] >= 4 * 2304 * 2304  # at least one MLP weight
+    assert cfg["timers"]["throughput"]["enabled"] is False
+
+
+def test_user_json_replaces_the_built_dict(tmp_path):
+    user = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(user))
+    cfg = build_ds_config(TrainConfig(ds_config=str(path)))
+    assert cfg["zero_optimization"] == {"stage": 3} and cfg["gradient_accumulation_steps"] == 1
+
+
+@pytest.mark.parametrize(
+    "content, flags, message",
+    [
+        ({"zero_optimisation": {"stage": 3}}, {}, r"unknown key\(s\) \['zero_optimisation'\]"),
+        ({"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}, {},
+         "train_micro_batch_size_per_gpu=4 but the run uses micro_batch=2"),
+        ({"zero_optimization": {"stage": 3}, "fp16": {"enabled": True}}, {}, "enables fp16 but the run asks for bf16"),
+        ({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}, {}, "ZeRO stage 2 but the run asks for 3"),
+        ("[1, 2]", {}, "must hold a JSON object"),
+        ("{not json", {}, "not valid JSON"),
+    ],
+)
+def test_user_json_errors(tmp_path, content, flags, message):
+    path = tmp_path / "ds.json"
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    with pytest.raises(ValueError, match=message):
+        build_ds_config(TrainConfig(ds_config=str(path), **flags))
+    with pytest.raises(ValueError, match="does not exist"):
+        build_ds_config(TrainConfig(ds_config=str(tmp_path / "nope.json")))

@@ -1,0 +1,66 @@
+import pytest
+import torch
+
+from shared import flops
+from shared.config import preset
+from shared.model import GPT, count_parameters
+
+
+def test_study_model_has_1_65b_parameters_by_formula_and_by_count():
+    cfg = preset("1.5b")
+    by_formula = flops.megatron_params(cfg.n_layer, cfg.n_embd, cfg.vocab_size, cfg.seq_len)
+    assert round(by_formula / 1e9, 2) == 1.65
+    with torch.device("meta"):
+        model = GPT(cfg)
+    # The formula leaves out the final LayerNorm (2h); everything else must match exactly.
+    assert count_parameters(model) == pytest.approx(by_formula + 2 * cfg.n_embd, rel=1e-9)
+
+
+def test_formula_matches_hand_computation_for_the_study_setting():
+    # B = 36 per GPU x 8 GPUs = 288, s = 2048, l = 24, h = 2304, V = 50257, k = 4 (activation checkpointing).
+    # 24*k*B*s*l = 96 * 288 * 2048 * 24 = 1,358,954,496 ; h^2 = 5,308,416
+    # product 1,358,954,496 * 5,308,416 = 7,213,895,789,838,336
+    # bracket 1 + 2048/13824 + 50257/884736 = 1 + 0.1481481 + 0.0568045 = 1.2049527
+    # F = 7.213896e15 * 1.2049527 = 8.692403e15 FLOPs per step (8692 TFLOP; at 8 GPUs and the study's 124.49
+    # TFLOPs/GPU that is a 8.73 s step).
+    base = 1_358_954_496 * 5_308_416
+    assert base == 7_213_895_789_838_336 == 24 * 4 * 288 * 2048 * 24 * 2304**2
+    expected = 8.692403e15
+    assert flops.megatron_flops(288, 2048, 24, 2304, 50257, k=4) == pytest.approx(expected, rel=1e-6)
+    # k=3 is exactly 3/4 of it
+    k4 = flops.megatron_flops(288, 2048, 24, 2304, 50257, k=4)
+    assert flops.megatron_flops(288, 2048, 24, 2304, 50257, k=3) == pytest.approx(k4 * 0.75, rel=1e-12)
+
+
+def test_sparse_flops_scale_only_the_attention_term():
+    dense = flops.megatron_flops(8, 2048, 24, 2304, 50257, 3)
+    assert flops.sparse_model_flops(8, 2048, 24, 2304, 50257, 3, 1.0) == pytest.approx(dense)
+    half = flops.sparse_model_flops(8, 2048, 24, 2304, 50257, 3, 0.5)
+    attention_term = 24 * 3 * 8 * 2048 * 24 * 2304**2 * (2048 / (6 * 2304))
+    assert dense - half == pytest.approx(attention_term / 2)
+    with pytest.raises(ValueError):
+        flops.sparse_model_flops(8, 2048, 24, 2304, 50257, 3, 0.0)
+    with pytest.raises(ValueError, match="k must be 3"):
+        flops.megatron_flops(1, 1, 1, 1, 1, k=2)
+
+
+@pytest.mark.parametrize(
+    "name, precision, peak",
+    [
+        ("NVIDIA H200", "bf16", 989.4e12),
+        ("NVIDIA H100 80GB HBM3", "bf16", 989.4e12),
+        ("NVIDIA H100 PCIe", "bf16", 756e12),
+        ("NVIDIA A100-SXM4-80GB", "bf16", 312e12),
+        ("NVIDIA A100-SXM4-40GB", "fp16", 312e12),
+        ("Tesla V100-SXM2-16GB", "bf16", None),  # no bf16 on Volta: unknown, not guessed
+        ("Some Future GPU", "bf16", None),
+        (None, "bf16", None),
+    ],
+)
+def test_peak_lookup_by_device_name(name, precision, peak):
+    assert flops.peak_flops(name, precision) == peak
+
+
+def test_mfu_is_null_for_unknown_devices():
+    assert flops.mfu(500.0, "Mystery Accelerator", "bf16") is None
+    assert flops.mfu(494.7, "NVIDIA H200", "bf16") == pytest.approx(0.5)

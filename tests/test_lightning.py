@@ -1,0 +1,68 @@
+"""The Lightning path on CPU (ZeRO-3, gloo) through every launcher, against the raw path."""
+
+import inspect
+import sys
+
+import pytest
+from pytorch_lightning.strategies import DeepSpeedStrategy
+
+from lightning_app.strategy import ZeroStrategy
+from lightning_app.train import lightning_ds_config
+from shared.config import TrainConfig
+from shared.ds_config import build_ds_config
+from shared.results import RunResult
+from tests.helpers import FAST, LIGHTNING, RAW, run, torchrun
+
+PARITY = ["--steps", "6", "--warmup_steps", "2", "--precision", "fp32"]
+
+
+def test_private_hooks_we_override_still_exist_with_the_same_signature():
+    for name in ("setup_environment", "setup_distributed", "_setup_model_and_optimizer"):
+        parent = getattr(DeepSpeedStrategy, name)
+        assert callable(parent), name
+        assert list(inspect.signature(getattr(ZeroStrategy, name)).parameters) == \
+            list(inspect.signature(parent).parameters), name
+
+
+def test_strategy_gets_the_shared_dict_less_only_grad_accum():
+    train = TrainConfig(preset="tiny", grad_accum=4)
+    raw = build_ds_config(train)
+    pl = lightning_ds_config(train, 1)
+    assert raw.pop("gradient_accumulation_steps") == 4
+    assert pl == raw  # Lightning refuses the key and writes it back from accumulate_grad_batches=4
+
+
+@pytest.mark.slow
+def test_one_process_matches_raw_path_bit_for_bit(tmp_path):
+    run([sys.executable, RAW, *PARITY, "--out", tmp_path / "raw.json"])
+    run([sys.executable, LIGHTNING, *PARITY, "--out", tmp_path / "pl.json"])
+    raw, pl = RunResult.from_json(tmp_path / "raw.json"), RunResult.from_json(tmp_path / "pl.json")
+    assert pl.path == "lightning" and pl.world_size == 1
+    assert pl.ds_config == raw.ds_config  # what deepspeed.initialize received, in both paths
+    assert pl.losses == raw.losses  # same init, batches, dropout masks and optimizer: identical on CPU
+
+
+@pytest.mark.slow
+def test_two_processes_lightning_launcher_and_torchrun(tmp_path):
+    run([sys.executable, LIGHTNING, *FAST, "--devices", "2", "--grad_accum", "2", "--out", tmp_path / "a.json"])
+    torchrun(LIGHTNING, 2, [*FAST, "--grad_accum", "2", "--out", tmp_path / "b.json"])
+    torchrun(RAW, 2, [*FAST, "--grad_accum", "2", "--out", tmp_path / "raw.json"])
+    a, b, raw = (RunResult.from_json(tmp_path / f) for f in ("a.json", "b.json", "raw.json"))
+    assert a.world_size == b.world_size == 2
+    assert a.ds_config == b.ds_config == raw.ds_config
+    assert a.ds_config["gradient_accumulation_steps"] == 2
+    assert a.losses == pytest.approx(raw.losses, abs=1e-6) and b.losses == pytest.approx(raw.losses, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_fabric_run_launcher(tmp_path):
+    pytest.importorskip("click")  # `fabric run` (python -m lightning_fabric.cli) needs click
+    run([sys.executable, "-m", "lightning_fabric.cli", "--accelerator", "cpu", "--devices", "2", LIGHTNING, *FAST,
+         "--out", tmp_path / "f.json"])
+    assert RunResult.from_json(tmp_path / "f.json").world_size == 2
+
+
+@pytest.mark.slow
+def test_bad_input_exits_2(tmp_path):
+    proc = run([sys.executable, LIGHTNING, "--precision", "fp16"], check=False)
+    assert proc.returncode == 2 and "fp16 is not supported by DeepSpeed on CPU" in proc.stderr
