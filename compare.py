@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+import explain
 from shared.cli import add_config_args, config_from_args, to_argv
 from shared.config import TrainConfig
 from shared.results import RunResult, versions
@@ -55,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cross_check", "--cross-check", action="store_true",
                    help="one extra run per path with DeepSpeed's wall_clock_breakdown (synchronized timers)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds before a single run is killed")
+    p.add_argument("--explain", action="store_true",
+                   help="run Lightning with one overhead switched on at a time, against raw (see explain.py)")
+    p.add_argument("--factors", default=None, help="--explain: comma-separated factors (default: all)")
+    p.add_argument("--factor_repeats", "--factor-repeats", type=int, default=1,
+                   help="--explain: rounds that also run every factor (default 1)")
     # compare.py's --out is a report folder; each run's own JSON goes under it.
     p.set_defaults(out=None)
     return p
@@ -74,6 +80,10 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
             raise ValueError("--nproc is for machines without GPUs and must be positive; use --gpus on GPUs")
         if ns.repeats <= 0:
             raise ValueError(f"--repeats must be positive, got {ns.repeats}")
+        if ns.factor_repeats <= 0:
+            raise ValueError(f"--factor_repeats must be positive, got {ns.factor_repeats}")
+        if ns.explain:
+            explain.parse_factors(ns.factors)
         ns.world = ns.gpus or n_gpus or ns.nproc or 1
         gpu_defaults = dict(preset="1.5b", micro_batch=8, steps=30, warmup_steps=10) if n_gpus else {}
         for key, value in gpu_defaults.items():
@@ -286,6 +296,16 @@ def main(argv: list[str] | None = None) -> dict:
     where = f"{ns.world} GPU(s)" if torch.cuda.is_available() else f"{ns.world} CPU process(es), gloo"
     print(f"compare: preset {train.preset}, ZeRO-{train.stage} {train.precision}, micro-batch {train.micro_batch}, "
           f"{train.steps} steps ({train.warmup_steps} warmup), {ns.repeats} repeats, {where}", flush=True)
+    if ns.explain:
+        report = explain.run_explain(
+            train, ns, lambda path, cfg, out, log: launch(path, cfg, ns.world, out, log, ns.timeout), out_dir)
+        report["command"] = " ".join(["python", "compare.py", *argv])
+        report["versions"] = versions()
+        explain.write_explain(report, out_dir)
+        print()
+        print(explain.format_explain(report))
+        print(f"\nwrote {out_dir / 'explain.json'}, {out_dir / 'explain.md'}")
+        return report
     results: dict[str, list[RunResult]] = {p: [] for p in PATHS}
     for i in range(ns.repeats):
         for path in PATHS:

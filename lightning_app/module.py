@@ -7,6 +7,7 @@ as the raw loop does. Optimizer, LR schedule, seeds and batches come from the sa
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytorch_lightning as pl
@@ -15,7 +16,7 @@ import torch.distributed as dist
 
 from shared import flops
 from shared.config import TrainConfig
-from shared.distributed import dropout_seed, seed_all
+from shared.distributed import apply_gc_policy, dropout_seed, seed_all
 from shared.ds_runtime import BreakdownCollector
 from shared.model import GPT, count_parameters
 from shared.optim import build_optimizer, build_scheduler
@@ -29,7 +30,14 @@ class GPTModule(pl.LightningModule):
         super().__init__()
         self.train_cfg = train
         self.model_cfg = train.model()
+        on = train.overheads
+        self.log_loss = "log_loss" in on or "log_sync_dist" in on
+        self.sync_dist = "log_sync_dist" in on
         self.gpt: GPT | None = None
+        self.built_in_init = "model_outside_configure_model" in on
+        if self.built_in_init:  # the whole model on every rank until deepspeed.initialize partitions it
+            seed_all(train.seed)
+            self.gpt = GPT(self.model_cfg)
 
     def configure_model(self) -> None:
         if self.gpt is not None:  # Lightning calls this hook again on every fit/validate
@@ -48,7 +56,30 @@ class GPTModule(pl.LightningModule):
         # Lightning divides what we return by accumulate_grad_batches before backward; the callback records
         # the undivided loss, as the raw loop does.
         self.last_loss = loss.detach()
+        if self.log_loss:
+            self.log("train_loss", loss, prog_bar=True, sync_dist=self.sync_dist)
         return loss
+
+
+class SigtermCheck:
+    """Runs Lightning's SIGTERM broadcast every `every` steps instead of every step, and counts the broadcasts.
+
+    Since 2.5.2 Lightning broadcasts a SIGTERM flag from rank 0 at the start of every training step when there
+    is more than one process, and reads it back with .item(): a collective and a host sync per step (Lightning
+    issue #21487). Every rank still checks its own flag after each step; only the rank-0-only case is delayed,
+    by at most `every` steps. every=1 keeps Lightning's behaviour (and still counts).
+    """
+
+    def __init__(self, trainer: pl.Trainer, every: int):
+        self.loop = trainer.fit_loop.epoch_loop
+        self.broadcast = self.loop._broadcast_sigterm_tensor  # private API of pytorch-lightning 2.6 (pinned)
+        self.every, self.calls = every, 0
+        self.loop._broadcast_sigterm_tensor = self
+
+    def __call__(self) -> None:
+        if self.loop.global_step % self.every == 0:
+            self.calls += 1
+            self.broadcast()
 
 
 class TimingCallback(pl.Callback):
@@ -68,6 +99,9 @@ class TimingCallback(pl.Callback):
         self._step_loss = None
 
     def on_train_start(self, trainer, pl_module):
+        on = self.train.overheads
+        self.sigterm = SigtermCheck(trainer, 1 if "sigterm_check" in on else self.train.sigterm_check_every)
+        apply_gc_policy("auto" if "python_gc_auto" in on else self.train.python_gc)
         device = pl_module.device
         cfg = pl_module.model_cfg
         self.timer = PhaseTimer(device, micro_steps=self.train.grad_accum)
@@ -117,7 +151,25 @@ class TimingCallback(pl.Callback):
             n_params=count_parameters(pl_module.gpt),
             ds_breakdown_ms=self.breakdown.summary(self.train.warmup_steps * self.train.grad_accum),
             peak_mem_bytes=peak.item() if device.type == "cuda" else None,
+            extra={"lightning": effective_settings(trainer, pl_module, self.sigterm)},
         )
         if trainer.global_rank == 0:
             self.result.to_json(self.train.out)
             print(format_summary(self.result), flush=True)
+
+
+def effective_settings(trainer: pl.Trainer, pl_module: GPTModule, sigterm: SigtermCheck) -> dict:
+    """What the Lightning run actually did, read back from the live objects (tests assert on it)."""
+    loader = trainer.train_dataloader
+    return {
+        "overheads": sorted(pl_module.train_cfg.overheads),
+        "progress_bar": trainer.progress_bar_callback is not None,
+        "logs_loss": pl_module.log_loss,
+        "log_sync_dist": pl_module.sync_dist,
+        "sigterm_broadcasts": sigterm.calls,
+        "gradient_clip_val": trainer.gradient_clip_val,
+        "num_workers": loader.num_workers,
+        "pin_memory": loader.pin_memory,
+        "gc_frozen_objects": gc.get_freeze_count(),
+        "model_built_in_configure_model": not pl_module.built_in_init,
+    }

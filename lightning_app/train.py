@@ -12,12 +12,14 @@ subprocess launcher), and torchrun works as well. See README "Launching".
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import warnings
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.callbacks import TQDMProgressBar
 
 from lightning_app.module import GPTModule, TimingCallback
 from lightning_app.strategy import ZeroPrecision, ZeroStrategy
@@ -41,10 +43,32 @@ def default_devices(train: TrainConfig) -> int:
 
 def lightning_ds_config(train: TrainConfig, world_size: int) -> dict:
     """build_ds_config's dict, less gradient_accumulation_steps: Lightning refuses that key and writes it back
-    itself from Trainer(accumulate_grad_batches=...), so deepspeed.initialize gets the same dict as the raw loop."""
+    itself from Trainer(accumulate_grad_batches=...), so deepspeed.initialize gets the same dict as the raw loop.
+
+    The DeepSpeed-side overheads of compare.py --explain are applied here, to the Lightning run only.
+    """
+    on = train.overheads
+    if "original_ds_config" in on:
+        train = dataclasses.replace(train, zero_profile="original")
     cfg = build_ds_config(train, train.model(), world_size)
     cfg.pop("gradient_accumulation_steps", None)
+    if "ds_throughput_timer" in on:
+        cfg["timers"] = {"throughput": {"enabled": True, "synchronized": True}}
+    if "ds_wall_clock_breakdown" in on:
+        cfg["wall_clock_breakdown"] = True
+    if "pl_grad_clip" in on:
+        cfg.pop("gradient_clipping")  # Lightning writes Trainer(gradient_clip_val=...) into the dict instead
     return cfg
+
+
+def build_strategy(train: TrainConfig, world_size: int) -> ZeroStrategy:
+    precision = ZeroPrecision(LIGHTNING_PRECISION[train.precision])
+    if "pl_default_ds_config" in train.overheads:
+        # What `Trainer(strategy="deepspeed_stage_3")` gives: Lightning's defaults (buckets of 2e8, DeepSpeed's
+        # stage-3 defaults for prefetch and persistence, DeepSpeed's synchronized throughput timer).
+        return ZeroStrategy(stage=train.stage, logging_batch_size_per_gpu=train.micro_batch,
+                            precision_plugin=precision)
+    return ZeroStrategy(config=lightning_ds_config(train, world_size), precision_plugin=precision)
 
 
 class DataModule(pl.LightningDataModule):
@@ -54,9 +78,11 @@ class DataModule(pl.LightningDataModule):
 
     def train_dataloader(self):
         cfg, model = self.train_cfg, self.train_cfg.model()
+        on = cfg.overheads
         return make_loader(cfg.data, model.vocab_size, model.seq_len, cfg.micro_batch, cfg.seed,
                            self.trainer.global_rank, cfg.steps * cfg.grad_accum,
-                           pin_memory=torch.cuda.is_available())
+                           pin_memory=torch.cuda.is_available() and "no_pin_memory" not in on,
+                           num_workers=4 if "dataloader_workers" in on else 0)
 
 
 def build_trainer(train: TrainConfig, callbacks: list[pl.Callback]) -> pl.Trainer:
@@ -66,19 +92,22 @@ def build_trainer(train: TrainConfig, callbacks: list[pl.Callback]) -> pl.Traine
     if on_gpu and devices > torch.cuda.device_count():
         raise ValueError(f"{devices} GPU(s) asked for but {torch.cuda.device_count()} available")
     num_nodes = int(os.environ.get("WORLD_SIZE", devices)) // devices if "LOCAL_WORLD_SIZE" in os.environ else 1
-    strategy = ZeroStrategy(config=lightning_ds_config(train, devices * num_nodes),
-                            precision_plugin=ZeroPrecision(LIGHTNING_PRECISION[train.precision]))
+    on = train.overheads
+    lightning_clips = bool({"pl_grad_clip", "pl_default_ds_config"} & on)
+    if "progress_bar" in on:
+        callbacks = [*callbacks, TQDMProgressBar(refresh_rate=1)]
     return pl.Trainer(
         accelerator="gpu" if on_gpu else "cpu",
         devices=devices,
         num_nodes=num_nodes,
-        strategy=strategy,
+        strategy=build_strategy(train, devices * num_nodes),
         max_steps=train.steps,
+        gradient_clip_val=train.grad_clip if lightning_clips else None,
         accumulate_grad_batches=train.grad_accum,
         callbacks=callbacks,
         # Per-step host syncs the measurement does not need: the progress bar reads the loss every step, a logger
         # flushes metrics; progress comes from shared/progress.py instead (async, once per log interval).
-        enable_progress_bar=False,
+        enable_progress_bar="progress_bar" in on,
         logger=False,
         enable_checkpointing=False,
         enable_model_summary=False,

@@ -20,6 +20,7 @@ from shared.cli import parse_train_config
 from shared.config import TrainConfig
 from shared.data import make_loader
 from shared.distributed import (
+    apply_gc_policy,
     backend_for,
     check_precision,
     dropout_seed,
@@ -69,6 +70,7 @@ def main(train: TrainConfig) -> RunResult:
     torch.manual_seed(dropout_seed(train.seed, rank))
     engine.train()
     batches = iter(loader)
+    apply_gc_policy(train.python_gc)
     timer.start()
     for step in range(train.steps):
         step_loss = torch.zeros((), device=device)

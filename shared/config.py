@@ -15,6 +15,23 @@ LAYOUTS = ("causal", "local", "strided", "dense")  # or a path to a saved bool t
 PRECISIONS = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "fusedadam")
 ZERO_PROFILES = ("original", "tuned")
+GC_POLICIES = ("auto", "freeze")
+# Overheads the Lightning path can switch on one at a time (compare.py --explain); lightning_app/ implements each.
+LIGHTNING_OVERHEADS = {
+    "pl_default_ds_config": "Lightning's own DeepSpeed defaults (DeepSpeedStrategy(stage=...), no config dict)",
+    "original_ds_config": "the study's original DS config in Lightning while raw runs the run's profile",
+    "progress_bar": "Lightning's TQDM progress bar, refreshed every step",
+    "log_loss": "self.log('train_loss', loss, prog_bar=True) every step",
+    "log_sync_dist": "self.log('train_loss', loss, prog_bar=True, sync_dist=True) every step",
+    "sigterm_check": "Lightning's per-step SIGTERM broadcast + .item() (Lightning >= 2.5.2, issue #21487)",
+    "ds_throughput_timer": "DeepSpeed's throughput timer, synchronized (its default: 2 device syncs a step)",
+    "ds_wall_clock_breakdown": "DeepSpeed's wall_clock_breakdown (synchronized fwd/bwd/step timers)",
+    "pl_grad_clip": "gradient clipping through Trainer(gradient_clip_val) instead of the DS dict",
+    "dataloader_workers": "DataLoader with 4 worker processes (the study's num_workers=4)",
+    "no_pin_memory": "DataLoader without pinned memory",
+    "model_outside_configure_model": "GPT built in __init__, outside zero.Init (partitioned only at initialize)",
+    "python_gc_auto": "Python's automatic GC scanning every object (no gc.freeze() after set-up)",
+}
 
 
 @dataclass
@@ -157,6 +174,12 @@ class TrainConfig:
     """path to a user DeepSpeed JSON that replaces the built dict (micro-batch and precision must agree)"""
     wall_clock_breakdown: bool = False
     """turn on DeepSpeed's own synchronized forward/backward/step timers (diagnostics: adds syncs)"""
+    python_gc: str = "freeze"
+    """auto (Python's default) | freeze: gc.freeze() after set-up, so collections skip the model's objects"""
+    lightning_overheads: str = ""
+    """comma-separated LIGHTNING_OVERHEADS to switch on in the Lightning path (compare.py --explain)"""
+    sigterm_check_every: int = 50
+    """Lightning path: steps between Lightning's SIGTERM broadcast (it does one every step, a host sync)"""
     data: str = "synthetic"
     """synthetic (seeded random tokens) or the prefix of a token file made by `python -m shared.prepare_data`"""
     log_every: int = 10
@@ -185,6 +208,14 @@ class TrainConfig:
             raise ValueError(f"unknown optimizer {self.optimizer!r}; choose one of {OPTIMIZERS}")
         if self.zero_profile not in ZERO_PROFILES:
             raise ValueError(f"unknown zero_profile {self.zero_profile!r}; choose one of {ZERO_PROFILES}")
+        if self.python_gc not in GC_POLICIES:
+            raise ValueError(f"unknown python_gc {self.python_gc!r}; choose one of {GC_POLICIES}")
+        unknown = set(self.overheads) - set(LIGHTNING_OVERHEADS)
+        if unknown:
+            raise ValueError(f"unknown lightning_overheads {sorted(unknown)}; choose from "
+                             f"{sorted(LIGHTNING_OVERHEADS)}")
+        if self.sigterm_check_every <= 0:
+            raise ValueError(f"sigterm_check_every must be positive, got {self.sigterm_check_every!r}")
         if self.log_every <= 0:
             raise ValueError(f"log_every must be positive, got {self.log_every!r}")
         if self.devices is not None and self.devices <= 0:
@@ -203,6 +234,10 @@ class TrainConfig:
             attn_dropout=drop,
             activation_checkpointing=self.activation_checkpointing,
         )
+
+    @property
+    def overheads(self) -> set[str]:
+        return {x.strip() for x in self.lightning_overheads.split(",") if x.strip()}
 
     @property
     def flops_factor(self) -> int:

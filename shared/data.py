@@ -105,7 +105,7 @@ def make_dataset(data: str, split: str, vocab_size: int, seq_len: int, micro_bat
 
 def make_loader(data: str, vocab_size: int, seq_len: int, micro_batch: int, seed: int, rank: int,
                 micro_steps: int, start_micro_step: int = 0, split: str = "train", pin_memory: bool = False,
-                ) -> DataLoader:
+                num_workers: int = 0) -> DataLoader:
     """The DataLoader both paths iterate: already-batched items, in order, no worker processes.
 
     Batches are tiny (B x s int64) and built in microseconds, so workers would only add IPC; pinning lets the
@@ -115,5 +115,5 @@ def make_loader(data: str, vocab_size: int, seq_len: int, micro_batch: int, seed
     if start_micro_step:
         ds = _FromStep(ds, start_micro_step)
     # An own generator: iterating a DataLoader otherwise draws its base seed from torch's global RNG.
-    return DataLoader(ds, batch_size=None, shuffle=False, num_workers=0, pin_memory=pin_memory,
+    return DataLoader(ds, batch_size=None, shuffle=False, num_workers=num_workers, pin_memory=pin_memory,
                       generator=torch.Generator().manual_seed(seed))

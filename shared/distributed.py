@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import sys
@@ -67,6 +68,18 @@ def backend_for(device: torch.device) -> str:
 def seed_all(seed: int) -> None:
     """Seed torch's CPU and CUDA generators (model init and dropout); data has its own (shared/data.py)."""
     torch.manual_seed(seed)
+
+
+def apply_gc_policy(policy: str) -> None:
+    """Python GC policy for the training loop, applied after set-up in both paths.
+
+    `freeze` collects once and moves every object alive after set-up (modules, parameters, DeepSpeed's and
+    Lightning's bookkeeping) to a permanent generation: automatic collections then scan only what the steps
+    allocate, instead of pausing the host for a full scan of the process whenever the oldest generation fills.
+    """
+    if policy == "freeze":
+        gc.collect()
+        gc.freeze()
 
 
 def dropout_seed(seed: int, rank: int) -> int:
