@@ -1,0 +1,766 @@
+"""Block-sparse causal attention: a fused FlashAttention-2 Triton kernel that visits only a layout's blocks.
+
+Numbers are defined by `shared.attention.ReferenceAttention`: softmax(q k^T / sqrt(D) + mask) v with the token mask
+`expand(layout) & causal` (shared/layouts.token_mask), dropout on the probabilities. tests/test_blocksparse.py holds
+the comparison.
+
+Design (Triton's fused-attention tutorial, tutorials/06-fused-attention.py, FA2 of Dao 2023, plus a lookup table):
+  - Lookup table (`BlockLUT`), built once per layout on the CPU and copied once per device. A kernel program owns a
+    tile of one sparse block row (forward, dq) or column (dk/dv), reads how many blocks that row/column has and
+    which, and loops only over those. Blocks strictly below the diagonal need no mask; the diagonal block is kept
+    apart and visited last (rows) or first (columns) with the causal mask: the mask is applied in diagonal blocks
+    only, and the unmasked loop stays a plain software-pipelined loop. Columns carry a cumulative count so that
+    a shorter runtime T (the layout's top-left sub-grid) needs no new table.
+  - Forward: one program per BLOCK_M queries, online softmax over BLOCK_N-key tiles in base 2 (scale folded into
+    log2(e)), saves the log-sum-exp (base 2) for backward. Programs of the longest rows are launched first.
+  - Backward, no atomics: the dq kernel (one program per query tile, same row table) also computes
+    delta = rowsum(o * do) for its rows (the tutorial's separate preprocess pass, fused); then the dk/dv kernel
+    (one program per key tile, column table) reads delta. Each gradient element is written by exactly one program.
+  - Head dims: Triton tiles are powers of two. D = 96 runs either as two parts, 64 + 32 wide (q_a/q_b,
+    acc_a/acc_b, ...: no wasted tensor-core work, a second chained dot per product), or as one part zero-padded
+    to 128 with masked loads and stores (4/3 of the work, one dot); both are autotuning candidates, since which
+    wins on Hopper is a measurement. Dims 16, 32, 64 and 128 use one part.
+  - Kernel tiles may be smaller than the sparse block (e.g. 64x64 tiles in 128-token blocks): a block is then
+    visited as SPARSE_BLOCK // BLOCK_N sub-tiles in one flattened loop. Tile sizes, warps, stages and the D = 96
+    variant are chosen per (kernel, sparse block, head dim, dtype, dropout) among a few candidates by Triton's
+    autotuner on the first call on a GPU (`candidate_tiles`; pruned offline by compiling for sm_90a and rejecting
+    shapes that spill registers or exceed shared memory); `chosen_configs()` records the choices.
+  - Dropout: Philox counter-based random numbers (tl.rand). The key is (per-call seed, batch*head index); the
+    counter is the element's position q_idx * T + k_idx. Forward, dq and dk/dv therefore regenerate the same keep
+    mask element by element whatever their tile shapes. The per-call seed is drawn from torch's CPU generator
+    (reproducible under torch.manual_seed, restored by torch.utils.checkpoint on recompute, and no GPU sync).
+    `dropout_keep_mask` returns the mask of a seed, for tests.
+
+Limits (each raises ValueError naming the value): head dims SUPPORTED_HEAD_DIMS, sparse blocks SUPPORTED_BLOCKS,
+dtypes fp16/bf16/fp32 (fp32 uses exact fp32 dots: correct but slow), T a multiple of the sparse block and at most
+the layout's size; with dropout T <= 32768 (the Philox counter q_idx * T + k_idx must fit 31 bits). On a CPU the
+kernels run only under the Triton interpreter (TRITON_INTERPRET=1 set before triton is imported).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from shared import layouts
+from shared.attention import Attention
+from shared.config import GPTConfig
+
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 96, 128)
+SUPPORTED_BLOCKS = (16, 32, 64, 128)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_DROPOUT_T = 32768
+LOG2E = 1.4426950408889634
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Lookup table
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _sorted_positions(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """mask (R, n) bool -> (positions of True per row, ascending, padded with 0: (R, max(1, widest)), counts (R,))."""
+    n = mask.shape[-1]
+    pos = torch.arange(n, device=mask.device).expand_as(mask)
+    ordered = torch.where(mask, pos, pos + n).sort(dim=-1).values  # True positions first, in order
+    counts = mask.sum(dim=-1)
+    width = max(1, int(counts.max()))
+    ordered = ordered[:, :width]
+    return torch.where(ordered < n, ordered, 0).to(torch.int32).contiguous(), counts.to(torch.int32).contiguous()
+
+
+@dataclass(frozen=True)
+class BlockLUT:
+    """The layout as the kernels read it; row r = head * n_blocks + block (head 0 only when shared by all heads)."""
+
+    block: int
+    """tokens per sparse block"""
+    n_blocks: int
+    """blocks per side of the full layout"""
+    n_heads: int
+    """layout heads: 1 (shared) or n_head"""
+    nnz: int
+    """non-zero blocks of the layout, summed over its heads"""
+    row_idx: torch.Tensor
+    """(n_heads * n_blocks, row_width) int32: off-diagonal key blocks of each query block, ascending"""
+    row_off: torch.Tensor
+    """(n_heads * n_blocks,) int32: how many of row_idx are valid"""
+    diag: torch.Tensor
+    """(n_heads * n_blocks,) int32: 1 where the diagonal block is in the layout"""
+    col_idx: torch.Tensor
+    """(n_heads * n_blocks, col_width) int32: off-diagonal query blocks of each key block, ascending"""
+    col_cum: torch.Tensor
+    """(n_heads * n_blocks, n_blocks) int32: [r, t] = entries of col_idx row r that are <= t (for T = (t+1) blocks)"""
+
+    @staticmethod
+    def from_layout(layout: torch.Tensor, block: int) -> BlockLUT:
+        """Tables of a bool layout (n_heads or 1, n_blocks, n_blocks), built on the CPU. The layout is validated
+        again (shared/layouts.validate): a block above the diagonal would otherwise be visited unmasked."""
+        if layout.dim() != 3:
+            raise ValueError(f"layout must be (n_heads or 1, n_blocks, n_blocks), got shape {tuple(layout.shape)}")
+        layout = layouts.validate(layout, layout.shape[0], layout.shape[-1])
+        n_heads, nb, _ = layout.shape
+        off_diag = layout & ~torch.eye(nb, dtype=torch.bool, device=layout.device)  # [h, q, k]; none above diagonal
+        row_idx, row_off = _sorted_positions(off_diag.reshape(n_heads * nb, nb))
+        by_column = off_diag.transpose(1, 2).reshape(n_heads * nb, nb)  # [h, k block, q block]
+        col_idx, _ = _sorted_positions(by_column)
+        return BlockLUT(
+            block=block, n_blocks=nb, n_heads=n_heads, nnz=int(layout.sum()),
+            row_idx=row_idx, row_off=row_off,
+            diag=layout.diagonal(dim1=1, dim2=2).reshape(-1).to(torch.int32).contiguous(),
+            col_idx=col_idx, col_cum=by_column.to(torch.int32).cumsum(dim=-1).to(torch.int32).contiguous(),
+        )
+
+    def to(self, device: torch.device | str) -> BlockLUT:
+        move = lambda t: t.to(device, non_blocking=False)
+        return BlockLUT(self.block, self.n_blocks, self.n_heads, self.nnz, move(self.row_idx), move(self.row_off),
+                        move(self.diag), move(self.col_idx), move(self.col_cum))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _philox_key(seed, off_hz):
+    # 64-bit Philox key: low word the per-call seed, high word the (batch, head) index, so that every head draws
+    # an independent stream and the 32-bit counter only has to number the T x T scores of one head.
+    return seed.to(tl.int64) + off_hz.to(tl.int64) * 4294967296
+
+
+@triton.jit
+def _keep(key, q_idx, k_idx, T, dropout_p):
+    """Dropout keep mask of the scores (q_idx, k_idx) (broadcast shapes): identical in every kernel."""
+    return tl.rand(key, q_idx * T + k_idx) >= dropout_p
+
+
+@triton.jit
+def _load_a(ptrs, dmask, PADDED: tl.constexpr):
+    """Load a tile of the first head-dim part; masked only when that part is padded past the head dim."""
+    if PADDED:
+        x = tl.load(ptrs, mask=dmask, other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _store_a(ptrs, x, dmask, PADDED: tl.constexpr):
+    if PADDED:
+        tl.store(ptrs, x, mask=dmask)
+    else:
+        tl.store(ptrs, x)
+
+
+@triton.jit
+def _fwd_tile(acc_a, acc_b, l_i, m_i, q_a, q_b, K_a, K_b, V_a, V_b, start_n, offs_m, offs_n, qk_scale,
+              stride_kt, stride_vt, key, dropout_p, T, dm_row, dm_col,
+              DB: tl.constexpr, MASK: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
+              PADDED: tl.constexpr):
+    """One (BLOCK_M x BLOCK_N) step of the online softmax (FA2 algorithm 1), in base 2."""
+    kT_a = _load_a(K_a + start_n * stride_kt, dm_col, PADDED)  # (DA, BLOCK_N)
+    qk = tl.dot(q_a, kT_a, input_precision=PREC)
+    if DB > 0:
+        kT_b = tl.load(K_b + start_n * stride_kt)
+        qk = tl.dot(q_b, kT_b, qk, input_precision=PREC)
+    if MASK:
+        causal = offs_m[:, None] >= (start_n + offs_n)[None, :]
+        qk = tl.where(causal, qk * qk_scale, float("-inf"))
+        m_ij = tl.maximum(m_i, tl.max(qk, 1))
+        qk = qk - m_ij[:, None]
+    else:
+        m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        qk = qk * qk_scale - m_ij[:, None]
+    p = tl.math.exp2(qk)
+    alpha = tl.math.exp2(m_i - m_ij)
+    l_i = l_i * alpha + tl.sum(p, 1)  # the normalizer counts dropped probabilities too
+    if DROPOUT:
+        p = tl.where(_keep(key, offs_m[:, None], (start_n + offs_n)[None, :], T, dropout_p), p, 0.0)
+    p = p.to(q_a.dtype)
+    v_a = _load_a(V_a + start_n * stride_vt, dm_row, PADDED)  # (BLOCK_N, DA)
+    acc_a = tl.dot(p, v_a, acc_a * alpha[:, None], input_precision=PREC)
+    if DB > 0:
+        v_b = tl.load(V_b + start_n * stride_vt)
+        acc_b = tl.dot(p, v_b, acc_b * alpha[:, None], input_precision=PREC)
+    return acc_a, acc_b, l_i, m_ij
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _attn_fwd(Q, K, V, Out, LSE, ROW_IDX, ROW_OFF, DIAG,
+              sm_scale, dropout_p, seed,
+              stride_qz, stride_qh, stride_qt, stride_kz, stride_kh, stride_kt,
+              stride_vz, stride_vh, stride_vt, stride_oz, stride_oh, stride_ot,
+              H, T, NB, LUT_HEADS, ROW_WIDTH,
+              HEAD_DIM: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr):
+    # Query tiles in reverse: under a causal layout the last rows have the most blocks, so they start first and
+    # the short rows fill the tail of the grid.
+    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    off_hz = tl.program_id(1)
+    off_z = off_hz // H
+    off_h = off_hz % H
+    Q += off_z.to(tl.int64) * stride_qz + off_h.to(tl.int64) * stride_qh
+    K += off_z.to(tl.int64) * stride_kz + off_h.to(tl.int64) * stride_kh
+    V += off_z.to(tl.int64) * stride_vz + off_h.to(tl.int64) * stride_vh
+    Out += off_z.to(tl.int64) * stride_oz + off_h.to(tl.int64) * stride_oh
+    LSE += off_hz.to(tl.int64) * T
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_da = tl.arange(0, DA)
+    PADDED: tl.constexpr = DA > HEAD_DIM
+    dm_row = offs_da[None, :] < HEAD_DIM
+    dm_col = offs_da[:, None] < HEAD_DIM
+    q_a = _load_a(Q + offs_m[:, None] * stride_qt + offs_da[None, :], dm_row, PADDED)
+    K_a = K + offs_n[None, :] * stride_kt + offs_da[:, None]
+    V_a = V + offs_n[:, None] * stride_vt + offs_da[None, :]
+    acc_a = tl.zeros([BLOCK_M, DA], dtype=tl.float32)
+    q_b, K_b, V_b, acc_b = q_a, K_a, V_a, acc_a  # placeholders, never read when DB == 0
+    if DB > 0:
+        offs_db = DA + tl.arange(0, DB)
+        q_b = tl.load(Q + offs_m[:, None] * stride_qt + offs_db[None, :])
+        K_b = K + offs_n[None, :] * stride_kt + offs_db[:, None]
+        V_b = V + offs_n[:, None] * stride_vt + offs_db[None, :]
+        acc_b = tl.zeros([BLOCK_M, DB], dtype=tl.float32)
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    qk_scale = sm_scale * 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
+    key = _philox_key(seed, off_hz)
+
+    row = (off_h % LUT_HEADS) * NB + start_m // SPARSE_BLOCK
+    SUB: tl.constexpr = SPARSE_BLOCK // BLOCK_N
+    # Blocks strictly left of the diagonal: no mask.
+    n_off = tl.load(ROW_OFF + row)
+    for it in range(0, n_off * SUB):
+        kb = tl.load(ROW_IDX + row * ROW_WIDTH + it // SUB)
+        start_n = tl.multiple_of(kb * SPARSE_BLOCK + (it % SUB) * BLOCK_N, BLOCK_N)
+        acc_a, acc_b, l_i, m_i = _fwd_tile(acc_a, acc_b, l_i, m_i, q_a, q_b, K_a, K_b, V_a, V_b, start_n, offs_m,
+                                           offs_n, qk_scale, stride_kt, stride_vt, key, dropout_p, T, dm_row,
+                                           dm_col, DB, False, DROPOUT, PREC, PADDED)
+    # The diagonal block, causal mask, up to this tile's last query. Its first key is at or before every query
+    # of the tile, so no row is ever fully masked and the running max stays finite.
+    diag_start = (start_m // SPARSE_BLOCK) * SPARSE_BLOCK
+    n_diag = tl.load(DIAG + row) * tl.cdiv(start_m + BLOCK_M - diag_start, BLOCK_N)
+    for it in range(0, n_diag):
+        start_n = tl.multiple_of(diag_start + it * BLOCK_N, BLOCK_N)
+        acc_a, acc_b, l_i, m_i = _fwd_tile(acc_a, acc_b, l_i, m_i, q_a, q_b, K_a, K_b, V_a, V_b, start_n, offs_m,
+                                           offs_n, qk_scale, stride_kt, stride_vt, key, dropout_p, T, dm_row,
+                                           dm_col, DB, True, DROPOUT, PREC, PADDED)
+
+    l_rcp = 1.0 / l_i
+    if DROPOUT:
+        l_rcp = l_rcp / (1.0 - dropout_p)  # inverted dropout: kept probabilities scaled by 1/(1-p)
+    tl.store(LSE + offs_m, m_i + tl.math.log2(l_i))
+    out_ty = Out.dtype.element_ty
+    _store_a(Out + offs_m[:, None] * stride_ot + offs_da[None, :], (acc_a * l_rcp[:, None]).to(out_ty), dm_row, PADDED)
+    if DB > 0:
+        tl.store(Out + offs_m[:, None] * stride_ot + offs_db[None, :], (acc_b * l_rcp[:, None]).to(out_ty))
+
+
+@triton.jit
+def _dq_tile(dq_a, dq_b, q_a, q_b, do_a, do_b, lse, delta, K_a, K_b, V_a, V_b, start_n, offs_m, offs_n, qk_scale,
+             stride_kt, stride_vt, key, dropout_p, T, dm_row,
+             DB: tl.constexpr, MASK: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr, PADDED: tl.constexpr):
+    """dq += dS K for one (BLOCK_M x BLOCK_N) tile, with P recomputed from the saved log-sum-exp."""
+    k_a = _load_a(K_a + start_n * stride_kt, dm_row, PADDED)  # (BLOCK_N, DA)
+    v_a = _load_a(V_a + start_n * stride_vt, dm_row, PADDED)
+    qk = tl.dot(q_a, tl.trans(k_a), input_precision=PREC)
+    dp = tl.dot(do_a, tl.trans(v_a), input_precision=PREC)
+    if DB > 0:
+        k_b = tl.load(K_b + start_n * stride_kt)
+        v_b = tl.load(V_b + start_n * stride_vt)
+        qk = tl.dot(q_b, tl.trans(k_b), qk, input_precision=PREC)
+        dp = tl.dot(do_b, tl.trans(v_b), dp, input_precision=PREC)
+    p = tl.math.exp2(qk * qk_scale - lse[:, None])
+    if MASK:
+        p = tl.where(offs_m[:, None] >= (start_n + offs_n)[None, :], p, 0.0)
+    if DROPOUT:
+        keep = _keep(key, offs_m[:, None], (start_n + offs_n)[None, :], T, dropout_p)
+        dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
+    ds = (p * (dp - delta[:, None])).to(q_a.dtype)
+    dq_a = tl.dot(ds, k_a, dq_a, input_precision=PREC)
+    if DB > 0:
+        dq_b = tl.dot(ds, k_b, dq_b, input_precision=PREC)
+    return dq_a, dq_b
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _attn_bwd_dq(Q, K, V, Out, DO, DQ, LSE, DELTA, ROW_IDX, ROW_OFF, DIAG,
+                 sm_scale, dropout_p, seed,
+                 stride_qz, stride_qh, stride_qt, stride_kz, stride_kh, stride_kt,
+                 stride_vz, stride_vh, stride_vt, stride_oz, stride_oh, stride_ot,
+                 stride_doz, stride_doh, stride_dot,
+                 H, T, NB, LUT_HEADS, ROW_WIDTH,
+                 HEAD_DIM: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr):
+    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    off_hz = tl.program_id(1)
+    off_z = off_hz // H
+    off_h = off_hz % H
+    Q += off_z.to(tl.int64) * stride_qz + off_h.to(tl.int64) * stride_qh
+    K += off_z.to(tl.int64) * stride_kz + off_h.to(tl.int64) * stride_kh
+    V += off_z.to(tl.int64) * stride_vz + off_h.to(tl.int64) * stride_vh
+    Out += off_z.to(tl.int64) * stride_oz + off_h.to(tl.int64) * stride_oh  # Out and DQ share one layout
+    DQ += off_z.to(tl.int64) * stride_oz + off_h.to(tl.int64) * stride_oh
+    DO += off_z.to(tl.int64) * stride_doz + off_h.to(tl.int64) * stride_doh
+    LSE += off_hz.to(tl.int64) * T
+    DELTA += off_hz.to(tl.int64) * T
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_da = tl.arange(0, DA)
+    PADDED: tl.constexpr = DA > HEAD_DIM
+    dm_row = offs_da[None, :] < HEAD_DIM
+    q_a = _load_a(Q + offs_m[:, None] * stride_qt + offs_da[None, :], dm_row, PADDED)
+    do_a = _load_a(DO + offs_m[:, None] * stride_dot + offs_da[None, :], dm_row, PADDED)
+    o_a = _load_a(Out + offs_m[:, None] * stride_ot + offs_da[None, :], dm_row, PADDED)
+    delta = tl.sum(o_a.to(tl.float32) * do_a.to(tl.float32), axis=1)
+    K_a = K + offs_n[:, None] * stride_kt + offs_da[None, :]
+    V_a = V + offs_n[:, None] * stride_vt + offs_da[None, :]
+    dq_a = tl.zeros([BLOCK_M, DA], dtype=tl.float32)
+    q_b, do_b, K_b, V_b, dq_b = q_a, do_a, K_a, V_a, dq_a  # placeholders, never read when DB == 0
+    if DB > 0:
+        offs_db = DA + tl.arange(0, DB)
+        q_b = tl.load(Q + offs_m[:, None] * stride_qt + offs_db[None, :])
+        do_b = tl.load(DO + offs_m[:, None] * stride_dot + offs_db[None, :])
+        o_b = tl.load(Out + offs_m[:, None] * stride_ot + offs_db[None, :])
+        delta += tl.sum(o_b.to(tl.float32) * do_b.to(tl.float32), axis=1)
+        K_b = K + offs_n[:, None] * stride_kt + offs_db[None, :]
+        V_b = V + offs_n[:, None] * stride_vt + offs_db[None, :]
+        dq_b = tl.zeros([BLOCK_M, DB], dtype=tl.float32)
+    # delta = rowsum(dO * O) = rowsum(P * dP) even with dropout (O already carries the mask); dk/dv reads it.
+    tl.store(DELTA + offs_m, delta)
+    lse = tl.load(LSE + offs_m)
+    qk_scale = sm_scale * 1.4426950408889634
+    key = _philox_key(seed, off_hz)
+
+    row = (off_h % LUT_HEADS) * NB + start_m // SPARSE_BLOCK
+    SUB: tl.constexpr = SPARSE_BLOCK // BLOCK_N
+    n_off = tl.load(ROW_OFF + row)
+    for it in range(0, n_off * SUB):
+        kb = tl.load(ROW_IDX + row * ROW_WIDTH + it // SUB)
+        start_n = tl.multiple_of(kb * SPARSE_BLOCK + (it % SUB) * BLOCK_N, BLOCK_N)
+        dq_a, dq_b = _dq_tile(dq_a, dq_b, q_a, q_b, do_a, do_b, lse, delta, K_a, K_b, V_a, V_b, start_n, offs_m,
+                              offs_n, qk_scale, stride_kt, stride_vt, key, dropout_p, T, dm_row, DB, False, DROPOUT,
+                              PREC, PADDED)
+    diag_start = (start_m // SPARSE_BLOCK) * SPARSE_BLOCK
+    n_diag = tl.load(DIAG + row) * tl.cdiv(start_m + BLOCK_M - diag_start, BLOCK_N)
+    for it in range(0, n_diag):
+        start_n = tl.multiple_of(diag_start + it * BLOCK_N, BLOCK_N)
+        dq_a, dq_b = _dq_tile(dq_a, dq_b, q_a, q_b, do_a, do_b, lse, delta, K_a, K_b, V_a, V_b, start_n, offs_m,
+                              offs_n, qk_scale, stride_kt, stride_vt, key, dropout_p, T, dm_row, DB, True, DROPOUT,
+                              PREC, PADDED)
+
+    _store_a(DQ + offs_m[:, None] * stride_ot + offs_da[None, :], (dq_a * sm_scale).to(DQ.dtype.element_ty), dm_row,
+             PADDED)
+    if DB > 0:
+        tl.store(DQ + offs_m[:, None] * stride_ot + offs_db[None, :], (dq_b * sm_scale).to(DQ.dtype.element_ty))
+
+
+@triton.jit
+def _dkdv_tile(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, Q_a, Q_b, DO_a, DO_b, LSE, DELTA, start_m, offs_m,
+               offs_n, qk_scale, stride_qt, stride_dot, key, dropout_p, T, dm_row,
+               DB: tl.constexpr, MASK: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
+               PADDED: tl.constexpr):
+    """dv += P^T dO and dk += dS^T Q for one (BLOCK_N keys x BLOCK_M queries) tile, computed transposed."""
+    q_a = _load_a(Q_a + start_m * stride_qt, dm_row, PADDED)  # (BLOCK_M, DA)
+    do_a = _load_a(DO_a + start_m * stride_dot, dm_row, PADDED)
+    q_idx = start_m + offs_m
+    lse = tl.load(LSE + q_idx)
+    delta = tl.load(DELTA + q_idx)
+    qkT = tl.dot(k_a, tl.trans(q_a), input_precision=PREC)  # (BLOCK_N, BLOCK_M)
+    dpT = tl.dot(v_a, tl.trans(do_a), input_precision=PREC)
+    if DB > 0:
+        q_b = tl.load(Q_b + start_m * stride_qt)
+        do_b = tl.load(DO_b + start_m * stride_dot)
+        qkT = tl.dot(k_b, tl.trans(q_b), qkT, input_precision=PREC)
+        dpT = tl.dot(v_b, tl.trans(do_b), dpT, input_precision=PREC)
+    pT = tl.math.exp2(qkT * qk_scale - lse[None, :])
+    if MASK:
+        pT = tl.where(q_idx[None, :] >= offs_n[:, None], pT, 0.0)
+    if DROPOUT:
+        keep = _keep(key, q_idx[None, :], offs_n[:, None], T, dropout_p)
+        ppT = tl.where(keep, pT, 0.0)  # dv is scaled by 1/(1-p) once, at the end
+        dpT = tl.where(keep, dpT * (1.0 / (1.0 - dropout_p)), 0.0)
+    else:
+        ppT = pT
+    dv_a = tl.dot(ppT.to(q_a.dtype), do_a, dv_a, input_precision=PREC)
+    dsT = (pT * (dpT - delta[None, :])).to(q_a.dtype)
+    dk_a = tl.dot(dsT, q_a, dk_a, input_precision=PREC)
+    if DB > 0:
+        dv_b = tl.dot(ppT.to(q_a.dtype), do_b, dv_b, input_precision=PREC)
+        dk_b = tl.dot(dsT, q_b, dk_b, input_precision=PREC)
+    return dk_a, dk_b, dv_a, dv_b
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, COL_IDX, COL_CUM, DIAG,
+                   sm_scale, dropout_p, seed,
+                   stride_qz, stride_qh, stride_qt, stride_kz, stride_kh, stride_kt,
+                   stride_vz, stride_vh, stride_vt, stride_doz, stride_doh, stride_dot,
+                   stride_gz, stride_gh, stride_gt,
+                   H, T, NB, LUT_HEADS, COL_WIDTH,
+                   HEAD_DIM: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr):
+    # Key tiles in order: under a causal layout the first columns have the most blocks.
+    start_n = tl.program_id(0) * BLOCK_N
+    off_hz = tl.program_id(1)
+    off_z = off_hz // H
+    off_h = off_hz % H
+    Q += off_z.to(tl.int64) * stride_qz + off_h.to(tl.int64) * stride_qh
+    K += off_z.to(tl.int64) * stride_kz + off_h.to(tl.int64) * stride_kh
+    V += off_z.to(tl.int64) * stride_vz + off_h.to(tl.int64) * stride_vh
+    DO += off_z.to(tl.int64) * stride_doz + off_h.to(tl.int64) * stride_doh
+    DK += off_z.to(tl.int64) * stride_gz + off_h.to(tl.int64) * stride_gh  # DK and DV share one layout
+    DV += off_z.to(tl.int64) * stride_gz + off_h.to(tl.int64) * stride_gh
+    LSE += off_hz.to(tl.int64) * T
+    DELTA += off_hz.to(tl.int64) * T
+
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_da = tl.arange(0, DA)
+    PADDED: tl.constexpr = DA > HEAD_DIM
+    dm_row = offs_da[None, :] < HEAD_DIM
+    k_a = _load_a(K + offs_n[:, None] * stride_kt + offs_da[None, :], dm_row, PADDED)  # (BLOCK_N, DA), stays on chip
+    v_a = _load_a(V + offs_n[:, None] * stride_vt + offs_da[None, :], dm_row, PADDED)
+    Q_a = Q + offs_m[:, None] * stride_qt + offs_da[None, :]
+    DO_a = DO + offs_m[:, None] * stride_dot + offs_da[None, :]
+    dk_a = tl.zeros([BLOCK_N, DA], dtype=tl.float32)
+    dv_a = tl.zeros([BLOCK_N, DA], dtype=tl.float32)
+    k_b, v_b, Q_b, DO_b, dk_b, dv_b = k_a, v_a, Q_a, DO_a, dk_a, dv_a  # placeholders, never read when DB == 0
+    if DB > 0:
+        offs_db = DA + tl.arange(0, DB)
+        k_b = tl.load(K + offs_n[:, None] * stride_kt + offs_db[None, :])
+        v_b = tl.load(V + offs_n[:, None] * stride_vt + offs_db[None, :])
+        Q_b = Q + offs_m[:, None] * stride_qt + offs_db[None, :]
+        DO_b = DO + offs_m[:, None] * stride_dot + offs_db[None, :]
+        dk_b = tl.zeros([BLOCK_N, DB], dtype=tl.float32)
+        dv_b = tl.zeros([BLOCK_N, DB], dtype=tl.float32)
+    qk_scale = sm_scale * 1.4426950408889634
+    key = _philox_key(seed, off_hz)
+
+    kb = start_n // SPARSE_BLOCK
+    col = (off_h % LUT_HEADS) * NB + kb
+    # The diagonal block first, causal mask, from the query tile holding this tile's first key.
+    diag_lo = (start_n // BLOCK_M) * BLOCK_M
+    n_diag = tl.load(DIAG + col) * (((kb + 1) * SPARSE_BLOCK - diag_lo) // BLOCK_M)
+    for it in range(0, n_diag):
+        start_m = tl.multiple_of(diag_lo + it * BLOCK_M, BLOCK_M)
+        dk_a, dk_b, dv_a, dv_b = _dkdv_tile(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, Q_a, Q_b, DO_a, DO_b, LSE,
+                                            DELTA, start_m, offs_m, offs_n, qk_scale, stride_qt, stride_dot, key,
+                                            dropout_p, T, dm_row, DB, True, DROPOUT, PREC, PADDED)
+    # Query blocks strictly below the diagonal, only those inside the runtime T.
+    n_off = tl.load(COL_CUM + col * NB + T // SPARSE_BLOCK - 1)
+    SUB: tl.constexpr = SPARSE_BLOCK // BLOCK_M
+    for it in range(0, n_off * SUB):
+        qb = tl.load(COL_IDX + col * COL_WIDTH + it // SUB)
+        start_m = tl.multiple_of(qb * SPARSE_BLOCK + (it % SUB) * BLOCK_M, BLOCK_M)
+        dk_a, dk_b, dv_a, dv_b = _dkdv_tile(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, Q_a, Q_b, DO_a, DO_b, LSE,
+                                            DELTA, start_m, offs_m, offs_n, qk_scale, stride_qt, stride_dot, key,
+                                            dropout_p, T, dm_row, DB, False, DROPOUT, PREC, PADDED)
+
+    dv_scale = 1.0
+    if DROPOUT:
+        dv_scale = 1.0 / (1.0 - dropout_p)
+    _store_a(DK + offs_n[:, None] * stride_gt + offs_da[None, :], (dk_a * sm_scale).to(DK.dtype.element_ty), dm_row,
+             PADDED)
+    _store_a(DV + offs_n[:, None] * stride_gt + offs_da[None, :], (dv_a * dv_scale).to(DV.dtype.element_ty), dm_row,
+             PADDED)
+    if DB > 0:
+        tl.store(DK + offs_n[:, None] * stride_gt + offs_db[None, :], (dk_b * sm_scale).to(DK.dtype.element_ty))
+        tl.store(DV + offs_n[:, None] * stride_gt + offs_db[None, :], (dv_b * dv_scale).to(DV.dtype.element_ty))
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _dropout_mask_kernel(MASK, dropout_p, seed, T, BLOCK: tl.constexpr):
+    """keep[bh, i, j] for all scores, from the same Philox stream the attention kernels use (tests only)."""
+    off_hz = tl.program_id(2)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    keep = _keep(_philox_key(seed, off_hz), rows[:, None], cols[None, :], T, dropout_p)
+    MASK += off_hz.to(tl.int64) * T * T
+    tl.store(MASK + rows[:, None] * T + cols[None, :], keep.to(tl.int8))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tile configurations
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One kernel launch shape. For the forward and dq kernels block_m/block_n are the query/key tile; for dk/dv
+    block_n is the key tile a program owns and block_m the query tile it steps over. pad_d: run a head dim that
+    is not a power of two (96) as one zero-padded part (128) instead of two parts (64 + 32). dropout: also a
+    candidate when dropout is on (the Philox rounds need registers; shapes that then spill are left out)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    pad_d: bool = False
+    dropout: bool = True
+
+    def meta(self, head_dim: int) -> dict:
+        """The kernel's tile constexprs for `head_dim`."""
+        if self.pad_d:
+            da, db = triton.next_power_of_2(head_dim), 0
+        else:
+            da, db = split_head_dim(head_dim)
+        return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, DA=da, DB=db)
+
+
+# Candidates per kernel and head-dim class, first = default. Every one was compiled offline for sm_90a with Triton
+# 3.6 and 3.9 (the GPU machine's and this repo's) and kept only where the cubin shows no register spill (cuobjdump
+# STACK/LOCAL; at most 8 bytes in one case) and shared memory fits Hopper's 227 KiB, with and without dropout
+# (`dropout=False`: spills with it); the autotuner then times them on the first call. Hopper's wgmma works on
+# 64-row warpgroup tiles: 8 warps pair with 128-row tiles, 4 warps with 64 or 128 rows. What limits dk/dv is
+# accumulator pressure: a program holds dk and dv (BLOCK_N x D fp32 each) plus k and v, which is why its 128-key
+# tiles use 8 warps and, at D = 128, step over query tiles of 32 or fewer (64 spills).
+_NO_DROP = dict(dropout=False)
+_SMALL_D = {  # D <= 64
+    "fwd": (Tile(128, 64, 8, 3), Tile(128, 128, 8, 3, **_NO_DROP), Tile(128, 64, 4, 3, **_NO_DROP),
+            Tile(64, 64, 4, 3), Tile(64, 32, 4, 4)),
+    "dq": (Tile(128, 64, 8, 3), Tile(64, 64, 4, 3), Tile(128, 32, 4, 3, **_NO_DROP), Tile(64, 32, 4, 4)),
+    "dkdv": (Tile(32, 128, 8, 3), Tile(64, 128, 8, 3, **_NO_DROP), Tile(64, 64, 4, 3, **_NO_DROP),
+             Tile(32, 64, 4, 4)),
+}
+_D96 = {  # D = 96: shapes as two parts (64 + 32, no wasted MMA work) and padded to 128; the tuner picks
+    "fwd": (Tile(128, 64, 8, 3), Tile(128, 64, 8, 3, True), Tile(128, 128, 8, 2, **_NO_DROP), Tile(64, 64, 4, 3),
+            Tile(64, 64, 4, 3, True, **_NO_DROP)),
+    "dq": (Tile(128, 64, 8, 2), Tile(128, 64, 8, 2, True), Tile(128, 32, 8, 3), Tile(64, 64, 4, 3, **_NO_DROP),
+           Tile(64, 32, 4, 3, True)),
+    "dkdv": (Tile(64, 128, 8, 2, **_NO_DROP), Tile(32, 128, 8, 3), Tile(32, 128, 8, 3, True, **_NO_DROP),
+             Tile(32, 64, 4, 3, **_NO_DROP), Tile(32, 64, 4, 3, True, **_NO_DROP), Tile(16, 64, 4, 3, True)),
+}
+_D128 = {
+    "fwd": (Tile(128, 64, 8, 3), Tile(128, 128, 8, 2, **_NO_DROP), Tile(64, 64, 4, 3, **_NO_DROP),
+            Tile(128, 32, 4, 3, **_NO_DROP), Tile(64, 32, 4, 3)),
+    "dq": (Tile(128, 64, 8, 2), Tile(64, 64, 4, 3, **_NO_DROP), Tile(128, 32, 8, 3), Tile(64, 32, 4, 3)),
+    "dkdv": (Tile(32, 128, 8, 3, **_NO_DROP), Tile(32, 128, 8, 2), Tile(32, 64, 4, 3, **_NO_DROP),
+             Tile(16, 128, 8, 3), Tile(16, 64, 4, 3)),
+}
+# Exact fp32 dots (input_precision "ieee") run on FMA units, not tensor cores: correctness, not speed. Tiles of
+# 16 queries keep them spill-free.
+_FP32 = {kind: (Tile(16, 32, 4, 2), Tile(16, 16, 4, 2)) for kind in ("fwd", "dq", "dkdv")}
+
+
+def candidate_tiles(kind: str, block: int, head_dim: int, dtype: torch.dtype, dropout: bool = False
+                    ) -> tuple[Tile, ...]:
+    """Tile candidates of one kernel ("fwd" | "dq" | "dkdv"), clipped to tiles that fit inside a sparse block."""
+    if dtype == torch.float32:
+        table = _FP32
+    else:
+        table = _SMALL_D if head_dim <= 64 else _D96 if head_dim == 96 else _D128
+    tiles = tuple(t for t in table[kind] if t.block_m <= block and t.block_n <= block and (t.dropout or not dropout))
+    if not tiles:  # sparse blocks of 16 or 32 tokens: one tile per block
+        tiles = (Tile(block, block, 4, 2),)
+    return tiles
+
+
+def interpreter_tiles(block: int, pad_d: bool = False) -> dict[str, Tile]:
+    """Tiles used under the Triton interpreter: half a sparse block, so the sub-tile loops and the diagonal's
+    partially masked tiles are exercised by the CPU tests; 16 is the smallest tile tl.dot takes."""
+    t = max(16, block // 2)
+    return {kind: Tile(t, t, 4, 1, pad_d) for kind in ("fwd", "dq", "dkdv")}
+
+
+_TUNERS: dict[tuple, object] = {}
+
+
+def _tuned(kernel, kind: str, head_dim: int, tiles: tuple[Tile, ...]):
+    """An autotuner over `tiles` for `kernel`, one per candidate set (compiled binaries are shared)."""
+    key = (kind, head_dim, tiles)
+    if key not in _TUNERS:
+        configs = [triton.Config(t.meta(head_dim), num_warps=t.num_warps, num_stages=t.num_stages) for t in tiles]
+        _TUNERS[key] = triton.autotune(configs=configs, key=["T", "DROPOUT"])(kernel)
+    return _TUNERS[key]
+
+
+def chosen_configs() -> list[dict]:
+    """What the autotuner picked so far, per kernel, head dim and key (T, dropout, dtypes): for benchmark records."""
+    out = []
+    for (kind, head_dim, _), tuner in _TUNERS.items():
+        for key, cfg in getattr(tuner, "cache", {}).items():
+            out.append({"kernel": kind, "head_dim": head_dim, "key": [str(k) for k in key], **cfg.kwargs,
+                        "num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    return out
+
+
+def _launch(kernel, kind: str, T: int, BH: int, tiles: dict[str, Tile] | None, block: int, head_dim: int,
+            dtype: torch.dtype, args: tuple, consts: dict) -> None:
+    """Launch `kernel` on a (T // tile, B*H) grid: autotuned on a GPU, fixed tiles when `tiles` is given."""
+    owned = "BLOCK_N" if kind == "dkdv" else "BLOCK_M"  # dk/dv programs own BLOCK_N keys, the others BLOCK_M queries
+    if tiles is not None:
+        t = tiles[kind]
+        meta = t.meta(head_dim)
+        kernel[(T // meta[owned], BH)](*args, **consts, **meta, num_warps=t.num_warps, num_stages=t.num_stages)
+        return
+    tuner = _tuned(kernel, kind, head_dim, candidate_tiles(kind, block, head_dim, dtype, consts["DROPOUT"]))
+    tuner[lambda meta: (T // meta[owned], BH)](*args, **consts)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def split_head_dim(head_dim: int) -> tuple[int, int]:
+    """D = DA + DB with DA the largest power of two <= D (96 = 64 + 32; 64 = 64 + 0)."""
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"blocksparse attention supports head_dim in {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    da = 1 << (head_dim.bit_length() - 1)
+    return da, head_dim - da
+
+
+def check_block(block: int) -> None:
+    if block not in SUPPORTED_BLOCKS:
+        raise ValueError(f"blocksparse attention supports sparse_block in {SUPPORTED_BLOCKS}, got {block}")
+
+
+def _interpreted() -> bool:
+    return isinstance(_attn_fwd, InterpretedFunction)
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lut: BlockLUT, dropout_p: float) -> None:
+    if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
+        raise ValueError(f"q, k, v must share one (B, H, T, D) shape, got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"blocksparse attention supports dtypes {SUPPORTED_DTYPES} (q, k, v alike), got "
+                         f"{q.dtype}, {k.dtype}, {v.dtype}")
+    B, H, T, D = q.shape
+    split_head_dim(D)
+    if T % lut.block != 0:
+        raise ValueError(f"sequence length {T} is not a multiple of the sparse block {lut.block}")
+    if T > lut.n_blocks * lut.block:
+        raise ValueError(f"sequence length {T} exceeds the layout's {lut.n_blocks} blocks of {lut.block} tokens")
+    if lut.n_heads not in (1, H):
+        raise ValueError(f"layout has {lut.n_heads} heads but the input has {H}: expected 1 or {H}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if dropout_p > 0 and T > MAX_DROPOUT_T:
+        raise ValueError(f"attention dropout supports T <= {MAX_DROPOUT_T} (31-bit Philox counter), got T = {T}")
+    if q.device.type != "cuda" and not _interpreted():
+        raise ValueError(f"blocksparse attention runs on CUDA tensors, got {q.device}; on a CPU set "
+                         "TRITON_INTERPRET=1 before triton is imported to run the kernels in Triton's interpreter")
+    if not (q.device == k.device == v.device == lut.row_idx.device):
+        raise ValueError(f"q, k, v and the lookup table must share a device, got {q.device}, {k.device}, "
+                         f"{v.device}, {lut.row_idx.device}")
+
+
+def _empty_bthd(like: torch.Tensor) -> torch.Tensor:
+    """A (B, H, T, D) tensor stored as (B, T, H, D): the model's y.transpose(1, 2).reshape(B, T, C) is then a view."""
+    B, H, T, D = like.shape
+    return torch.empty(B, T, H, D, dtype=like.dtype, device=like.device).transpose(1, 2)
+
+
+def _unit_last(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _forward(q, k, v, lut: BlockLUT, dropout_p: float, seed: int, tiles):
+    B, H, T, D = q.shape
+    o = _empty_bthd(q)
+    lse = torch.empty(B * H, T, dtype=torch.float32, device=q.device)
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    args = (q, k, v, o, lse, lut.row_idx, lut.row_off, lut.diag, 1.0 / math.sqrt(D), float(dropout_p), int(seed),
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+            H, T, lut.n_blocks, lut.n_heads, lut.row_idx.shape[1])
+    consts = dict(HEAD_DIM=D, SPARSE_BLOCK=lut.block, DROPOUT=dropout_p > 0, PREC=prec)
+    _launch(_attn_fwd, "fwd", T, B * H, tiles, lut.block, D, q.dtype, args, consts)
+    return o, lse
+
+
+def _backward(do, q, k, v, o, lse, lut: BlockLUT, dropout_p: float, seed: int, tiles):
+    B, H, T, D = q.shape
+    do = _unit_last(do)
+    dq, dk, dv = _empty_bthd(q), _empty_bthd(q), _empty_bthd(q)
+    delta = torch.empty_like(lse)
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    consts = dict(HEAD_DIM=D, SPARSE_BLOCK=lut.block, DROPOUT=dropout_p > 0, PREC=prec)
+    scale = 1.0 / math.sqrt(D)
+    dq_args = (q, k, v, o, do, dq, lse, delta, lut.row_idx, lut.row_off, lut.diag, scale, float(dropout_p),
+               int(seed), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *do.stride()[:3],
+               H, T, lut.n_blocks, lut.n_heads, lut.row_idx.shape[1])
+    _launch(_attn_bwd_dq, "dq", T, B * H, tiles, lut.block, D, q.dtype, dq_args, consts)
+    dkdv_args = (q, k, v, do, dk, dv, lse, delta, lut.col_idx, lut.col_cum, lut.diag, scale, float(dropout_p),
+                 int(seed), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3],
+                 H, T, lut.n_blocks, lut.n_heads, lut.col_idx.shape[1])
+    _launch(_attn_bwd_dkdv, "dkdv", T, B * H, tiles, lut.block, D, q.dtype, dkdv_args, consts)
+    return dq, dk, dv
+
+
+class _BlockSparseAttentionFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, lut, dropout_p, seed, tiles):
+        q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+        o, lse = _forward(q, k, v, lut, dropout_p, seed, tiles)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.lut, ctx.dropout_p, ctx.seed, ctx.tiles = lut, dropout_p, seed, tiles
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(do, q, k, v, o, lse, ctx.lut, ctx.dropout_p, ctx.seed, ctx.tiles)
+        return dq, dk, dv, None, None, None, None
+
+
+def blocksparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lut: BlockLUT,
+                          dropout_p: float = 0.0, seed: int = 0, tiles: dict[str, Tile] | None = None
+                          ) -> torch.Tensor:
+    """Block-sparse causal attention of q, k, v (B, H, T, D) -> (B, H, T, D), differentiable.
+
+    `lut` must live on q's device (BlockLUT.to). `seed` keys the dropout mask (ignored when dropout_p == 0).
+    `tiles` fixes the launch shapes ({"fwd"|"dq"|"dkdv": Tile}); by default the autotuner picks them on a GPU and
+    `interpreter_tiles` is used under the interpreter.
+    """
+    _check_inputs(q, k, v, lut, dropout_p)
+    if tiles is None and _interpreted():
+        tiles = interpreter_tiles(lut.block)
+    return _BlockSparseAttentionFn.apply(q, k, v, lut, float(dropout_p), int(seed), tiles)
+
+
+def dropout_keep_mask(batch: int, heads: int, seq_len: int, dropout_p: float, seed: int,
+                      device: torch.device | str) -> torch.Tensor:
+    """The bool keep mask (B, H, T, T) that blocksparse_attention applies for (dropout_p, seed): for tests."""
+    block = 16 if seq_len % 64 else 64
+    mask = torch.empty(batch * heads, seq_len, seq_len, dtype=torch.int8, device=device)
+    _dropout_mask_kernel[(seq_len // block, seq_len // block, batch * heads)](mask, float(dropout_p), int(seed),
+                                                                             seq_len, BLOCK=block)
+    return mask.view(batch, heads, seq_len, seq_len).bool()
+
+
+def draw_seed() -> int:
+    """A dropout seed from torch's default CPU generator: reproducible under torch.manual_seed, no GPU sync."""
+    return int(torch.randint(0, 2**31 - 1, (1,)).item())
+
+
+class BlockSparseAttention(Attention):
+    """The fused block-sparse kernel behind the Attention interface; the lookup table is built here, once."""
+
+    backend = "blocksparse"
+
+    def __init__(self, cfg: GPTConfig, layout: torch.Tensor):
+        super().__init__(cfg, layout)
+        check_block(cfg.sparse_block)
+        split_head_dim(cfg.head_dim)
+        self.lut = BlockLUT.from_layout(layout, cfg.sparse_block)
+        self._device_luts: dict[torch.device, BlockLUT] = {}
+
+    def lut_on(self, device: torch.device) -> BlockLUT:
+        if device not in self._device_luts:
+            self._device_luts[device] = self.lut.to(device)
+        return self._device_luts[device]
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        p = self._dropout()
+        seed = draw_seed() if p > 0 else 0
+        return blocksparse_attention(q, k, v, self.lut_on(q.device), p, seed)
