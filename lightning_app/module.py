@@ -1,25 +1,31 @@
-"""The LightningModule: a thin wrapper around shared's GPT, and the Callback that times it.
+"""The LightningModule (a thin wrapper around shared's GPT) and the Callbacks that time, log and checkpoint it.
 
 The module builds the GPT in `configure_model`, which Lightning calls inside DeepSpeedStrategy's
 `model_sharded_context` (deepspeed.zero.Init), so ZeRO-3 partitions the parameters as they are created, exactly
-as the raw loop does. Optimizer, LR schedule, seeds and batches come from the same shared functions.
+as the raw loop does. Optimizer, LR schedule, seeds, batches, timer, progress lines, checkpoint bookkeeping and
+SIGTERM handling come from the same shared functions as the raw loop's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
+import math
+from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
+from torchmetrics import MeanMetric
 
-from shared import flops
+from shared import checkpoint, flops
 from shared.config import TrainConfig
 from shared.distributed import apply_gc_policy, dropout_seed, seed_all
-from shared.ds_runtime import BreakdownCollector
+from shared.ds_runtime import BreakdownCollector, grad_norm
 from shared.model import GPT, count_parameters
 from shared.optim import build_optimizer, build_scheduler
+from shared.preemption import Preemption
 from shared.progress import Progress
 from shared.results import RunResult, build_result, format_summary
 from shared.timing import PhaseTimer
@@ -33,6 +39,8 @@ class GPTModule(pl.LightningModule):
         on = train.overheads
         self.log_loss = "log_loss" in on or "log_sync_dist" in on
         self.sync_dist = "log_sync_dist" in on
+        self.val_loss = MeanMetric(sync_on_compute=True)
+        self.val_history: list[dict] = []
         self.gpt: GPT | None = None
         self.built_in_init = "model_outside_configure_model" in on
         if self.built_in_init:  # the whole model on every rank until deepspeed.initialize partitions it
@@ -60,14 +68,33 @@ class GPTModule(pl.LightningModule):
             self.log("train_loss", loss, prog_bar=True, sync_dist=self.sync_dist)
         return loss
 
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.val_loss.update(self.gpt(x, y))
+
+    def on_validation_epoch_end(self):
+        loss = float(self.val_loss.compute())  # one sync per validation
+        self.val_loss.reset()
+        v = {"step": self.trainer.global_step, "val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
+        self.val_history.append(v)
+        if self.trainer.global_rank == 0:
+            print(f"[lightning] validation at step {v['step']}: loss {loss:.4f}, perplexity {v['val_ppl']:.2f}",
+                  flush=True)
+
+    def on_save_checkpoint(self, ckpt: dict) -> None:
+        # What the export needs to rebuild the plain model (plain data: loads with weights_only=True).
+        ckpt["model_config"] = dataclasses.asdict(self.model_cfg)
+        ckpt["data"] = self.train_cfg.data
+        ckpt["step"] = self.trainer.global_step
+
 
 class SigtermCheck:
     """Runs Lightning's SIGTERM broadcast every `every` steps instead of every step, and counts the broadcasts.
 
     Since 2.5.2 Lightning broadcasts a SIGTERM flag from rank 0 at the start of every training step when there
     is more than one process, and reads it back with .item(): a collective and a host sync per step (Lightning
-    issue #21487). Every rank still checks its own flag after each step; only the rank-0-only case is delayed,
-    by at most `every` steps. every=1 keeps Lightning's behaviour (and still counts).
+    issue #21487). every=1 keeps Lightning's behaviour (and still counts). Preemption itself is handled by
+    shared/preemption.py (CheckpointCallback), which replaces Lightning's SIGTERM handler at train start.
     """
 
     def __init__(self, trainer: pl.Trainer, every: int):
@@ -90,32 +117,49 @@ class TimingCallback(pl.Callback):
         forward   -> on_before_backward
         backward  -> on_after_backward
         step      -> on_train_batch_end (engine.step, LR scheduler, Lightning's post-step bookkeeping)
+    Validation and checkpoint saves happen between steps and are not counted in any phase.
     """
 
-    def __init__(self, train: TrainConfig):
+    def __init__(self, train: TrainConfig, resume_from: Path | None = None):
         self.train = train
+        self.resume_from = resume_from
         self.result: RunResult | None = None
         self._micro = 0
         self._step_loss = None
+        self._first_batch = True
 
     def on_train_start(self, trainer, pl_module):
         on = self.train.overheads
         self.sigterm = SigtermCheck(trainer, 1 if "sigterm_check" in on else self.train.sigterm_check_every)
-        apply_gc_policy("auto" if "python_gc_auto" in on else self.train.python_gc)
         device = pl_module.device
         cfg = pl_module.model_cfg
+        self.start = trainer.global_step  # > 0 when resumed
         self.timer = PhaseTimer(device, micro_steps=self.train.grad_accum)
         per_gpu_flops = flops.step_flops(cfg, self.train.micro_batch * self.train.grad_accum, self.train.flops_factor)
-        self.progress = Progress(self.train.steps, device, self.timer, per_gpu_flops, self.train.log_every,
-                                 enabled=trainer.global_rank == 0, prefix="[lightning] ")
+        cuda = device.type == "cuda"
+        peak = flops.peak_flops(torch.cuda.get_device_name(device), self.train.precision) if cuda else None
+        engine = trainer.strategy.deepspeed_engine
+        scheduler = trainer.lr_scheduler_configs[0].scheduler
+        self.progress = Progress(
+            self.train.steps, device, self.timer, per_gpu_flops, self.train.log_every,
+            enabled=trainer.global_rank == 0, prefix="[lightning] ", peak_flops=peak, csv_path=self.train.log_csv,
+            first_step=self.start, stop_on_nan=self.train.nan_policy == "stop",
+            extras=lambda: {"lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm(engine),
+                            "mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None})
         self._step_loss = torch.zeros((), device=device)
-        self.breakdown = BreakdownCollector(trainer.strategy.deepspeed_engine)
+        self.breakdown = BreakdownCollector(engine)
+        apply_gc_policy("auto" if "python_gc_auto" in on else self.train.python_gc)
         self.timer.start()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if batch_idx == 0:
-            # The dropout stream starts here, as in the raw loop: right before the first forward.
-            torch.manual_seed(dropout_seed(self.train.seed, trainer.global_rank))
+        if self._first_batch:
+            # The dropout stream starts (or, resumed, continues) here, as in the raw loop: right before the
+            # first forward.
+            if self.resume_from is not None:
+                checkpoint.load_rng(self.resume_from, trainer.global_rank)
+            else:
+                torch.manual_seed(dropout_seed(self.train.seed, trainer.global_rank))
+            self._first_batch = False
         self.timer.mark("data")
 
     def on_before_backward(self, trainer, pl_module, loss):
@@ -130,11 +174,17 @@ class TimingCallback(pl.Callback):
         self.breakdown.collect()
         self._micro += 1
         if self._micro % self.train.grad_accum == 0:
-            step = self._micro // self.train.grad_accum - 1
+            step = self.start + self._micro // self.train.grad_accum - 1
             self.progress.record(step, self._step_loss / self.train.grad_accum)
             self._step_loss = torch.zeros((), device=pl_module.device)
 
+    def on_validation_end(self, trainer, pl_module):
+        if trainer.training:
+            self.timer.start()  # validation time is not a training step's
+
     def on_train_end(self, trainer, pl_module):
+        if trainer.global_step < self.train.steps:  # stopped early (SIGTERM): a partial run is no result
+            return
         losses = self.progress.finish()
         self.timer.finish()
         device = pl_module.device
@@ -144,18 +194,72 @@ class TimingCallback(pl.Callback):
         if dist.is_initialized():
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # once, after the timed region
         ds_config = json.loads(json.dumps(engine.config))  # what DeepSpeed received, after Lightning's formatting
+        timed = max(0, self.train.steps - self.start - 1)
         self.result = build_result(
             path="lightning", train=self.train, model_cfg=pl_module.model_cfg, ds_config=ds_config,
             world_size=trainer.world_size, device=device, attention=pl_module.gpt.attention_backend, fused={},
-            losses=losses, timing=self.timer.summary(self.train.warmup_steps),
+            losses=losses, timing=self.timer.summary(min(self.train.warmup_steps, timed)),
             n_params=count_parameters(pl_module.gpt),
             ds_breakdown_ms=self.breakdown.summary(self.train.warmup_steps * self.train.grad_accum),
             peak_mem_bytes=peak.item() if device.type == "cuda" else None,
-            extra={"lightning": effective_settings(trainer, pl_module, self.sigterm)},
+            extra={"lightning": effective_settings(trainer, pl_module, self.sigterm), "start_step": self.start,
+                   "resumed_from": str(self.resume_from) if self.resume_from else None,
+                   "val": pl_module.val_history},
         )
+        if self.train.export:
+            checkpoint.export_live(pl_module.gpt, dataclasses.asdict(pl_module.model_cfg), self.train.export,
+                                   {"data": self.train.data, "step": trainer.global_step}, trainer.global_rank,
+                                   zero3=self.train.stage == 3)
         if trainer.global_rank == 0:
             self.result.to_json(self.train.out)
             print(format_summary(self.result), flush=True)
+
+
+class CheckpointCallback(pl.Callback):
+    """Every save_every steps, at the end and on SIGTERM: Lightning's DeepSpeed checkpoint into
+    CKPT_DIR/stepNNNNNNNN/ plus every rank's RNG state, then the completion marker and pruning (shared/checkpoint)."""
+
+    def __init__(self, train: TrainConfig, timing: TimingCallback):
+        self.train, self.timing = train, timing
+        self.preempted = False
+
+    def on_train_start(self, trainer, pl_module):
+        # Replaces Lightning's own SIGTERM handler: the flag is agreed on by all ranks every N steps instead.
+        self.preemption = Preemption(pl_module.device, self.train.sigterm_check_every)
+
+    def save(self, trainer, step: int) -> Path:
+        self.timing.progress.check_finite(step - 1)  # never save after a non-finite loss
+        folder = Path(self.train.ckpt_dir) / checkpoint.tag_for(step)
+        trainer.save_checkpoint(folder)  # collective: DeepSpeed writes folder/checkpoint/ on every rank
+        checkpoint.save_rng(folder, trainer.global_rank)
+        trainer.strategy.barrier()
+        if trainer.global_rank == 0:
+            checkpoint.write_marker(folder, step, {"path": "lightning"})
+            checkpoint.prune(self.train.ckpt_dir, self.train.keep_last)
+            print(f"[lightning] saved checkpoint {folder}", flush=True)
+        trainer.strategy.barrier()
+        self.timing.timer.start()  # the save is not a training step's time
+        return folder
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if (batch_idx + 1) % self.train.grad_accum:
+            return
+        done = trainer.global_step
+        saved = False
+        if self.train.ckpt_dir and ((self.train.save_every and done % self.train.save_every == 0)
+                                    or done == self.train.steps):
+            self.save(trainer, done)
+            saved = True
+        if self.preemption.should_stop(done - 1):
+            if self.train.ckpt_dir and not saved:
+                self.save(trainer, done)
+            if trainer.global_rank == 0:
+                print(f"[lightning] SIGTERM: stopped after step {done}", flush=True)
+            self.preempted = True
+            trainer.should_stop = True
+
+    def on_train_end(self, trainer, pl_module):
+        self.preemption.restore()
 
 
 def effective_settings(trainer: pl.Trainer, pl_module: GPTModule, sigterm: SigtermCheck) -> dict:

@@ -21,13 +21,15 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import TQDMProgressBar
 
-from lightning_app.module import GPTModule, TimingCallback
+from lightning_app.module import CheckpointCallback, GPTModule, TimingCallback
 from lightning_app.strategy import ZeroPrecision, ZeroStrategy
+from shared import checkpoint
 from shared.cli import parse_train_config
 from shared.config import TrainConfig
 from shared.data import make_loader
-from shared.distributed import check_precision, run_cli
+from shared.distributed import check_precision, oom_message, run_cli
 from shared.ds_config import build_ds_config
+from shared.preemption import EXIT_CODE
 from shared.results import RunResult
 
 LIGHTNING_PRECISION = {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp32": "32-true"}
@@ -79,10 +81,18 @@ class DataModule(pl.LightningDataModule):
     def train_dataloader(self):
         cfg, model = self.train_cfg, self.train_cfg.model()
         on = cfg.overheads
+        start = self.trainer.global_step  # restored from the checkpoint before the loaders are built
         return make_loader(cfg.data, model.vocab_size, model.seq_len, cfg.micro_batch, cfg.seed,
-                           self.trainer.global_rank, cfg.steps * cfg.grad_accum,
+                           self.trainer.global_rank, (cfg.steps - start) * cfg.grad_accum,
+                           start_micro_step=start * cfg.grad_accum,
                            pin_memory=torch.cuda.is_available() and "no_pin_memory" not in on,
                            num_workers=4 if "dataloader_workers" in on else 0)
+
+    def val_dataloader(self):
+        cfg, model = self.train_cfg, self.train_cfg.model()
+        return make_loader(cfg.data, model.vocab_size, model.seq_len, cfg.micro_batch, cfg.seed,
+                           self.trainer.global_rank, cfg.val_batches, split="val",
+                           pin_memory=torch.cuda.is_available())
 
 
 def build_trainer(train: TrainConfig, callbacks: list[pl.Callback]) -> pl.Trainer:
@@ -112,7 +122,9 @@ def build_trainer(train: TrainConfig, callbacks: list[pl.Callback]) -> pl.Traine
         enable_checkpointing=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        limit_val_batches=0,
+        limit_val_batches=train.val_batches if train.val_every else 0,
+        val_check_interval=train.val_every * train.grad_accum if train.val_every else None,
+        check_val_every_n_epoch=None if train.val_every else 1,
         # Each rank builds its own (seed, rank, step) batches; a DistributedSampler would reshuffle them.
         use_distributed_sampler=False,
     )
@@ -120,12 +132,29 @@ def build_trainer(train: TrainConfig, callbacks: list[pl.Callback]) -> pl.Traine
 
 def main(train: TrainConfig) -> RunResult | None:
     """Train with Lightning; rank 0 writes the RunResult JSON to train.out and every rank returns it."""
-    timing = TimingCallback(train)
-    trainer = build_trainer(train, [timing])
+    if train.nan_policy == "skip":
+        raise ValueError("nan_policy skip is not available in the Lightning path: Lightning refuses a training_step "
+                         "that returns None in distributed training, and DeepSpeed cannot drop a backward that has "
+                         "already reduced NaN gradients; use nan_policy stop, or the raw path")
+    resume_from = checkpoint.resolve_resume(train.resume, train.ckpt_dir)
+    if resume_from is not None:
+        checkpoint.check_safe_to_load(resume_from, train.trust_checkpoint)
+        start = checkpoint.client_state_of(resume_from).get("global_step", 0)
+        if start >= train.steps:
+            raise ValueError(f"checkpoint {resume_from} is at step {start}, not before --steps {train.steps}")
+    timing = TimingCallback(train, resume_from)
+    ckpt = CheckpointCallback(train, timing)
+    trainer = build_trainer(train, [timing, ckpt])
     with warnings.catch_warnings():
         # Our loaders are already batched (batch_size=None); Lightning warns it cannot infer a batch size.
         warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-        trainer.fit(GPTModule(train), datamodule=DataModule(train))
+        try:
+            trainer.fit(GPTModule(train), datamodule=DataModule(train),
+                        ckpt_path=str(resume_from) if resume_from else None)
+        except torch.OutOfMemoryError as e:
+            raise ValueError(oom_message(train, trainer.strategy.root_device)) from e
+    if ckpt.preempted:
+        raise SystemExit(EXIT_CODE)
     return timing.result
 
 

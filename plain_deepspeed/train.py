@@ -5,17 +5,22 @@
     python plain_deepspeed/train.py                      # one process; CPU + gloo when there is no GPU
 
 The original study's flags keep working: `--attention blocksparse --batch_size_per_gpu 36 --precision bf16`.
+Real training: `--data data/kjv --ckpt_dir ckpt --save_every 200 --resume auto --val_every 100 --log_csv m.csv`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torchmetrics import MeanMetric
 
-from shared import flops
+from shared import checkpoint, flops
 from shared.cli import parse_train_config
 from shared.config import TrainConfig
 from shared.data import make_loader
@@ -25,17 +30,48 @@ from shared.distributed import (
     check_precision,
     dropout_seed,
     ensure_env,
+    oom_message,
     pick_device,
     run_cli,
     seed_all,
 )
 from shared.ds_config import build_ds_config
-from shared.ds_runtime import BreakdownCollector
+from shared.ds_runtime import BreakdownCollector, grad_norm
 from shared.model import GPT, count_parameters
 from shared.optim import build_optimizer, build_scheduler
-from shared.progress import Progress
+from shared.preemption import EXIT_CODE, Preemption
+from shared.progress import NanGuard, Progress
 from shared.results import RunResult, build_result, format_summary
 from shared.timing import PhaseTimer
+
+
+def save(engine, train: TrainConfig, step: int, progress: Progress, rank: int) -> Path:
+    """DeepSpeed's sharded checkpoint + every rank's RNG state, then (rank 0, last) the completion marker."""
+    progress.check_finite(step - 1)  # never save after a non-finite loss
+    tag = checkpoint.tag_for(step)
+    folder = Path(train.ckpt_dir) / tag
+    client = {"step": step, "model_config": dataclasses.asdict(train.model()), "data": train.data}
+    engine.save_checkpoint(train.ckpt_dir, tag=tag, client_state=client)
+    checkpoint.save_rng(folder, rank)
+    dist.barrier()
+    if rank == 0:
+        checkpoint.write_marker(folder, step, {"path": "deepspeed"})
+        checkpoint.prune(train.ckpt_dir, train.keep_last)
+        print(f"[deepspeed] saved checkpoint {folder}", flush=True)
+    dist.barrier()
+    return folder
+
+
+def validate(engine, loader, device: torch.device) -> dict:
+    """Mean loss and perplexity over the validation batches (torchmetrics MeanMetric: one sync, at the end)."""
+    metric = MeanMetric(sync_on_compute=True).to(device)
+    engine.eval()
+    with torch.no_grad():
+        for x, y in loader:
+            metric.update(engine(x.to(device, non_blocking=True), y.to(device, non_blocking=True)))
+    engine.train()
+    loss = float(metric.compute())
+    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
 
 
 def main(train: TrainConfig) -> RunResult:
@@ -43,6 +79,9 @@ def main(train: TrainConfig) -> RunResult:
     ensure_env()
     device = pick_device()
     check_precision(device, train.precision)
+    resume_from = checkpoint.resolve_resume(train.resume, train.ckpt_dir)
+    if resume_from is not None:
+        checkpoint.check_safe_to_load(resume_from, train.trust_checkpoint)
     import deepspeed  # after the device is set: DeepSpeed picks its accelerator at import
 
     deepspeed.init_distributed(dist_backend=backend_for(device))
@@ -58,48 +97,105 @@ def main(train: TrainConfig) -> RunResult:
     scheduler = build_scheduler(optimizer, train)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=ds_config, dist_init_required=False)
+    start = 0
+    if resume_from is not None:
+        _, client = engine.load_checkpoint(str(resume_from.parent), tag=resume_from.name)
+        start = int(client["step"])
+        if rank == 0:
+            print(f"[deepspeed] resumed from {resume_from} at step {start}", flush=True)
+    if start >= train.steps:
+        raise ValueError(f"checkpoint {resume_from} is at step {start}, not before --steps {train.steps}")
 
+    pin = device.type == "cuda"
     loader = make_loader(train.data, model_cfg.vocab_size, model_cfg.seq_len, train.micro_batch, train.seed, rank,
-                         train.steps * train.grad_accum, pin_memory=device.type == "cuda")
+                         (train.steps - start) * train.grad_accum, start_micro_step=start * train.grad_accum,
+                         pin_memory=pin)
+    val_loader = make_loader(train.data, model_cfg.vocab_size, model_cfg.seq_len, train.micro_batch, train.seed,
+                             rank, train.val_batches, split="val", pin_memory=pin) if train.val_every else None
     timer = PhaseTimer(device, micro_steps=train.grad_accum)
     breakdown = BreakdownCollector(engine)
     per_gpu_flops = flops.step_flops(model_cfg, train.micro_batch * train.grad_accum, train.flops_factor)
+    peak = flops.peak_flops(torch.cuda.get_device_name(device), train.precision) if pin else None
     progress = Progress(train.steps, device, timer, per_gpu_flops, train.log_every, enabled=rank == 0,
-                        prefix="[deepspeed] ")
+                        prefix="[deepspeed] ", peak_flops=peak, csv_path=train.log_csv, first_step=start,
+                        stop_on_nan=train.nan_policy == "stop",
+                        extras=lambda: {"lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm(engine),
+                                        "mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if pin else None})
+    preemption = Preemption(device, train.sigterm_check_every)
+    nan_guard = NanGuard(train, device)
+    history = {"val": []}
 
-    torch.manual_seed(dropout_seed(train.seed, rank))
+    if resume_from is not None:
+        checkpoint.load_rng(resume_from, rank)  # the dropout stream continues where it stopped
+    else:
+        torch.manual_seed(dropout_seed(train.seed, rank))
     engine.train()
     batches = iter(loader)
     apply_gc_policy(train.python_gc)
     timer.start()
-    for step in range(train.steps):
-        step_loss = torch.zeros((), device=device)
-        for _ in range(train.grad_accum):
-            x, y = next(batches)
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            timer.mark("data")
-            loss = engine(x, y)
-            timer.mark("forward")
-            engine.backward(loss)
-            timer.mark("backward")
-            engine.step()  # a no-op but for bookkeeping until the last micro-step of the step
-            timer.mark("step")
-            breakdown.collect()
-            step_loss += loss.detach()
-        progress.record(step, step_loss / train.grad_accum)
+    try:
+        for step in range(start, train.steps):
+            step_loss = torch.zeros((), device=device)
+            for _ in range(train.grad_accum):
+                x, y = next(batches)
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                timer.mark("data")
+                loss = engine(x, y)
+                timer.mark("forward")
+                if nan_guard.skip(loss, step):  # nan_policy=skip: no backward, no update for this step
+                    scheduler.step()  # the schedule and the data move on, as in the Lightning path
+                    timer.mark("backward")
+                    timer.mark("step")
+                    step_loss += loss.detach()
+                    continue
+                engine.backward(loss)
+                timer.mark("backward")
+                engine.step()  # a no-op but for bookkeeping until the last micro-step of the step
+                timer.mark("step")
+                breakdown.collect()
+                step_loss += loss.detach()
+            progress.record(step, step_loss / train.grad_accum)
+            done = step + 1
+            if val_loader is not None and done % train.val_every == 0:
+                history["val"].append({"step": done, **validate(engine, val_loader, device)})
+                if rank == 0:
+                    v = history["val"][-1]
+                    print(f"[deepspeed] validation at step {done}: loss {v['val_loss']:.4f}, "
+                          f"perplexity {v['val_ppl']:.2f}", flush=True)
+                timer.start()  # validation time is not a training step's
+            if train.ckpt_dir and ((train.save_every and done % train.save_every == 0) or done == train.steps):
+                save(engine, train, done, progress, rank)
+                timer.start()
+            if preemption.should_stop(step):
+                if train.ckpt_dir and not (train.save_every and done % train.save_every == 0):
+                    save(engine, train, done, progress, rank)
+                if rank == 0:
+                    print(f"[deepspeed] SIGTERM: stopped after step {done}", flush=True)
+                dist.barrier()
+                dist.destroy_process_group()
+                raise SystemExit(EXIT_CODE)
+    except torch.OutOfMemoryError as e:
+        raise ValueError(oom_message(train, device)) from e
+    finally:
+        preemption.restore()
 
     losses = progress.finish()
     timer.finish()
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-    peak_all = torch.tensor(float(peak), device=device)
-    dist.all_reduce(peak_all, op=dist.ReduceOp.MAX)  # once, after the timed region
+    if train.export:
+        checkpoint.export_live(model, dataclasses.asdict(model_cfg), train.export,
+                               {"data": train.data, "step": train.steps}, rank, zero3=train.stage == 3)
+    peak_mem = torch.tensor(float(torch.cuda.max_memory_allocated(device)) if pin else 0.0, device=device)
+    dist.all_reduce(peak_mem, op=dist.ReduceOp.MAX)  # once, after the timed region
     result = build_result(
         path="deepspeed", train=train, model_cfg=model_cfg, world_size=world, device=device,
         ds_config=json.loads(json.dumps(engine.config)),  # what DeepSpeed received
-        attention=model.attention_backend, fused={}, losses=losses, timing=timer.summary(train.warmup_steps),
+        attention=model.attention_backend, fused={}, losses=losses, allow_nonfinite=bool(nan_guard.skipped),
+        timing=timer.summary(min(train.warmup_steps, max(0, train.steps - start - 1))),
         n_params=count_parameters(model),
         ds_breakdown_ms=breakdown.summary(train.warmup_steps * train.grad_accum),
-        peak_mem_bytes=peak_all.item() if device.type == "cuda" else None,
+        peak_mem_bytes=peak_mem.item() if pin else None,
+        extra={"start_step": start, "resumed_from": str(resume_from) if resume_from else None,
+               "skipped_steps": nan_guard.skipped, **history},
     )
     if rank == 0:
         result.to_json(train.out)

@@ -16,6 +16,7 @@ PRECISIONS = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "fusedadam")
 ZERO_PROFILES = ("original", "tuned")
 GC_POLICIES = ("auto", "freeze")
+NAN_POLICIES = ("stop", "skip")
 # Overheads the Lightning path can switch on one at a time (compare.py --explain); lightning_app/ implements each.
 LIGHTNING_OVERHEADS = {
     "pl_default_ds_config": "Lightning's own DeepSpeed defaults (DeepSpeedStrategy(stage=...), no config dict)",
@@ -164,12 +165,28 @@ class TrainConfig:
     """override the preset's block layout"""
     seq_len: int | None = None
     """override the preset's sequence length"""
+    n_layer: int | None = None
+    """override the preset's number of blocks"""
+    n_head: int | None = None
+    """override the preset's number of heads"""
+    n_embd: int | None = None
+    """override the preset's hidden size"""
+    vocab_size: int | None = None
+    """override the preset's vocabulary (e.g. 256 for the byte tokenizer, the BPE size for a trained one)"""
     dropout: float | None = None
     """override both dropout rates of the preset"""
     activation_checkpointing: bool = False
     """recompute blocks in backward (FLOPs factor k=4)"""
     zero_profile: str = "original"
     """DeepSpeed config rules: original (the 2022 study's bucket sizes) | tuned (see shared/ds_config.py)"""
+    reduce_bucket_size: int | None = None
+    """override the profile's ZeRO reduce bucket (elements)"""
+    prefetch_bucket_size: int | None = None
+    """override the profile's ZeRO-3 prefetch bucket (elements)"""
+    param_persistence_threshold: int | None = None
+    """override the profile's ZeRO-3 persistence threshold (params at most this large stay gathered)"""
+    max_live_parameters: int | None = None
+    """override the profile's ZeRO-3 limit of gathered parameters (elements)"""
     ds_config: str | None = None
     """path to a user DeepSpeed JSON that replaces the built dict (micro-batch and precision must agree)"""
     wall_clock_breakdown: bool = False
@@ -188,6 +205,29 @@ class TrainConfig:
     """where rank 0 writes the RunResult JSON"""
     devices: int | None = None
     """processes/GPUs for launchers that spawn themselves (Lightning); default: all GPUs, else 1 CPU process"""
+    ckpt_dir: str | None = None
+    """folder for DeepSpeed sharded checkpoints (one stepNNNNNNNN/ folder each); none: no checkpoints"""
+    save_every: int = 0
+    """save a checkpoint every N steps (0: only at the end, and on SIGTERM); needs ckpt_dir"""
+    keep_last: int = 3
+    """complete checkpoints to keep; older ones are deleted after each save (0 keeps all)"""
+    resume: str = "none"
+    """none | auto (the newest complete checkpoint in ckpt_dir, if any) | path to a stepNNNNNNNN folder"""
+    trust_checkpoint: bool = False
+    """allow checkpoint files that weights_only=True cannot open (DeepSpeed unpickles them): only for trusted files"""
+    val_every: int = 0
+    """validation loss and perplexity every N steps on the data's validation split (0: off)"""
+    val_batches: int = 8
+    """micro-batches per validation"""
+    nan_policy: str = "stop"
+    """stop: a non-finite loss stops the run (checked at log intervals and before every save, no per-step sync);
+    skip: check every micro-step's loss before backward (one host sync per step) and skip non-finite ones"""
+    max_nan_skips: int = 10
+    """with nan_policy=skip, stop after this many skipped micro-steps"""
+    log_csv: str | None = None
+    """append loss, LR, grad norm, TFLOPs, MFU and memory at every log interval to this CSV file"""
+    export: str | None = None
+    """at the end, gather the live weights and write them (fp32) to this .safetensors file"""
 
     def __post_init__(self) -> None:
         self.precision = normalize_precision(self.precision)
@@ -214,6 +254,18 @@ class TrainConfig:
         if unknown:
             raise ValueError(f"unknown lightning_overheads {sorted(unknown)}; choose from "
                              f"{sorted(LIGHTNING_OVERHEADS)}")
+        if self.nan_policy not in NAN_POLICIES:
+            raise ValueError(f"unknown nan_policy {self.nan_policy!r}; choose one of {NAN_POLICIES}")
+        for name in ("save_every", "keep_last", "val_every", "max_nan_skips"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.nan_policy == "skip" and self.grad_accum > 1:
+            raise ValueError("nan_policy skip needs grad_accum 1: DeepSpeed counts micro-steps, and a skipped "
+                             "micro-step inside an accumulation window would shift its boundaries")
+        if self.val_batches <= 0:
+            raise ValueError(f"val_batches must be positive, got {self.val_batches!r}")
+        if (self.save_every or self.resume == "auto") and not self.ckpt_dir:
+            raise ValueError("--save_every and --resume auto need --ckpt_dir")
         if self.sigterm_check_every <= 0:
             raise ValueError(f"sigterm_check_every must be positive, got {self.sigterm_check_every!r}")
         if self.log_every <= 0:
@@ -230,6 +282,10 @@ class TrainConfig:
             attention=self.attention,
             layout=self.layout,
             seq_len=self.seq_len,
+            n_layer=self.n_layer,
+            n_head=self.n_head,
+            n_embd=self.n_embd,
+            vocab_size=self.vocab_size,
             dropout=drop,
             attn_dropout=drop,
             activation_checkpointing=self.activation_checkpointing,

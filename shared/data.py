@@ -63,8 +63,13 @@ class TokenFile(Dataset):
         if meta["vocab_size"] > vocab_size:
             raise ValueError(
                 f"token file {str(path)!r} was made with vocab_size {meta['vocab_size']} but the model has "
-                f"vocab_size {vocab_size}: token ids would index past the embedding"
+                f"vocab_size {vocab_size}: token ids would index past the embedding; pass --vocab_size "
+                f"{meta['vocab_size']}"
             )
+        if meta.get("max_token", 0) >= vocab_size:
+            raise ValueError(f"token file {str(path)!r} holds token id {meta['max_token']}, outside the model's "
+                             f"vocabulary of {vocab_size}")
+        self.vocab_size = vocab_size
         self.tokens = np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r")
         if len(self.tokens) < seq_len + 2:
             raise ValueError(f"token file {str(path)!r} has {len(self.tokens)} tokens, fewer than seq_len+2")
@@ -78,6 +83,9 @@ class TokenFile(Dataset):
         g = torch.Generator().manual_seed(batch_seed(self.seed + self.split_salt, self.rank, micro_step))
         starts = torch.randint(0, len(self.tokens) - self.seq_len - 1, (self.micro_batch,), generator=g)
         rows = np.stack([self.tokens[s: s + self.seq_len + 1] for s in starts.tolist()]).astype(np.int64)
+        if rows.max() >= self.vocab_size:  # a file edited or corrupted after its metadata was written
+            raise ValueError(f"token id {int(rows.max())} at micro-step {micro_step} is outside the model's "
+                             f"vocabulary of {self.vocab_size}")
         tokens = torch.from_numpy(rows)
         return tokens[:, :-1], tokens[:, 1:]
 

@@ -51,6 +51,18 @@ def check_precision(device: torch.device, precision: str) -> None:
         raise ValueError(f"precision bf16 is not supported on {name}; use --precision fp16 or fp32")
 
 
+def oom_message(train, device: torch.device) -> str:
+    """What to say when the first steps run out of device memory (a ValueError: exit 2, not a traceback)."""
+    where = "the CPU"
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        where = f"{props.name} ({props.total_memory / 2**30:.0f} GiB)"
+    ckpt = ", with activation checkpointing" if train.activation_checkpointing else ""
+    hint = "lower --micro_batch" + ("" if train.activation_checkpointing else " or add --activation_checkpointing")
+    return (f"micro_batch {train.micro_batch} does not fit in {where}: preset {train.preset}, ZeRO-{train.stage}, "
+            f"{train.precision}, seq_len {train.model().seq_len}{ckpt}; {hint}")
+
+
 def run_cli(main, train, device_hint: str) -> None:
     """Run a path's main(train) as a command: a ValueError (bad input) exits 2 with its message, not a traceback."""
     try:

@@ -74,7 +74,29 @@ def build_ds_config(train: TrainConfig, model: GPTConfig | None = None, world_si
         cfg["fp16"] = dict(FP16_DEFAULTS)
     if train.zero_profile == "tuned":
         _apply_tuned_rules(cfg, model, world_size)
+    _apply_overrides(cfg["zero_optimization"], train)
     return cfg
+
+
+# TrainConfig field -> ZeRO key, and the lowest stage the key means anything at (the autotuner sets these).
+OVERRIDES = {
+    "reduce_bucket_size": ("reduce_bucket_size", 2),
+    "prefetch_bucket_size": ("stage3_prefetch_bucket_size", 3),
+    "param_persistence_threshold": ("stage3_param_persistence_threshold", 3),
+    "max_live_parameters": ("stage3_max_live_parameters", 3),
+}
+
+
+def _apply_overrides(zero: dict, train: TrainConfig) -> None:
+    for field, (key, min_stage) in OVERRIDES.items():
+        value = getattr(train, field)
+        if value is None:
+            continue
+        if value <= 0:
+            raise ValueError(f"{field} must be positive, got {value}")
+        if zero["stage"] < min_stage:
+            raise ValueError(f"{field} is a ZeRO stage-{min_stage}+ setting; the run uses stage {zero['stage']}")
+        zero[key] = int(value)
 
 
 def _apply_tuned_rules(cfg: dict, model: GPTConfig, world_size: int) -> None:

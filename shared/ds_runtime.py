@@ -33,3 +33,12 @@ class BreakdownCollector:
         if not self.enabled or not timed:
             return None
         return {p: statistics.median(r[p] for r in timed if p in r) for p in BREAKDOWN_TIMERS if p in timed[0]}
+
+
+def grad_norm(engine) -> float | None:
+    """The global gradient norm of the last step (DeepSpeed computes it for clipping); None before the first.
+
+    DeepSpeed may keep it as a device tensor, so reading it syncs: call it once per log interval, not per step.
+    """
+    norm = engine.get_global_grad_norm()
+    return None if norm is None else float(norm)

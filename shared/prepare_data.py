@@ -1,11 +1,14 @@
 """Tokenize local text once into memory-mapped token files for shared/data.py.
 
-    python -m shared.prepare_data data/corpus.txt --out data/corpus               # byte-level (vocab 256)
+    python -m shared.prepare_data data/kjv.txt --out data/kjv                     # byte-level (vocab 256)
+    python -m shared.prepare_data data/kjv.txt --out data/kjv_bpe --tokenizer bpe  # BPE trained on the corpus
     python -m shared.prepare_data books/ --out data/books --tokenizer gpt2         # GPT-2 BPE, if available offline
 
-Writes PREFIX.train.bin and PREFIX.val.bin (flat uint16 or uint32 token ids) and PREFIX.meta.json. A folder is
-read as its *.txt files in sorted order, each file a document; the validation split is the last `val_fraction`
-of the documents' tokens (whole documents where there are several), so it never overlaps training text.
+Writes PREFIX.train.bin and PREFIX.val.bin (flat uint16 or uint32 token ids) and PREFIX.meta.json (and, for
+`bpe`, PREFIX.tokenizer.json). A folder is read as its *.txt files, each file a document, in an order shuffled
+by --seed; the validation split is the last `val_fraction` of the documents (whole documents where there are
+several, else the end of the single text), so it never overlaps training text. `bpe` trains a byte-level BPE
+with Hugging Face `tokenizers` on the training split only.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-TOKENIZERS = ("byte", "gpt2")
+TOKENIZERS = ("byte", "gpt2", "bpe")
 
 
 def byte_encode(text: str) -> list[int]:
@@ -45,13 +48,33 @@ def gpt2_encoding():
         ) from e
 
 
-def get_tokenizer(name: str):
-    """(encode, decode, vocab_size) of a tokenizer by name."""
+def train_bpe(texts: list[str], vocab_size: int):
+    """A byte-level BPE (GPT-2 style pre-tokenization) trained on `texts` with Hugging Face tokenizers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def get_tokenizer(name: str, tokenizer_file: str | Path | None = None):
+    """(encode, decode, vocab_size) of a tokenizer by name; `bpe` needs its tokenizer file."""
     if name == "byte":
         return byte_encode, byte_decode, 256
     if name == "gpt2":
         enc = gpt2_encoding()
         return (lambda t: enc.encode_ordinary(t)), enc.decode, enc.n_vocab
+    if name == "bpe":
+        from tokenizers import Tokenizer
+
+        if tokenizer_file is None or not Path(tokenizer_file).is_file():
+            raise ValueError(f"tokenizer 'bpe' needs its tokenizer file, {str(tokenizer_file)!r} not found")
+        tok = Tokenizer.from_file(str(tokenizer_file))
+        return (lambda t: tok.encode(t).ids), tok.decode, tok.get_vocab_size()
     raise ValueError(f"unknown tokenizer {name!r}; choose one of {TOKENIZERS}")
 
 
@@ -66,32 +89,48 @@ def read_documents(source: Path) -> list[str]:
     raise ValueError(f"input {str(source)!r} is neither a file nor a folder")
 
 
-def prepare(source: str | Path, out: str | Path, tokenizer: str = "byte", val_fraction: float = 0.05) -> dict:
+def split_documents(docs: list[str], val_fraction: float) -> tuple[list[str], list[str]]:
+    """Whole documents for validation (from the end), or the end of a single text."""
+    if len(docs) > 1:
+        n_val = max(1, round(len(docs) * val_fraction))
+        return docs[:-n_val], docs[-n_val:]
+    cut = int(len(docs[0]) * (1 - val_fraction))
+    return [docs[0][:cut]], [docs[0][cut:]]
+
+
+def prepare(source: str | Path, out: str | Path, tokenizer: str = "byte", val_fraction: float = 0.05,
+            seed: int = 0, bpe_vocab: int = 4096) -> dict:
     """Tokenize `source` and write the token files; returns the metadata written."""
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
-    encode, _, vocab = get_tokenizer(tokenizer)
+    if tokenizer not in TOKENIZERS:
+        raise ValueError(f"unknown tokenizer {tokenizer!r}; choose one of {TOKENIZERS}")
     docs = read_documents(Path(source))
-    ids = [encode(d) for d in docs]
-    total = sum(len(x) for x in ids)
-    if total < 1000:
-        raise ValueError(f"input {str(source)!r} has only {total} tokens; need at least 1000")
-    if len(ids) > 1:  # whole documents for validation, from the end
-        n_val_docs = max(1, round(len(ids) * val_fraction))
-        train_ids, val_ids = ids[:-n_val_docs], ids[-n_val_docs:]
-    else:
-        cut = int(total * (1 - val_fraction))
-        train_ids, val_ids = [ids[0][:cut]], [ids[0][cut:]]
-    dtype = np.uint16 if vocab <= 2**16 else np.uint32
+    order = np.random.default_rng(seed).permutation(len(docs)) if len(docs) > 1 else [0]
+    train_docs, val_docs = split_documents([docs[i] for i in order], val_fraction)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer_file = None
+    if tokenizer == "bpe":
+        if not 256 < bpe_vocab <= 2**16:
+            raise ValueError(f"bpe_vocab must be in (256, 65536], got {bpe_vocab}")
+        tokenizer_file = Path(f"{out}.tokenizer.json")
+        train_bpe(train_docs, bpe_vocab).save(str(tokenizer_file))
+    encode, _, vocab = get_tokenizer(tokenizer, tokenizer_file)
+    train_ids, val_ids = [encode(d) for d in train_docs], [encode(d) for d in val_docs]
+    total = sum(len(x) for x in train_ids + val_ids)
+    if total < 1000:
+        raise ValueError(f"input {str(source)!r} has only {total} tokens; need at least 1000")
+    dtype = np.uint16 if vocab <= 2**16 else np.uint32
     counts = {}
     for split, parts in (("train", train_ids), ("val", val_ids)):
         arr = np.concatenate([np.asarray(p, dtype=dtype) for p in parts]) if parts else np.zeros(0, dtype)
         arr.tofile(f"{out}.{split}.bin")
         counts[split] = int(arr.size)
-    meta = {"tokenizer": tokenizer, "vocab_size": vocab, "dtype": np.dtype(dtype).name,
-            "tokens": counts, "documents": len(docs), "source": str(source)}
+    max_token = max(int(np.max(np.asarray(p))) for p in train_ids + val_ids if len(p))
+    meta = {"tokenizer": tokenizer, "vocab_size": vocab, "dtype": np.dtype(dtype).name, "max_token": max_token,
+            "tokens": counts, "documents": len(docs), "source": str(source), "seed": seed,
+            "tokenizer_file": tokenizer_file.name if tokenizer_file else None}
     Path(f"{out}.meta.json").write_text(json.dumps(meta, indent=1))
     return meta
 
@@ -102,9 +141,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True, help="output prefix, e.g. data/corpus")
     p.add_argument("--tokenizer", default="byte", choices=TOKENIZERS)
     p.add_argument("--val_fraction", "--val-fraction", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0, help="shuffles the document order before the split")
+    p.add_argument("--bpe_vocab", "--bpe-vocab", type=int, default=4096, help="vocabulary of the trained BPE")
     ns = p.parse_args(argv)
     try:
-        meta = prepare(ns.source, ns.out, ns.tokenizer, ns.val_fraction)
+        meta = prepare(ns.source, ns.out, ns.tokenizer, ns.val_fraction, ns.seed, ns.bpe_vocab)
     except ValueError as e:
         p.error(str(e))
     print(f"wrote {ns.out}.train.bin ({meta['tokens']['train']:,} tokens), {ns.out}.val.bin "

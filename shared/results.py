@@ -99,11 +99,16 @@ class RunResult:
 def build_result(*, path: str, train: TrainConfig, model_cfg: GPTConfig, ds_config: dict, world_size: int,
                  device: torch.device, attention: str, fused: dict, losses: list[float], timing: dict,
                  n_params: int, peak_mem_bytes: float | None, ds_breakdown_ms: dict | None = None,
-                 extra: dict | None = None) -> RunResult:
-    """Assemble a RunResult from a finished run's raw measurements."""
-    if not all(math.isfinite(x) for x in losses):
+                 extra: dict | None = None, allow_nonfinite: bool = False) -> RunResult:
+    """Assemble a RunResult from a finished run's raw measurements.
+
+    Non-finite losses are an error, except for steps nan_policy=skip skipped (allow_nonfinite): JSON has no NaN,
+    so those are written as null.
+    """
+    if not allow_nonfinite and not all(math.isfinite(x) for x in losses):
         bad = next(i for i, x in enumerate(losses) if not math.isfinite(x))
         raise FloatingPointError(f"loss is not finite at step {bad}: {losses[bad]}")
+    losses = [x if math.isfinite(x) else None for x in losses]
     step_time = timing["step_time_s"]["median"]
     global_batch = train.micro_batch * train.grad_accum * world_size
     k = train.flops_factor

@@ -75,7 +75,14 @@ def test_prepare_folder_keeps_whole_documents_for_validation(tmp_path):
     folder.mkdir()
     for i in range(10):
         (folder / f"{i:02d}.txt").write_text(f"document {i} " * 50)
-    meta = prepare(folder, tmp_path / "d", val_fraction=0.2)
+    docs = {i: f"document {i} " * 50 for i in range(10)}
+    meta = prepare(folder, tmp_path / "d", val_fraction=0.2, seed=1)
     assert meta["documents"] == 10
     val = byte_decode(np.fromfile(tmp_path / "d.val.bin", dtype=np.uint16).tolist())
-    assert val == "document 8 " * 50 + "document 9 " * 50
+    train = byte_decode(np.fromfile(tmp_path / "d.train.bin", dtype=np.uint16).tolist())
+    in_val = [i for i, d in docs.items() if d in val]
+    assert len(in_val) == 2 and len(val) == 2 * len(docs[0])  # two whole documents
+    assert all((d in train) != (i in in_val) for i, d in docs.items())  # no overlap, nothing lost
+    prepare(folder, tmp_path / "e", val_fraction=0.2, seed=2)
+    other = byte_decode(np.fromfile(tmp_path / "e.train.bin", dtype=np.uint16).tolist())
+    assert other != train  # the document order follows the seed

@@ -56,7 +56,7 @@ def test_trainer_module_and_loader_factors():
     assert GPTModule(cfg("model_outside_configure_model")).gpt is not None
     assert GPTModule(TrainConfig()).gpt is None  # built in configure_model, under zero.Init
     dm = DataModule(cfg("dataloader_workers"))
-    dm.trainer = SimpleNamespace(global_rank=0)
+    dm.trainer = SimpleNamespace(global_rank=0, global_step=0)
     assert dm.train_dataloader().num_workers == 4
     assert explain.factor_config(TrainConfig(), "grad_accum_2").grad_accum == 2
 

@@ -1,0 +1,239 @@
+"""Checkpoint bookkeeping both paths share: naming, completion markers, pruning, RNG state, safe loading.
+
+A checkpoint is a folder `CKPT_DIR/stepNNNNNNNN/` holding DeepSpeed's sharded files (written by the path's
+engine), one `rng_rankR.pt` per rank, and, written last by rank 0 once every rank has finished, `COMPLETE.json`
+with the step and the size of every file. A folder without that marker, or whose files no longer match it (a
+save cut short, a copy cut short, a disk that filled up), is never picked for resume. Sizes, not hashes: a 1.5b
+checkpoint is ~20 GB of optimizer state, and hashing it would add tens of seconds to every save.
+
+DeepSpeed loads its own files with torch.load(weights_only=False), i.e. by unpickling arbitrary objects. Before
+handing a checkpoint to DeepSpeed we open every .pt file with weights_only=True (tensors, containers and a short
+list of DeepSpeed/torch types): a file that needs anything else is refused unless the user opts in with
+--trust_checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+MARKER = "COMPLETE.json"
+_TAG = re.compile(r"^step(\d{8})$")
+
+
+def tag_for(step: int) -> str:
+    return f"step{step:08d}"
+
+
+def _files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MARKER)
+
+
+def write_marker(folder: Path, step: int, extra: dict | None = None) -> None:
+    """Rank 0, after a barrier: record every file of a finished checkpoint; written atomically, last."""
+    files = {str(p.relative_to(folder)): {"bytes": p.stat().st_size} for p in _files(folder)}
+    tmp = folder / (MARKER + ".tmp")
+    tmp.write_text(json.dumps({"step": step, "files": files, **(extra or {})}, indent=1))
+    os.replace(tmp, folder / MARKER)
+
+
+def is_complete(folder: Path) -> bool:
+    """The marker exists and every file it lists is there with its recorded size (sizes only: cheap)."""
+    marker = folder / MARKER
+    if not marker.is_file():
+        return False
+    try:
+        files = json.loads(marker.read_text())["files"]
+    except (json.JSONDecodeError, KeyError):
+        return False
+    return all((folder / name).is_file() and (folder / name).stat().st_size == meta["bytes"]
+               for name, meta in files.items())
+
+
+def list_checkpoints(ckpt_dir: str | Path) -> list[tuple[int, Path, bool]]:
+    """(step, folder, complete) for every stepNNNNNNNN folder, oldest first."""
+    root = Path(ckpt_dir)
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        m = _TAG.match(p.name)
+        if m and p.is_dir():
+            out.append((int(m.group(1)), p, is_complete(p)))
+    return sorted(out)
+
+
+def latest_complete(ckpt_dir: str | Path) -> Path | None:
+    complete = [p for _, p, ok in list_checkpoints(ckpt_dir) if ok]
+    return complete[-1] if complete else None
+
+
+def resolve_resume(resume: str, ckpt_dir: str | None) -> Path | None:
+    """`none` -> None; `auto` -> the newest complete checkpoint in ckpt_dir (None if there is none yet);
+    a path -> that checkpoint folder, which must be complete."""
+    if resume == "none":
+        return None
+    if resume == "auto":
+        if not ckpt_dir:
+            raise ValueError("--resume auto needs --ckpt_dir")
+        return latest_complete(ckpt_dir)
+    folder = Path(resume)
+    if not folder.is_dir():
+        raise ValueError(f"checkpoint {resume!r} does not exist")
+    if not is_complete(folder):
+        raise ValueError(f"checkpoint {resume!r} is incomplete (no {MARKER}, or a file is missing or truncated)")
+    return folder
+
+
+def prune(ckpt_dir: str | Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest `keep_last` complete checkpoints, and incomplete ones older than the newest
+    complete one (leftovers of an interrupted save). Returns what was deleted."""
+    entries = list_checkpoints(ckpt_dir)
+    complete = [p for _, p, ok in entries if ok]
+    newest = max((s for s, _, ok in entries if ok), default=None)
+    doomed = complete[:-keep_last] if keep_last > 0 else []
+    doomed += [p for s, p, ok in entries if not ok and newest is not None and s < newest]
+    for p in doomed:
+        shutil.rmtree(p, ignore_errors=True)
+    return doomed
+
+
+def rng_state() -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def save_rng(folder: Path, rank: int) -> None:
+    torch.save(rng_state(), folder / f"rng_rank{rank}.pt")
+
+
+def load_rng(folder: Path, rank: int) -> None:
+    path = folder / f"rng_rank{rank}.pt"
+    if not path.is_file():
+        raise ValueError(f"checkpoint {str(folder)!r} has no RNG state for rank {rank} "
+                         "(saved with another world size?)")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _safe_globals() -> list:
+    """Types DeepSpeed 0.19 puts in its checkpoint files besides tensors and containers."""
+    import argparse
+    import collections
+
+    allowed: list = [argparse.Namespace, collections.OrderedDict, collections.defaultdict, set, frozenset]
+    try:  # imported lazily: shared/ does not depend on DeepSpeed, only recognises its plain data types
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+
+        allowed += [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+    except ImportError:
+        pass
+    return allowed
+
+
+def check_safe_to_load(folder: Path, trust: bool) -> None:
+    """Refuse a checkpoint whose .pt files need more than weights_only=True allows, unless `trust`."""
+    if trust:
+        return
+    for path in sorted(folder.rglob("*.pt")):
+        try:
+            with torch.serialization.safe_globals(_safe_globals()):
+                torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:  # torch raises UnpicklingError (or others) for disallowed content
+            raise ValueError(
+                f"checkpoint file {str(path)!r} cannot be opened with weights_only=True ({type(e).__name__}: "
+                f"{str(e).splitlines()[0][:200]}); DeepSpeed would unpickle it. Pass --trust_checkpoint if you "
+                "trust its origin"
+            ) from e
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Consolidated weights: one fp32 .safetensors file a plain (non-DeepSpeed) GPT loads for evaluation or generation.
+# ---------------------------------------------------------------------------------------------------------------
+
+TIED = ("head.weight",)  # the LM head is the token embedding (shared/model.py): stored once, as wte.weight
+
+
+def save_exported(path: str | Path, state_dict: dict, model_config: dict, meta: dict | None = None) -> Path:
+    """Write fp32 weights and the GPTConfig (as metadata) to a .safetensors file, atomically."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state_dict.items() if k not in TIED}
+    metadata = {"model_config": json.dumps(model_config), **{k: json.dumps(v) for k, v in (meta or {}).items()}}
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    save_file(tensors, str(tmp), metadata=metadata)
+    os.replace(tmp, path)
+    return path
+
+
+def read_export_meta(path: str | Path) -> dict:
+    """The metadata of an exported file (model_config, data, step), without loading the tensors."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"exported weights {str(path)!r} do not exist")
+    with safe_open(str(path), framework="pt") as f:
+        meta = {k: json.loads(v) for k, v in (f.metadata() or {}).items()}
+    if "model_config" not in meta:
+        raise ValueError(f"{str(path)!r} has no model_config metadata: not written by this project's export")
+    return meta
+
+
+def load_exported(path: str | Path, attention: str | None = None):
+    """(GPT in eval mode with the exported weights, metadata dict). `attention` overrides the saved backend
+    (generation on a CPU uses `reference` for sparse layouts, `sdpa` for causal ones)."""
+    from safetensors.torch import load_file
+
+    from shared.config import GPTConfig
+    from shared.model import GPT
+
+    meta = read_export_meta(path)
+    cfg_dict = meta["model_config"]
+    if attention is not None:
+        cfg_dict = {**cfg_dict, "attention": attention}
+    model = GPT(GPTConfig(**cfg_dict))
+    state = load_file(str(path))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k not in TIED]
+    if missing or unexpected:
+        raise ValueError(f"{str(path)!r} does not match the model: missing {missing}, unexpected {unexpected}")
+    return model.eval(), meta
+
+
+def client_state_of(folder: Path) -> dict:
+    """The non-tensor state a path stored in its checkpoint (step, model config, data), read with weights_only."""
+    candidates = sorted(folder.rglob("*mp_rank_00_model_states.pt"))
+    if not candidates:
+        raise ValueError(f"{str(folder)!r} holds no DeepSpeed model-states file")
+    with torch.serialization.safe_globals(_safe_globals()):
+        state = torch.load(candidates[0], map_location="cpu", weights_only=True)
+    return state
+
+
+def export_live(model, model_config: dict, path: str | Path, meta: dict, rank: int, zero3: bool) -> None:
+    """Gather the live weights (ZeRO-3 partitions them across ranks) and write them as fp32 on rank 0.
+
+    Collective under ZeRO-3: every rank must call it. DeepSpeed is imported lazily, only here, only when asked.
+    """
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), enabled=zero3):
+        if rank == 0:
+            state = {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
+            save_exported(path, state, model_config, meta)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
