@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+import autotune
 import explain
 from shared.cli import add_config_args, config_from_args, to_argv
 from shared.config import TrainConfig
@@ -61,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--factors", default=None, help="--explain: comma-separated factors (default: all)")
     p.add_argument("--factor_repeats", "--factor-repeats", type=int, default=1,
                    help="--explain: rounds that also run every factor (default 1)")
+    p.add_argument("--autotune", action="store_true",
+                   help="search micro-batch, checkpointing and ZeRO knobs; write the winner (see autotune.py)")
+    p.add_argument("--mb_grid", "--mb-grid", default=None,
+                   help="--autotune: micro-batches to try (default 4,8,12,16,24,32 on GPUs, 1,2,4 on CPU)")
+    p.add_argument("--budget_s", "--budget-s", type=float, default=None,
+                   help="--autotune: time budget in seconds (default 1200 on GPUs, 300 on CPU)")
     # compare.py's --out is a report folder; each run's own JSON goes under it.
     p.set_defaults(out=None)
     return p
@@ -84,6 +91,14 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
             raise ValueError(f"--factor_repeats must be positive, got {ns.factor_repeats}")
         if ns.explain:
             explain.parse_factors(ns.factors)
+        if ns.explain and ns.autotune:
+            raise ValueError("--explain and --autotune are separate modes; pick one")
+        if ns.autotune:
+            ns.mb_grid = ns.mb_grid or ("4,8,12,16,24,32" if n_gpus else "1,2,4")
+            ns.budget_s = ns.budget_s or (1200.0 if n_gpus else 300.0)
+            autotune.parse_grid(ns.mb_grid)
+            if ns.budget_s <= 0:
+                raise ValueError(f"--budget_s must be positive, got {ns.budget_s}")
         ns.world = ns.gpus or n_gpus or ns.nproc or 1
         gpu_defaults = dict(preset="1.5b", micro_batch=8, steps=30, warmup_steps=10) if n_gpus else {}
         for key, value in gpu_defaults.items():
@@ -296,9 +311,19 @@ def main(argv: list[str] | None = None) -> dict:
     where = f"{ns.world} GPU(s)" if torch.cuda.is_available() else f"{ns.world} CPU process(es), gloo"
     print(f"compare: preset {train.preset}, ZeRO-{train.stage} {train.precision}, micro-batch {train.micro_batch}, "
           f"{train.steps} steps ({train.warmup_steps} warmup), {ns.repeats} repeats, {where}", flush=True)
+    run = lambda path, cfg, out, log: launch(path, cfg, ns.world, out, log, ns.timeout)
+    if ns.autotune:
+        report = autotune.run_autotune(train, ns, run, out_dir)
+        report["command"] = " ".join(["python", "compare.py", *argv])
+        report["versions"] = versions()
+        (out_dir / "autotune.json").write_text(json.dumps(report, indent=1))
+        print()
+        print(autotune.format_autotune(report))
+        print(f"\nwrote {out_dir / 'autotune.json'}" + (f", {out_dir / 'winner_ds_config.json'}"
+                                                        if report["winner"] else ""))
+        return report
     if ns.explain:
-        report = explain.run_explain(
-            train, ns, lambda path, cfg, out, log: launch(path, cfg, ns.world, out, log, ns.timeout), out_dir)
+        report = explain.run_explain(train, ns, run, out_dir)
         report["command"] = " ".join(["python", "compare.py", *argv])
         report["versions"] = versions()
         explain.write_explain(report, out_dir)

@@ -1,0 +1,161 @@
+"""`python compare.py --autotune`: find the fastest micro-batch, activation checkpointing and ZeRO knobs for the
+chosen preset and GPU count, within a time budget, and write the winner as a DeepSpeed JSON both paths accept.
+
+Search, on the raw path (the faster one to start), each candidate a short run of its own:
+  1. micro-batch x activation checkpointing: micro-batches of --mb_grid in increasing order without
+     checkpointing, stopping at the first that runs out of memory or is slower than the one before it (early
+     stop); then, with checkpointing, the micro-batches above the largest that fitted without it.
+  2. ZeRO-3 prefetch bucket, then reduce bucket, then parameter persistence threshold, one knob at a time
+     (coordinate descent) from the best so far.
+Candidates are ranked by tokens/s per GPU, not TFLOPs: with activation checkpointing the formula counts the
+recomputed forward (k=4) as work, which would flatter the slower configuration. The budget stops the search
+before a candidate that would not finish in it (estimated from the slowest run so far).
+
+DeepSpeed ships an autotuner of its own (`deepspeed --autotuning tune`); it needs its launcher with a hostfile
+and its own search over the same knobs. It was not run on the device for this comparison (see README).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+from shared.config import TrainConfig
+from shared.ds_config import build_ds_config
+
+PREFETCH = (50_000_000, 200_000_000, 500_000_000, 1_000_000_000)
+REDUCE = (50_000_000, 200_000_000, 500_000_000)
+PERSISTENCE = (10_000, 100_000, 1_000_000, 10_000_000)
+
+
+def parse_grid(text: str) -> list[int]:
+    try:
+        grid = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError as e:
+        raise ValueError(f"--mb_grid must be comma-separated integers, got {text!r}") from e
+    if not grid or grid[0] <= 0:
+        raise ValueError(f"--mb_grid needs positive micro-batches, got {text!r}")
+    return grid
+
+
+def knobs(cfg: TrainConfig) -> dict:
+    """The candidate's effective settings (the profile's values filled in), so equal configurations match."""
+    zero = build_ds_config(cfg)["zero_optimization"]
+    return {"micro_batch": cfg.micro_batch, "activation_checkpointing": cfg.activation_checkpointing,
+            "prefetch_bucket_size": zero.get("stage3_prefetch_bucket_size"),
+            "reduce_bucket_size": zero.get("reduce_bucket_size"),
+            "param_persistence_threshold": zero.get("stage3_param_persistence_threshold")}
+
+
+class Search:
+    def __init__(self, base: TrainConfig, ns, launch, out_dir: Path):
+        self.base, self.ns, self.launch, self.out_dir = base, ns, launch, out_dir
+        self.t0 = time.perf_counter()
+        self.slowest = 0.0
+        self.tried: list[dict] = []
+
+    def over_budget(self) -> bool:
+        return time.perf_counter() - self.t0 + self.slowest > self.ns.budget_s
+
+    def run(self, cfg: TrainConfig) -> dict | None:
+        """One candidate; None when the budget is spent. OOM and failures are recorded, not raised."""
+        key = knobs(cfg)
+        for row in self.tried:
+            if row["knobs"] == key:
+                return row
+        if self.over_budget():
+            return None
+        i = len(self.tried)
+        t = time.perf_counter()
+        row = {"i": i, "knobs": key}
+        try:
+            r = self.launch("deepspeed", cfg, self.out_dir / "runs" / f"candidate_{i}.json",
+                            self.out_dir / "logs" / f"candidate_{i}.log")
+            row.update(status="ok", tokens_per_s_per_gpu=r.tokens_per_s_per_gpu, tflops_per_gpu=r.tflops_per_gpu,
+                       mfu=r.mfu, peak_mem_gib=r.peak_mem_gib, step_time_s=r.step_time_s["median"])
+        except Exception as e:  # compare.CompareError: the run failed; say why in the table
+            text = str(e)
+            row.update(status="oom" if "does not fit" in text else "failed", error=text.splitlines()[0][:300])
+        row["wall_s"] = time.perf_counter() - t
+        self.slowest = max(self.slowest, row["wall_s"])
+        self.tried.append(row)
+        speed = f"{row['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU" if row["status"] == "ok" else row["status"]
+        print(f"  candidate {i}: {key} -> {speed}", flush=True)
+        return row
+
+    def best(self) -> dict | None:
+        ok = [r for r in self.tried if r["status"] == "ok"]
+        return max(ok, key=lambda r: r["tokens_per_s_per_gpu"]) if ok else None
+
+
+def run_autotune(train: TrainConfig, ns, launch, out_dir: Path) -> dict:
+    base = dataclasses.replace(train, zero_profile="tuned", wall_clock_breakdown=False)
+    search = Search(base, ns, launch, out_dir)
+    grid = parse_grid(ns.mb_grid)
+
+    # 1. micro-batch without, then with, activation checkpointing
+    largest_fit, previous = None, None
+    for mb in grid:
+        row = search.run(dataclasses.replace(base, micro_batch=mb))
+        if row is None or row["status"] != "ok":
+            break
+        largest_fit = mb
+        if previous and row["tokens_per_s_per_gpu"] < previous["tokens_per_s_per_gpu"]:
+            break  # early stop: a larger micro-batch stopped paying
+        previous = row
+    for mb in [m for m in grid if largest_fit is None or m > largest_fit]:
+        row = search.run(dataclasses.replace(base, micro_batch=mb, activation_checkpointing=True))
+        if row is None or row["status"] != "ok":
+            break
+
+    # 2. ZeRO-3 knobs, one at a time from the best so far
+    if base.stage == 3:
+        for field, values in (("prefetch_bucket_size", PREFETCH), ("reduce_bucket_size", REDUCE),
+                              ("param_persistence_threshold", PERSISTENCE)):
+            best = search.best()
+            if best is None:
+                break
+            for v in values:
+                if search.run(dataclasses.replace(base, **{**best["knobs"], field: v})) is None:
+                    break
+
+    winner = search.best()
+    report = {
+        "preset": train.preset, "world_size": ns.world, "budget_s": ns.budget_s,
+        "elapsed_s": time.perf_counter() - search.t0,
+        "ranking": sorted(search.tried, key=lambda r: -r.get("tokens_per_s_per_gpu", -1.0)),
+        "winner": winner,
+    }
+    if winner is not None:
+        cfg = dataclasses.replace(base, **winner["knobs"])
+        (out_dir / "winner_ds_config.json").write_text(json.dumps(build_ds_config(cfg, cfg.model(), ns.world),
+                                                                  indent=1))
+        flags = [f"--ds_config {out_dir / 'winner_ds_config.json'}", f"--micro_batch {cfg.micro_batch}"]
+        if cfg.activation_checkpointing:
+            flags.append("--activation_checkpointing")
+        report["winner_flags"] = " ".join(flags)
+    (out_dir / "autotune.json").write_text(json.dumps(report, indent=1))
+    return report
+
+
+def format_autotune(report: dict) -> str:
+    lines = [f"{'#':>3} {'tokens/s/GPU':>13} {'TFLOPs/GPU':>11} {'peak GiB':>9}  configuration"]
+    for r in report["ranking"]:
+        k = r["knobs"]
+        conf = (f"mb {k['micro_batch']}{' +ckpt' if k['activation_checkpointing'] else ''}"
+                f" prefetch {k['prefetch_bucket_size']:.0e} reduce {k['reduce_bucket_size']:.0e}"
+                f" persist {k['param_persistence_threshold']:.0e}")
+        if r["status"] == "ok":
+            mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "n/a"
+            lines.append(f"{r['i']:>3} {r['tokens_per_s_per_gpu']:>13,.0f} {r['tflops_per_gpu']:>11.3f} {mem:>9}  "
+                         f"{conf}")
+        else:
+            lines.append(f"{r['i']:>3} {r['status']:>13} {'':>11} {'':>9}  {conf}")
+    w = report["winner"]
+    lines.append("")
+    lines.append(f"winner: candidate {w['i']}; train with {report['winner_flags']}" if w else "no candidate ran")
+    lines.append(f"searched {len(report['ranking'])} candidates in {report['elapsed_s']:.0f}s "
+                 f"(budget {report['budget_s']}s)")
+    return "\n".join(lines)

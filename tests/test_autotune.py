@@ -1,0 +1,71 @@
+"""compare.py --autotune: the search logic on a fake launcher, and a real sweep of the tiny preset on CPU."""
+
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+import autotune
+from compare import CompareError
+from shared.config import TrainConfig
+from tests.helpers import FAST, LIGHTNING, RAW, ROOT, load, run
+
+
+def fake_launch(fits_up_to: int, calls: list):
+    """Throughput grows with the micro-batch; larger than `fits_up_to` runs out of memory without checkpointing."""
+
+    def launch(path, cfg, out, log):
+        calls.append(cfg)
+        if cfg.micro_batch > fits_up_to and not cfg.activation_checkpointing:
+            raise CompareError("deepspeed run failed; reason: error: micro_batch 16 does not fit in H200")
+        speed = 1000.0 * cfg.micro_batch * (0.7 if cfg.activation_checkpointing else 1.0)
+        speed *= 1.1 if cfg.prefetch_bucket_size == 1_000_000_000 else 1.0
+        return SimpleNamespace(tokens_per_s_per_gpu=speed, tflops_per_gpu=speed / 100, mfu=None, peak_mem_gib=1.0,
+                               step_time_s={"median": 1.0 / speed})
+
+    return launch
+
+
+def test_search_stops_at_the_first_oom_then_tries_checkpointing_then_the_knobs(tmp_path):
+    calls = []
+    ns = SimpleNamespace(mb_grid="4,8,16,32", budget_s=1e9, world=1)
+    report = autotune.run_autotune(TrainConfig(preset="tiny"), ns, fake_launch(8, calls), tmp_path)
+    tried = [(c.micro_batch, c.activation_checkpointing) for c in calls]
+    assert tried[:5] == [(4, False), (8, False), (16, False), (16, True), (32, True)]  # 32 w/o ckpt never tried
+    statuses = {r["i"]: r["status"] for r in report["ranking"]}
+    assert statuses[2] == "oom"
+    w = report["winner"]["knobs"]
+    assert (w["micro_batch"], w["activation_checkpointing"], w["prefetch_bucket_size"]) == (32, True, 1_000_000_000)
+    assert "--micro_batch 32 --activation_checkpointing" in report["winner_flags"]
+    assert (tmp_path / "winner_ds_config.json").is_file() and (tmp_path / "autotune.json").is_file()
+
+
+def test_search_respects_the_budget(tmp_path):
+    calls = []
+    ns = SimpleNamespace(mb_grid="4,8,16,32", budget_s=0.0, world=1)
+    report = autotune.run_autotune(TrainConfig(preset="tiny"), ns, fake_launch(64, calls), tmp_path)
+    assert calls == [] and report["winner"] is None
+    assert "no candidate ran" in autotune.format_autotune(report)
+
+
+@pytest.mark.parametrize("args, message", [(["--mb_grid", "a,b"], "--mb_grid must be comma-separated integers"),
+                                           (["--explain", "--autotune"], "separate modes")])
+def test_bad_autotune_arguments(args, message):
+    proc = run([sys.executable, ROOT / "compare.py", "--autotune", *args], check=False, timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr
+
+
+@pytest.mark.slow
+def test_autotune_sweep_on_cpu_and_both_paths_accept_the_winner(tmp_path):
+    run([sys.executable, ROOT / "compare.py", "--autotune", "--mb_grid", "1,2", "--steps", "3", "--warmup_steps",
+         "1", "--budget_s", "90", "--out", tmp_path], timeout=400)
+    report = load(tmp_path / "autotune.json")
+    assert report["winner"] is not None and len(report["ranking"]) >= 3
+    assert all(r["status"] == "ok" for r in report["ranking"])
+    mb = report["winner"]["knobs"]["micro_batch"]
+    winner_cfg = tmp_path / "winner_ds_config.json"
+    for script, out in ((RAW, "raw.json"), (LIGHTNING, "pl.json")):
+        run([sys.executable, script, *FAST, "--ds_config", winner_cfg, "--micro_batch", mb, "--out", tmp_path / out])
+    assert load(tmp_path / "raw.json")["ds_config"] == load(tmp_path / "pl.json")["ds_config"]
+    assert load(tmp_path / "raw.json")["ds_config"]["zero_optimization"]["stage3_prefetch_bucket_size"] == \
+        report["winner"]["knobs"]["prefetch_bucket_size"]
