@@ -197,7 +197,7 @@ class TimingCallback(pl.Callback):
         timed = max(0, self.train.steps - self.start - 1)
         self.result = build_result(
             path="lightning", train=self.train, model_cfg=pl_module.model_cfg, ds_config=ds_config,
-            world_size=trainer.world_size, device=device, attention=pl_module.gpt.attention_backend, fused={},
+            world_size=trainer.world_size, device=device, attention=pl_module.gpt.attention_backend,
             losses=losses, timing=self.timer.summary(min(self.train.warmup_steps, timed)),
             n_params=count_parameters(pl_module.gpt),
             ds_breakdown_ms=self.breakdown.summary(self.train.warmup_steps * self.train.grad_accum),

@@ -189,7 +189,7 @@ def main(train: TrainConfig) -> RunResult:
     result = build_result(
         path="deepspeed", train=train, model_cfg=model_cfg, world_size=world, device=device,
         ds_config=json.loads(json.dumps(engine.config)),  # what DeepSpeed received
-        attention=model.attention_backend, fused={}, losses=losses, allow_nonfinite=bool(nan_guard.skipped),
+        attention=model.attention_backend, losses=losses, allow_nonfinite=bool(nan_guard.skipped),
         timing=timer.summary(min(train.warmup_steps, max(0, train.steps - start - 1))),
         n_params=count_parameters(model),
         ds_breakdown_ms=breakdown.summary(train.warmup_steps * train.grad_accum),

@@ -67,6 +67,8 @@ class GPTConfig:
     """segment length of the `strided` layout, in blocks (Sparse Transformer's fixed pattern)"""
     activation_checkpointing: bool = False
     """recompute each block in backward (torch.utils.checkpoint): FLOPs factor k=4 instead of 3"""
+    fused_loss: bool = False
+    """LM head + cross-entropy over row chunks, never the whole batch's fp32 logits (shared/fused_loss.py)"""
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "sparse_block",
@@ -177,6 +179,8 @@ class TrainConfig:
     """override both dropout rates of the preset"""
     activation_checkpointing: bool = False
     """recompute blocks in backward (FLOPs factor k=4)"""
+    fused_loss: bool = False
+    """chunked linear + cross-entropy in the LM head (no full fp32 logits; shared/fused_loss.py)"""
     zero_profile: str = "original"
     """DeepSpeed config rules: original (the 2022 study's bucket sizes) | tuned (see shared/ds_config.py)"""
     reduce_bucket_size: int | None = None
@@ -289,6 +293,7 @@ class TrainConfig:
             dropout=drop,
             attn_dropout=drop,
             activation_checkpointing=self.activation_checkpointing,
+            fused_loss=self.fused_loss,
         )
 
     @property

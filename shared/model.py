@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from shared.attention import build_attention
 from shared.config import GPTConfig
+from shared.fused_loss import chunked_linear_cross_entropy
 
 INIT_STD = 0.02
 
@@ -101,11 +102,14 @@ class Block(nn.Module):
 class LMHead(nn.Module):
     """Logits (or the loss) against the tied token-embedding matrix; owns no new parameter."""
 
-    def __init__(self, weight: nn.Parameter):
+    def __init__(self, weight: nn.Parameter, fused_loss: bool = False):
         super().__init__()
         self.weight = weight
+        self.fused_loss = fused_loss
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if targets is not None and self.fused_loss:
+            return chunked_linear_cross_entropy(x, self.weight, targets)
         logits = F.linear(x, self.weight)  # (B, T, V)
         if targets is None:
             return logits
@@ -121,7 +125,7 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.head = LMHead(self.wte.weight)
+        self.head = LMHead(self.wte.weight, cfg.fused_loss)
         self.attention_backend = self.blocks[0].attn.attn.backend
         self.register_buffer("pos", torch.arange(cfg.seq_len), persistent=False)
 
@@ -148,3 +152,8 @@ def count_parameters(model: nn.Module) -> int:
         seen.add(id(p))
         total += getattr(p, "ds_numel", p.numel())
     return total
+
+
+def fused_paths(cfg: GPTConfig) -> dict[str, bool]:
+    """Every optional fused path and whether this model runs it (recorded in each result JSON)."""
+    return {"chunked_linear_cross_entropy": cfg.fused_loss}

@@ -20,6 +20,7 @@ import torch
 
 from shared import flops, layouts
 from shared.config import GPTConfig, TrainConfig
+from shared.model import fused_paths
 
 RESULT_VERSION = 1
 
@@ -97,7 +98,7 @@ class RunResult:
 
 
 def build_result(*, path: str, train: TrainConfig, model_cfg: GPTConfig, ds_config: dict, world_size: int,
-                 device: torch.device, attention: str, fused: dict, losses: list[float], timing: dict,
+                 device: torch.device, attention: str, losses: list[float], timing: dict,
                  n_params: int, peak_mem_bytes: float | None, ds_breakdown_ms: dict | None = None,
                  extra: dict | None = None, allow_nonfinite: bool = False) -> RunResult:
     """Assemble a RunResult from a finished run's raw measurements.
@@ -129,7 +130,7 @@ def build_result(*, path: str, train: TrainConfig, model_cfg: GPTConfig, ds_conf
         device=dev,
         world_size=world_size,
         attention=attention,
-        fused=fused,
+        fused=fused_paths(model_cfg),
         losses=losses,
         steps=train.steps,
         warmup_steps=train.warmup_steps,
