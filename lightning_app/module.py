@@ -17,6 +17,7 @@ from pathlib import Path
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
+from pytorch_lightning.trainer.states import TrainerFn
 from torchmetrics import MeanMetric
 
 from shared import checkpoint, flops
@@ -179,7 +180,7 @@ class TimingCallback(pl.Callback):
             self._step_loss = torch.zeros((), device=pl_module.device)
 
     def on_validation_end(self, trainer, pl_module):
-        if trainer.training:
+        if trainer.state.fn == TrainerFn.FITTING:  # validation inside fit (trainer.training is False here)
             self.timer.start()  # validation time is not a training step's
 
     def on_train_end(self, trainer, pl_module):

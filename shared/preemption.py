@@ -29,9 +29,10 @@ class Preemption:
         """Collective: call on every rank after every step; True on all ranks at once when any got SIGTERM."""
         if (step + 1) % self.every:
             return False
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return self.received  # one process: nothing to agree on, no sync
         flag = torch.tensor([1.0 if self.received else 0.0], device=self.device)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
     def restore(self) -> None:
