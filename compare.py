@@ -29,11 +29,11 @@ import explain
 from shared.cli import add_config_args, config_from_args, to_argv
 from shared.config import TrainConfig
 from shared.results import RunResult, versions
+from shared.timing import PHASES
 
 ROOT = Path(__file__).resolve().parent
 SCRIPTS = {"deepspeed": ROOT / "plain_deepspeed" / "train.py", "lightning": ROOT / "lightning_app" / "train.py"}
 PATHS = ("deepspeed", "lightning")
-PHASES = ("data", "forward", "backward", "step")
 # Largest |loss_lightning - loss_deepspeed| over the compared steps that still counts as parity. Both paths run
 # the same kernels on the same batches with the same seeds; on CPU they agree bit for bit. On GPUs, kernels with
 # atomics (embedding backward, split-K matmuls, the flash-attention backward) are not bitwise deterministic,

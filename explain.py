@@ -23,8 +23,8 @@ from pathlib import Path
 from shared import flops
 from shared.config import LIGHTNING_OVERHEADS, TrainConfig
 from shared.results import RunResult
+from shared.timing import PHASES
 
-PHASES = ("data", "forward", "backward", "step")
 # Factors that change the run's config rather than switch on a Lightning overhead.
 CONFIG_FACTORS = {
     "grad_accum_2": ("2 gradient-accumulation micro-steps per step in Lightning, 1 in raw (the study's scripts "
