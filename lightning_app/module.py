@@ -23,7 +23,7 @@ from torchmetrics import MeanMetric
 from shared import checkpoint, flops
 from shared.config import TrainConfig
 from shared.distributed import apply_gc_policy, dropout_seed, seed_all
-from shared.ds_runtime import BreakdownCollector, grad_norm
+from shared.ds_runtime import BreakdownCollector, progress_extras
 from shared.model import GPT, count_parameters
 from shared.optim import build_optimizer, build_scheduler
 from shared.preemption import Preemption
@@ -145,8 +145,7 @@ class TimingCallback(pl.Callback):
             self.train.steps, device, self.timer, per_gpu_flops, self.train.log_every,
             enabled=trainer.global_rank == 0, prefix="[lightning] ", peak_flops=peak, csv_path=self.train.log_csv,
             first_step=self.start, stop_on_nan=self.train.nan_policy == "stop",
-            extras=lambda: {"lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm(engine),
-                            "mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None})
+            extras=progress_extras(scheduler, engine, device))
         self._step_loss = torch.zeros((), device=device)
         self.breakdown = BreakdownCollector(engine)
         apply_gc_policy("auto" if "python_gc_auto" in on else self.train.python_gc)
@@ -232,13 +231,7 @@ class CheckpointCallback(pl.Callback):
         self.timing.progress.check_finite(step - 1)  # never save after a non-finite loss
         folder = Path(self.train.ckpt_dir) / checkpoint.tag_for(step)
         trainer.save_checkpoint(folder)  # collective: DeepSpeed writes folder/checkpoint/ on every rank
-        checkpoint.save_rng(folder, trainer.global_rank)
-        trainer.strategy.barrier()
-        if trainer.global_rank == 0:
-            checkpoint.write_marker(folder, step, {"path": "lightning"})
-            checkpoint.prune(self.train.ckpt_dir, self.train.keep_last)
-            print(f"[lightning] saved checkpoint {folder}", flush=True)
-        trainer.strategy.barrier()
+        checkpoint.commit(folder, step, trainer.global_rank, self.train, "lightning", trainer.strategy.barrier)
         self.timing.timer.start()  # the save is not a training step's time
         return folder
 
@@ -246,11 +239,9 @@ class CheckpointCallback(pl.Callback):
         if (batch_idx + 1) % self.train.grad_accum:
             return
         done = trainer.global_step
-        saved = False
-        if self.train.ckpt_dir and ((self.train.save_every and done % self.train.save_every == 0)
-                                    or done == self.train.steps):
+        saved = checkpoint.due(self.train, done)
+        if saved:
             self.save(trainer, done)
-            saved = True
         if self.preemption.should_stop(done - 1):
             if self.train.ckpt_dir and not saved:
                 self.save(trainer, done)

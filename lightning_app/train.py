@@ -26,7 +26,7 @@ from lightning_app.strategy import ZeroPrecision, ZeroStrategy
 from shared import checkpoint
 from shared.cli import parse_train_config
 from shared.config import TrainConfig
-from shared.data import make_loader
+from shared.data import train_loader, val_loader
 from shared.distributed import check_precision, oom_message, run_cli
 from shared.ds_config import build_ds_config
 from shared.preemption import EXIT_CODE
@@ -79,20 +79,15 @@ class DataModule(pl.LightningDataModule):
         self.train_cfg = train
 
     def train_dataloader(self):
-        cfg, model = self.train_cfg, self.train_cfg.model()
+        cfg = self.train_cfg
         on = cfg.overheads
         start = self.trainer.global_step  # restored from the checkpoint before the loaders are built
-        return make_loader(cfg.data, model.vocab_size, model.seq_len, cfg.micro_batch, cfg.seed,
-                           self.trainer.global_rank, (cfg.steps - start) * cfg.grad_accum,
-                           start_micro_step=start * cfg.grad_accum,
-                           pin_memory=torch.cuda.is_available() and "no_pin_memory" not in on,
-                           num_workers=4 if "dataloader_workers" in on else 0)
+        return train_loader(cfg, self.trainer.global_rank, start,
+                            pin_memory=torch.cuda.is_available() and "no_pin_memory" not in on,
+                            num_workers=4 if "dataloader_workers" in on else 0)
 
     def val_dataloader(self):
-        cfg, model = self.train_cfg, self.train_cfg.model()
-        return make_loader(cfg.data, model.vocab_size, model.seq_len, cfg.micro_batch, cfg.seed,
-                           self.trainer.global_rank, cfg.val_batches, split="val",
-                           pin_memory=torch.cuda.is_available())
+        return val_loader(self.train_cfg, self.trainer.global_rank, pin_memory=torch.cuda.is_available())
 
 
 def build_trainer(train: TrainConfig, callbacks: list[pl.Callback]) -> pl.Trainer:

@@ -23,7 +23,7 @@ from torchmetrics import MeanMetric
 from shared import checkpoint, flops
 from shared.cli import parse_train_config
 from shared.config import TrainConfig
-from shared.data import make_loader
+from shared.data import train_loader, val_loader
 from shared.distributed import (
     apply_gc_policy,
     backend_for,
@@ -36,7 +36,7 @@ from shared.distributed import (
     seed_all,
 )
 from shared.ds_config import build_ds_config
-from shared.ds_runtime import BreakdownCollector, grad_norm
+from shared.ds_runtime import BreakdownCollector, progress_extras
 from shared.model import GPT, count_parameters
 from shared.optim import build_optimizer, build_scheduler
 from shared.preemption import EXIT_CODE, Preemption
@@ -52,13 +52,7 @@ def save(engine, train: TrainConfig, step: int, progress: Progress, rank: int) -
     folder = Path(train.ckpt_dir) / tag
     client = {"step": step, "model_config": dataclasses.asdict(train.model()), "data": train.data}
     engine.save_checkpoint(train.ckpt_dir, tag=tag, client_state=client)
-    checkpoint.save_rng(folder, rank)
-    dist.barrier()
-    if rank == 0:
-        checkpoint.write_marker(folder, step, {"path": "deepspeed"})
-        checkpoint.prune(train.ckpt_dir, train.keep_last)
-        print(f"[deepspeed] saved checkpoint {folder}", flush=True)
-    dist.barrier()
+    checkpoint.commit(folder, step, rank, train, "deepspeed", dist.barrier)
     return folder
 
 
@@ -107,11 +101,8 @@ def main(train: TrainConfig) -> RunResult:
         raise ValueError(f"checkpoint {resume_from} is at step {start}, not before --steps {train.steps}")
 
     pin = device.type == "cuda"
-    loader = make_loader(train.data, model_cfg.vocab_size, model_cfg.seq_len, train.micro_batch, train.seed, rank,
-                         (train.steps - start) * train.grad_accum, start_micro_step=start * train.grad_accum,
-                         pin_memory=pin)
-    val_loader = make_loader(train.data, model_cfg.vocab_size, model_cfg.seq_len, train.micro_batch, train.seed,
-                             rank, train.val_batches, split="val", pin_memory=pin) if train.val_every else None
+    loader = train_loader(train, rank, start, pin_memory=pin)
+    val_batches = val_loader(train, rank, pin_memory=pin) if train.val_every else None
     timer = PhaseTimer(device, micro_steps=train.grad_accum)
     breakdown = BreakdownCollector(engine)
     per_gpu_flops = flops.step_flops(model_cfg, train.micro_batch * train.grad_accum, train.flops_factor)
@@ -119,8 +110,7 @@ def main(train: TrainConfig) -> RunResult:
     progress = Progress(train.steps, device, timer, per_gpu_flops, train.log_every, enabled=rank == 0,
                         prefix="[deepspeed] ", peak_flops=peak, csv_path=train.log_csv, first_step=start,
                         stop_on_nan=train.nan_policy == "stop",
-                        extras=lambda: {"lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm(engine),
-                                        "mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if pin else None})
+                        extras=progress_extras(scheduler, engine, device))
     preemption = Preemption(device, train.sigterm_check_every)
     nan_guard = NanGuard(train, device)
     history = {"val": []}
@@ -156,18 +146,19 @@ def main(train: TrainConfig) -> RunResult:
                 step_loss += loss.detach()
             progress.record(step, step_loss / train.grad_accum)
             done = step + 1
-            if val_loader is not None and done % train.val_every == 0:
-                history["val"].append({"step": done, **validate(engine, val_loader, device)})
+            if val_batches is not None and done % train.val_every == 0:
+                history["val"].append({"step": done, **validate(engine, val_batches, device)})
                 if rank == 0:
                     v = history["val"][-1]
                     print(f"[deepspeed] validation at step {done}: loss {v['val_loss']:.4f}, "
                           f"perplexity {v['val_ppl']:.2f}", flush=True)
                 timer.start()  # validation time is not a training step's
-            if train.ckpt_dir and ((train.save_every and done % train.save_every == 0) or done == train.steps):
+            saved = checkpoint.due(train, done)
+            if saved:
                 save(engine, train, done, progress, rank)
                 timer.start()
             if preemption.should_stop(step):
-                if train.ckpt_dir and not (train.save_every and done % train.save_every == 0):
+                if train.ckpt_dir and not saved:
                     save(engine, train, done, progress, rank)
                 if rank == 0:
                     print(f"[deepspeed] SIGTERM: stopped after step {done}", flush=True)

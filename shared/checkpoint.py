@@ -103,6 +103,23 @@ def prune(ckpt_dir: str | Path, keep_last: int) -> list[Path]:
     return doomed
 
 
+def due(train, step: int) -> bool:
+    """Whether a path saves after optimizer step `step`: every save_every steps and at the last one."""
+    return bool(train.ckpt_dir) and ((train.save_every and step % train.save_every == 0) or step == train.steps)
+
+
+def commit(folder: Path, step: int, rank: int, train, path: str, barrier) -> None:
+    """After the engine wrote its shards into `folder` (on every rank): each rank's RNG state, then, once all
+    ranks are done, rank 0 writes the completion marker last and prunes old checkpoints."""
+    save_rng(folder, rank)
+    barrier()
+    if rank == 0:
+        write_marker(folder, step, {"path": path})
+        prune(train.ckpt_dir, train.keep_last)
+        print(f"[{path}] saved checkpoint {folder}", flush=True)
+    barrier()
+
+
 def rng_state() -> dict:
     state = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():

@@ -125,3 +125,18 @@ def make_loader(data: str, vocab_size: int, seq_len: int, micro_batch: int, seed
     # An own generator: iterating a DataLoader otherwise draws its base seed from torch's global RNG.
     return DataLoader(ds, batch_size=None, shuffle=False, num_workers=num_workers, pin_memory=pin_memory,
                       generator=torch.Generator().manual_seed(seed))
+
+
+def train_loader(train, rank: int, start_step: int = 0, pin_memory: bool = False, num_workers: int = 0) -> DataLoader:
+    """The training batches of a TrainConfig for `rank`, from optimizer step `start_step` (resume) to the end."""
+    model = train.model()
+    return make_loader(train.data, model.vocab_size, model.seq_len, train.micro_batch, train.seed, rank,
+                       (train.steps - start_step) * train.grad_accum, start_micro_step=start_step * train.grad_accum,
+                       pin_memory=pin_memory, num_workers=num_workers)
+
+
+def val_loader(train, rank: int, pin_memory: bool = False) -> DataLoader:
+    """The same `val_batches` validation batches every time they are asked for."""
+    model = train.model()
+    return make_loader(train.data, model.vocab_size, model.seq_len, train.micro_batch, train.seed, rank,
+                       train.val_batches, split="val", pin_memory=pin_memory)

@@ -42,3 +42,12 @@ def grad_norm(engine) -> float | None:
     """
     norm = engine.get_global_grad_norm()
     return None if norm is None else float(norm)
+
+
+def progress_extras(scheduler, engine, device):
+    """What progress lines and the CSV log add to the loss: LR, grad norm, peak memory (read per interval)."""
+    import torch
+
+    cuda = device.type == "cuda"
+    return lambda: {"lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm(engine),
+                    "mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None}
