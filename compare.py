@@ -111,13 +111,16 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
     return train, ns
 
 
-def launch(path: str, train: TrainConfig, world: int, out: Path, log: Path, timeout: int) -> RunResult:
-    """Run one path in its own processes (torchrun, one process per GPU) and read back its RunResult."""
+def launch(path: str, train: TrainConfig, world: int, out: Path, log: Path, timeout: int,
+           env: dict | None = None) -> RunResult:
+    """Run one path in its own processes (torchrun, one process per GPU) and read back its RunResult.
+
+    env: extra environment for the run (e.g. CUDA_VISIBLE_DEVICES to pin it to some of the GPUs)."""
     run_cfg = dataclasses.replace(train, out=str(out))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
            str(SCRIPTS[path]), *to_argv(run_cfg)]
     log.parent.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     t0 = time.perf_counter()
     with open(log, "w") as f:

@@ -16,6 +16,9 @@ PRECISIONS = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "fusedadam")
 ZERO_PROFILES = ("original", "tuned")
 GC_POLICIES = ("auto", "freeze")
+COMPILE_MODES = ("none", "blocks")
+# The model-level fused paths: one switch each, GPTConfig and TrainConfig fields of the same name.
+FUSED_FLAGS = ("fused_loss", "fused_bias_dropout_add", "fused_bias_gelu", "fused_layernorm")
 NAN_POLICIES = ("stop", "skip")
 # Overheads the Lightning path can switch on one at a time (compare.py --explain); lightning_app/ implements each.
 LIGHTNING_OVERHEADS = {
@@ -69,6 +72,15 @@ class GPTConfig:
     """recompute each block in backward (torch.utils.checkpoint): FLOPs factor k=4 instead of 3"""
     fused_loss: bool = False
     """LM head + cross-entropy over row chunks, never the whole batch's fp32 logits (shared/fused_loss.py)"""
+    fused_bias_dropout_add: bool = False
+    """residual + dropout(x W^T + b) of both branch outputs as one compiled kernel (shared/fused_ops.py)"""
+    fused_bias_gelu: bool = False
+    """gelu(x W^T + b) of the MLP as one compiled kernel after the bias-free matmul (shared/fused_ops.py)"""
+    fused_layernorm: bool = False
+    """liger-kernel's Triton LayerNorm forward/backward (CUDA only; shared/fused_ops.py)"""
+    compile: str = "none"
+    """none | blocks: torch.compile each block's forward; under ZeRO-3 the block is a DeepSpeed leaf module,
+    so its parameters are gathered in one hook outside the compiled region (shared/model.py)"""
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "sparse_block",
@@ -94,6 +106,10 @@ class GPTConfig:
                 raise ValueError(f"{name} must be in [0, 1), got {value!r}")
         if self.layout not in LAYOUTS and not self.layout.endswith(".pt"):
             raise ValueError(f"unknown layout {self.layout!r}; choose one of {LAYOUTS} or a path to a .pt file")
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"unknown compile mode {self.compile!r}; choose one of {COMPILE_MODES}")
+        if self.fused_layernorm and not self.bias:
+            raise ValueError("fused_layernorm (liger-kernel's LayerNorm) needs bias=True")
 
     @property
     def head_dim(self) -> int:
@@ -181,6 +197,14 @@ class TrainConfig:
     """recompute blocks in backward (FLOPs factor k=4)"""
     fused_loss: bool = False
     """chunked linear + cross-entropy in the LM head (no full fp32 logits; shared/fused_loss.py)"""
+    fused_bias_dropout_add: bool = False
+    """residual + dropout(x W^T + b) as one compiled kernel (shared/fused_ops.py)"""
+    fused_bias_gelu: bool = False
+    """gelu(x W^T + b) as one compiled kernel (shared/fused_ops.py)"""
+    fused_layernorm: bool = False
+    """liger-kernel's Triton LayerNorm (CUDA only)"""
+    compile: str = "none"
+    """none | blocks: torch.compile each block (a DeepSpeed ZeRO-3 leaf module; see shared/model.py)"""
     zero_profile: str = "original"
     """DeepSpeed config rules: original (the 2022 study's bucket sizes) | tuned (see shared/ds_config.py)"""
     reduce_bucket_size: int | None = None
@@ -293,7 +317,8 @@ class TrainConfig:
             dropout=drop,
             attn_dropout=drop,
             activation_checkpointing=self.activation_checkpointing,
-            fused_loss=self.fused_loss,
+            compile=self.compile,
+            **{name: getattr(self, name) for name in FUSED_FLAGS},
         )
 
     @property

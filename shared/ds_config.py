@@ -34,6 +34,9 @@ KNOWN_TOP_LEVEL_KEYS = frozenset({
     "disable_python_gc", "load_universal", "use_node_local_storage",
 })
 
+# The transformer block's class as DeepSpeed's leaf_module config names it (module path + qualname).
+BLOCK_CLASS = "shared.model.Block"
+
 # Lightning's own loss-scale defaults: written out so that Lightning's precision formatting leaves the dict alone.
 FP16_DEFAULTS = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
                  "hysteresis": 2, "min_loss_scale": 1}
@@ -72,6 +75,10 @@ def build_ds_config(train: TrainConfig, model: GPTConfig | None = None, world_si
         cfg["bf16"] = {"enabled": True}
     elif train.precision == "fp16":
         cfg["fp16"] = dict(FP16_DEFAULTS)
+    if train.stage == 3 and model.compile == "blocks":
+        # A compiled block must hold no DeepSpeed hook (see shared/model.py Block): gather its parameters in one
+        # hook on the block itself.
+        zero["leaf_module"] = {"classes": [BLOCK_CLASS]}
     if train.zero_profile == "tuned":
         _apply_tuned_rules(cfg, model, world_size)
     _apply_overrides(cfg["zero_optimization"], train)
@@ -168,6 +175,13 @@ def load_user_ds_config(path: str | Path, train: TrainConfig) -> dict:
     stage = cfg.get("zero_optimization", {}).get("stage", 0)
     if stage != train.stage:
         raise ValueError(f"DeepSpeed config {str(path)!r} sets ZeRO stage {stage} but the run asks for {train.stage}")
+    if stage == 3 and train.model().compile == "blocks":
+        leaf = cfg["zero_optimization"].get("leaf_module", {}).get("classes", [])
+        if BLOCK_CLASS not in ([leaf] if isinstance(leaf, str) else leaf):
+            raise ValueError(
+                f"DeepSpeed config {str(path)!r}: --compile blocks under ZeRO-3 needs zero_optimization.leaf_module."
+                f"classes to contain {BLOCK_CLASS!r} (else DeepSpeed's hooks break every compiled graph)"
+            )
     cfg.setdefault("train_micro_batch_size_per_gpu", train.micro_batch)
     cfg.setdefault("gradient_accumulation_steps", train.grad_accum)
     return cfg

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from shared import fused_ops
 from shared.attention import build_attention
 from shared.config import GPTConfig
 from shared.fused_loss import chunked_linear_cross_entropy
@@ -55,16 +56,57 @@ class Embedding(nn.Embedding):
         nn.init.normal_(self.weight, mean=0.0, std=INIT_STD)
 
 
+class ResidualLinear(Linear):
+    """A residual branch's output projection: residual + dropout(x W^T + b), fused when cfg asks for it."""
+
+    def __init__(self, cfg: GPTConfig, in_features: int):
+        super().__init__(in_features, cfg.n_embd, cfg.bias, std=INIT_STD / math.sqrt(2 * cfg.n_layer))
+        self.p = cfg.dropout
+        self.fused = cfg.fused_bias_dropout_add
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return fused_ops.bias_dropout_add(F.linear(x, self.weight), self.bias, residual, self.p, self.training)
+        return residual + self.dropout(F.linear(x, self.weight, self.bias))
+
+
+class GeluLinear(Linear):
+    """The MLP's up projection with its GELU (tanh approximation): gelu(x W^T + b)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__(cfg.n_embd, 4 * cfg.n_embd, cfg.bias)
+        self.fused = cfg.fused_bias_gelu
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return fused_ops.bias_gelu(F.linear(x, self.weight), self.bias)
+        return F.gelu(F.linear(x, self.weight, self.bias), approximate="tanh")
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm, or liger-kernel's fused Triton LayerNorm with cfg.fused_layernorm (same parameters)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__(cfg.n_embd, bias=cfg.bias)
+        self.fused = cfg.fused_layernorm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return fused_ops.layer_norm(x, self.weight, self.bias, self.eps)
+        return super().forward(x)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head = cfg.n_head
         self.qkv = Linear(cfg.n_embd, 3 * cfg.n_embd, cfg.bias)
-        self.proj = Linear(cfg.n_embd, cfg.n_embd, cfg.bias, std=INIT_STD / math.sqrt(2 * cfg.n_layer))
+        self.proj = ResidualLinear(cfg, cfg.n_embd)
         self.attn = build_attention(cfg)
-        self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + dropout(proj(attention(x)))"""
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, H, T, D)
@@ -72,31 +114,50 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         y = self.attn(q, k, v)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, C)
-        return self.resid_dropout(self.proj(y))
+        return self.proj(y, residual)
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.fc = Linear(cfg.n_embd, 4 * cfg.n_embd, cfg.bias)
-        self.proj = Linear(4 * cfg.n_embd, cfg.n_embd, cfg.bias, std=INIT_STD / math.sqrt(2 * cfg.n_layer))
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.fc = GeluLinear(cfg)
+        self.proj = ResidualLinear(cfg, 4 * cfg.n_embd)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.proj(F.gelu(self.fc(x), approximate="tanh")))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + dropout(proj(gelu(fc(x))))"""
+        return self.proj(self.fc(x), residual)
 
 
 class Block(nn.Module):
+    """Pre-LN transformer block. With cfg.compile == "blocks" its forward is torch.compile'd.
+
+    Under ZeRO-3 DeepSpeed hooks every module that owns parameters to gather them before its forward; those
+    hooks are torch.compiler.disable'd, so a compiled region that contains submodules breaks its graph at each
+    one, and DeepSpeed's release loop adds more breaks and recompiles (what DeepSpeed's engine.compile() hits on
+    this model: tests/test_compile.py counts them). build_ds_config therefore makes Block a ZeRO-3 *leaf
+    module* when compiling: one hook on the block gathers all its parameters, none fire inside it, and the
+    compiled forward is one graph with no break, shared by every block (the parameters are graph inputs).
+    """
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_1 = LayerNorm(cfg)
         self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_2 = LayerNorm(cfg)
         self.mlp = MLP(cfg)
+        self.compiled = cfg.compile == "blocks"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        if self.compiled:
+            return _compiled_block_forward(self, x)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.attn(self.ln_1(x), residual=x)
+        return self.mlp(self.ln_2(x), residual=x)
+
+
+_compiled_block_forward = torch.compile(Block._forward, dynamic=False)
 
 
 class LMHead(nn.Module):
@@ -124,7 +185,7 @@ class GPT(nn.Module):
         self.wpe = Embedding(cfg.seq_len, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_f = LayerNorm(cfg)
         self.head = LMHead(self.wte.weight, cfg.fused_loss)
         self.attention_backend = self.blocks[0].attn.attn.backend
         self.register_buffer("pos", torch.arange(cfg.seq_len), persistent=False)
@@ -154,6 +215,12 @@ def count_parameters(model: nn.Module) -> int:
     return total
 
 
-def fused_paths(cfg: GPTConfig) -> dict[str, bool]:
+def fused_paths(cfg: GPTConfig) -> dict[str, bool | str]:
     """Every optional fused path and whether this model runs it (recorded in each result JSON)."""
-    return {"chunked_linear_cross_entropy": cfg.fused_loss}
+    return {
+        "chunked_linear_cross_entropy": cfg.fused_loss,
+        "bias_dropout_add": cfg.fused_bias_dropout_add,
+        "bias_gelu": cfg.fused_bias_gelu,
+        "layernorm_liger": cfg.fused_layernorm,
+        "compile": cfg.compile,
+    }

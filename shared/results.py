@@ -130,7 +130,7 @@ def build_result(*, path: str, train: TrainConfig, model_cfg: GPTConfig, ds_conf
         device=dev,
         world_size=world_size,
         attention=attention,
-        fused=fused_paths(model_cfg),
+        fused={**fused_paths(model_cfg), **dynamo_stats()},
         losses=losses,
         steps=train.steps,
         warmup_steps=train.warmup_steps,
@@ -149,6 +149,21 @@ def build_result(*, path: str, train: TrainConfig, model_cfg: GPTConfig, ds_conf
         ds_breakdown_ms=ds_breakdown_ms,
         extra=extra or {},
     )
+
+
+def dynamo_stats() -> dict[str, int]:
+    """What torch.compile did in this process: graphs compiled, graph breaks, frames it gave up on.
+
+    A compiled path that silently fell back to eager shows up here (breaks, or frames over the recompile limit).
+    """
+    from torch._dynamo.utils import counters
+
+    unimplemented = counters.get("unimplemented", {})
+    return {
+        "dynamo_graphs": int(counters.get("stats", {}).get("unique_graphs", 0)),
+        "dynamo_graph_breaks": int(sum(counters.get("graph_break", {}).values())),
+        "dynamo_recompile_limit_hits": int(sum(v for k, v in unimplemented.items() if "recompile" in k.lower())),
+    }
 
 
 def _peak_rss_gib() -> float:

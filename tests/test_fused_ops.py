@@ -1,0 +1,177 @@
+"""Fused elementwise paths (shared/fused_ops.py) against their PyTorch references, and in the model.
+
+CPU: the torch.compile'd functions run through inductor's C++ backend; liger-kernel's LayerNorm is CUDA-only
+(its CPU refusal is tested here, its numbers in the gpu-marked tests, run on the H200).
+"""
+
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shared import fused_ops
+from shared.config import FUSED_FLAGS, preset
+from shared.model import GPT
+from tests.helpers import FAST, LIGHTNING, RAW, load, run, torchrun
+
+P = 0.3
+
+
+def _keep_rate_and_mask(device, dtype, n=1 << 20):
+    """Forward keeps ~1-p of the elements, scaled 1/(1-p), and backward passes gradient exactly where it kept."""
+    x = torch.ones(n // 512, 512, device=device, dtype=dtype, requires_grad=True)
+    bias = torch.zeros(512, device=device, dtype=dtype, requires_grad=True)
+    residual = torch.zeros_like(x, requires_grad=True)
+    out = fused_ops.bias_dropout_add(x, bias, residual, P, True)
+    out.backward(torch.ones_like(out))
+    kept = out != 0
+    rate = kept.float().mean().item()
+    assert abs(rate - (1 - P)) < 5 * (P * (1 - P) / n) ** 0.5, rate  # 5 sigma of a binomial
+    scale = torch.tensor(1 / (1 - P), dtype=dtype)
+    torch.testing.assert_close(out[kept].float().unique(), scale.float().view(1).to(device))
+    assert torch.equal(x.grad != 0, kept)  # the same mask in forward and backward
+    torch.testing.assert_close(x.grad[kept].float().unique(), scale.float().view(1).to(device))
+    assert torch.all(residual.grad == 1)  # the residual path is never dropped
+    torch.testing.assert_close(bias.grad.float(), (kept.float() * scale.float().to(device)).sum(0),
+                               rtol=1e-2, atol=1e-2)
+
+
+def test_bias_dropout_add_keep_rate_and_mask_cpu():
+    _keep_rate_and_mask("cpu", torch.float32)
+
+
+def test_bias_dropout_add_draws_a_new_mask_each_call():
+    x = torch.ones(256, 256)
+    a = fused_ops.bias_dropout_add(x, None, torch.zeros_like(x), P, True)
+    b = fused_ops.bias_dropout_add(x, None, torch.zeros_like(x), P, True)
+    assert not torch.equal(a != 0, b != 0)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_bias_dropout_add_without_dropout_matches_the_reference(bias):
+    g = torch.Generator().manual_seed(0)
+    x, r = torch.randn(64, 32, generator=g, requires_grad=True), torch.randn(64, 32, generator=g, requires_grad=True)
+    b = torch.randn(32, generator=g, requires_grad=True) if bias else None
+    for training, p in ((False, P), (True, 0.0)):  # eval, or training at p = 0: the identity dropout
+        out = fused_ops.bias_dropout_add(x, b, r, p, training)
+        ref = r + (x + b if bias else x)
+        torch.testing.assert_close(out, ref)
+        grads = torch.autograd.grad(out.square().sum(), [x, r] + ([b] if bias else []))
+        refs = torch.autograd.grad(ref.square().sum(), [x, r] + ([b] if bias else []))
+        for a, e in zip(grads, refs):
+            torch.testing.assert_close(a, e)
+
+
+def test_bias_gelu_matches_the_reference():
+    g = torch.Generator().manual_seed(1)
+    x, b = torch.randn(64, 48, generator=g, requires_grad=True), torch.randn(48, generator=g, requires_grad=True)
+    out = fused_ops.bias_gelu(x, b)
+    ref = F.gelu(x + b, approximate="tanh")
+    torch.testing.assert_close(out, ref)
+    for a, e in zip(torch.autograd.grad(out.sum(), [x, b]), torch.autograd.grad(ref.sum(), [x, b])):
+        torch.testing.assert_close(a, e)
+
+
+def test_fused_layernorm_refuses_cpu_tensors():
+    with pytest.raises(RuntimeError, match="needs a CUDA tensor"):
+        fused_ops.layer_norm(torch.randn(4, 8), torch.ones(8), torch.zeros(8), 1e-5)
+    with pytest.raises(RuntimeError, match="needs a CUDA tensor"):
+        GPT(preset("tiny", fused_layernorm=True))(torch.zeros(1, 8, dtype=torch.long))
+
+
+@pytest.mark.parametrize("flags", [{"fused_bias_dropout_add": True}, {"fused_bias_gelu": True},
+                                   {"compile": "blocks"},
+                                   {"fused_bias_dropout_add": True, "fused_bias_gelu": True, "compile": "blocks"}])
+def test_model_with_fused_paths_matches_the_plain_model(flags):
+    idx, tgt = torch.randint(0, 256, (2, 128)), torch.randint(0, 256, (2, 128))
+    results = []
+    for f in ({}, flags):
+        torch.manual_seed(0)
+        model = GPT(preset("tiny", dropout=0.0, attn_dropout=0.0, **f))
+        loss = model(idx, tgt)
+        loss.backward()
+        results.append((loss.detach(), *(p.grad.clone() for p in model.parameters())))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_fused_model_trains_with_dropout():
+    torch.manual_seed(0)
+    model = GPT(preset("tiny", fused_bias_dropout_add=True, fused_bias_gelu=True, compile="blocks"))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    idx = torch.randint(0, 256, (4, 128))
+    losses = []
+    for _ in range(8):
+        loss = model(idx, idx)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_bad_compile_mode_is_refused():
+    with pytest.raises(ValueError, match="unknown compile mode 'graph'"):
+        preset("tiny", compile="graph")
+
+
+@pytest.mark.slow
+def test_both_paths_run_the_fused_compiled_model_under_zero3_and_record_it(tmp_path):
+    """Both paths, 2 CPU processes, ZeRO-3: same losses as each other and (no dropout) as the plain model; the
+    compiled blocks are one graph with no break, recorded with every fused flag."""
+    args = [*FAST, "--precision", "fp32", "--dropout", "0"]
+    fused = ["--fused_bias_dropout_add", "--fused_bias_gelu", "--fused_loss", "--compile", "blocks"]
+    torchrun(RAW, 2, [*args, "--out", str(tmp_path / "plain.json")], timeout=400)
+    torchrun(RAW, 2, [*args, *fused, "--out", str(tmp_path / "raw.json")], timeout=400)
+    run([sys.executable, LIGHTNING, *args, *fused, "--devices", "2", "--out", tmp_path / "pl.json"], timeout=400)
+    plain_run, raw, pl = (load(tmp_path / f) for f in ("plain.json", "raw.json", "pl.json"))
+    for r in (raw, pl):
+        assert {k: r["fused"][k] for k in ("bias_dropout_add", "bias_gelu", "chunked_linear_cross_entropy")} \
+            == dict.fromkeys(("bias_dropout_add", "bias_gelu", "chunked_linear_cross_entropy"), True)
+        assert r["fused"]["compile"] == "blocks" and r["fused"]["layernorm_liger"] is False
+        assert r["fused"]["dynamo_graph_breaks"] == 0 and r["fused"]["dynamo_recompile_limit_hits"] == 0
+        assert r["ds_config"]["zero_optimization"]["leaf_module"]["classes"] == ["shared.model.Block"]
+    assert plain_run["fused"]["compile"] == "none" and plain_run["fused"]["dynamo_graphs"] == 0
+    assert raw["losses"] == pytest.approx(plain_run["losses"], abs=1e-4)
+    assert pl["losses"] == pytest.approx(raw["losses"], abs=1e-6)
+
+
+def test_every_fused_flag_is_recorded():
+    from shared.model import fused_paths
+
+    cfg = preset("tiny", **dict.fromkeys(FUSED_FLAGS, True), compile="blocks")
+    assert set(fused_paths(cfg).values()) == {True, "blocks"}
+    assert set(fused_paths(preset("tiny")).values()) == {False, "none"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_bias_dropout_add_keep_rate_and_mask_gpu(dtype):
+    _keep_rate_and_mask("cuda", dtype)
+
+
+@pytest.mark.gpu
+def test_bf16_fused_paths_match_the_references_on_gpu():
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(8 * 2048, 2304, device=dev, generator=g, dtype=dt, requires_grad=True)
+    w = torch.randn(2304, device=dev, generator=g, dtype=dt).requires_grad_()
+    b = torch.randn(2304, device=dev, generator=g, dtype=dt).requires_grad_()
+    # liger LayerNorm vs F.layer_norm: bf16 in and out, fp32 statistics in both
+    out = fused_ops.layer_norm(x, w, b, 1e-5)
+    ref = F.layer_norm(x, (2304,), w, b, 1e-5)
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    gy = torch.randn_like(out)
+    got = torch.autograd.grad(out, [x, w, b], gy)
+    exp = torch.autograd.grad(ref, [x, w, b], gy)
+    torch.testing.assert_close(got[0], exp[0], rtol=2e-2, atol=2e-2)
+    for a, e in zip(got[1:], exp[1:]):  # summed over 16k rows: compare relative to the norm
+        assert (a.float() - e.float()).norm() / e.float().norm() < 1e-2
+    out = fused_ops.bias_gelu(x, b)
+    ref = F.gelu(x + b, approximate="tanh")
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    got = torch.autograd.grad(out, [x, b], gy)
+    exp = torch.autograd.grad(ref, [x, b], gy)
+    torch.testing.assert_close(got[0], exp[0], rtol=2e-2, atol=2e-2)
+    assert (got[1].float() - exp[1].float()).norm() / exp[1].float().norm() < 1e-2
