@@ -108,6 +108,12 @@ class GPTConfig:
             raise ValueError(f"unknown layout {self.layout!r}; choose one of {LAYOUTS} or a path to a .pt file")
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"unknown compile mode {self.compile!r}; choose one of {COMPILE_MODES}")
+        if self.fused_layernorm and self.compile != "none":
+            raise ValueError(
+                "fused_layernorm does not combine with --compile blocks: liger-kernel's LayerNorm kernel fails to "
+                "compile when torch.compile traces it (Triton CompilationError on its eps argument, seen on the "
+                "H200), and the compiled block fuses its LayerNorms itself; drop one of the two"
+            )
         if self.fused_layernorm and not self.bias:
             raise ValueError("fused_layernorm (liger-kernel's LayerNorm) needs bias=True")
 
@@ -215,6 +221,9 @@ class TrainConfig:
     """override the profile's ZeRO-3 persistence threshold (params at most this large stay gathered)"""
     max_live_parameters: int | None = None
     """override the profile's ZeRO-3 limit of gathered parameters (elements)"""
+    memory_efficient_linear: bool | None = None
+    """ZeRO-3: DeepSpeed's replacement of F.linear (its default, on) or torch's own; off whenever blocks are
+    compiled (its per-layer ds_id check makes dynamo recompile for every block)"""
     ds_config: str | None = None
     """path to a user DeepSpeed JSON that replaces the built dict (micro-batch and precision must agree)"""
     wall_clock_breakdown: bool = False
@@ -300,6 +309,9 @@ class TrainConfig:
             raise ValueError(f"log_every must be positive, got {self.log_every!r}")
         if self.devices is not None and self.devices <= 0:
             raise ValueError(f"devices must be positive, got {self.devices!r}")
+        if self.memory_efficient_linear and self.compile != "none" and self.stage == 3:
+            raise ValueError("--memory_efficient_linear true cannot be used with --compile blocks under ZeRO-3: "
+                             "DeepSpeed's linear makes dynamo recompile for every block (see shared/ds_config.py)")
         self.model()  # validate the model overrides now, not after the process group is up
 
     def model(self) -> GPTConfig:

@@ -79,6 +79,13 @@ def build_ds_config(train: TrainConfig, model: GPTConfig | None = None, world_si
         # A compiled block must hold no DeepSpeed hook (see shared/model.py Block): gather its parameters in one
         # hook on the block itself.
         zero["leaf_module"] = {"classes": [BLOCK_CLASS]}
+        # zero.Init replaces F.linear by DeepSpeed's LinearFunctionForZeroStage3, whose code reads each weight's
+        # ds_id: dynamo guards on it and compiles the block again for every layer until its recompile limit (8),
+        # the rest running eager (measured on the H200: 8 graphs, 1 limit hit, 1.007x; benchmarks/results/
+        # ablation_1xh200_first). torch's own linear keeps one graph for all blocks.
+        zero["memory_efficient_linear"] = False
+    if train.stage == 3 and train.memory_efficient_linear is not None:
+        zero["memory_efficient_linear"] = train.memory_efficient_linear
     if train.zero_profile == "tuned":
         _apply_tuned_rules(cfg, model, world_size)
     _apply_overrides(cfg["zero_optimization"], train)

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import torch
 
-CHUNK_ELEMENTS = 2**26  # fp32 logits per chunk: 256 MB, ~1300 rows at V = 50257
+# fp32 logits per chunk: 1 GiB, ~5300 rows at V = 50257 (4 chunks at micro-batch 8, seq 2048). Chunks of 2**26
+# (~1300 rows, 13 chunks) measured 7% slower than the unfused loss on the 1.5b step (benchmarks/results/
+# ablation_1xh200_first): small matmuls and one fp32 grad_w accumulation per chunk.
+CHUNK_ELEMENTS = 2**28
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):

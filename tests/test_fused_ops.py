@@ -140,8 +140,8 @@ def test_both_paths_run_the_fused_compiled_model_under_zero3_and_record_it(tmp_p
 def test_every_fused_flag_is_recorded():
     from shared.model import fused_paths
 
-    cfg = preset("tiny", **dict.fromkeys(FUSED_FLAGS, True), compile="blocks")
-    assert set(fused_paths(cfg).values()) == {True, "blocks"}
+    assert set(fused_paths(preset("tiny", **dict.fromkeys(FUSED_FLAGS, True))).values()) == {True, "none"}
+    assert fused_paths(preset("tiny", compile="blocks"))["compile"] == "blocks"
     assert set(fused_paths(preset("tiny")).values()) == {False, "none"}
 
 
@@ -175,3 +175,45 @@ def test_bf16_fused_paths_match_the_references_on_gpu():
     exp = torch.autograd.grad(ref, [x, b], gy)
     torch.testing.assert_close(got[0], exp[0], rtol=2e-2, atol=2e-2)
     assert (got[1].float() - exp[1].float()).norm() / exp[1].float().norm() < 1e-2
+
+
+def test_compiled_blocks_get_a_leaf_module_and_torch_linear_in_the_ds_dict():
+    from shared.config import TrainConfig
+    from shared.ds_config import build_ds_config
+
+    zero = build_ds_config(TrainConfig(stage=3, compile="blocks"))["zero_optimization"]
+    assert zero["leaf_module"] == {"classes": ["shared.model.Block"]} and zero["memory_efficient_linear"] is False
+    eager = build_ds_config(TrainConfig(stage=3))["zero_optimization"]
+    assert "leaf_module" not in eager and "memory_efficient_linear" not in eager  # DeepSpeed's defaults
+    assert build_ds_config(TrainConfig(stage=3, memory_efficient_linear=False))["zero_optimization"][
+        "memory_efficient_linear"] is False
+    assert "leaf_module" not in build_ds_config(TrainConfig(stage=2, compile="blocks"))["zero_optimization"]
+
+
+def test_the_leaf_class_name_is_the_blocks():
+    from shared.ds_config import BLOCK_CLASS
+    from shared.model import Block
+
+    assert BLOCK_CLASS == f"{Block.__module__}.{Block.__qualname__}"
+
+
+def test_combinations_that_cannot_work_are_refused():
+    from shared.config import TrainConfig
+
+    with pytest.raises(ValueError, match="fused_layernorm does not combine with --compile blocks"):
+        TrainConfig(fused_layernorm=True, compile="blocks")
+    with pytest.raises(ValueError, match="memory_efficient_linear true cannot be used with --compile blocks"):
+        TrainConfig(stage=3, compile="blocks", memory_efficient_linear=True)
+
+
+def test_a_user_ds_config_without_the_leaf_module_is_refused_when_compiling(tmp_path):
+    from shared.config import TrainConfig
+    from shared.ds_config import build_ds_config
+
+    train = TrainConfig(stage=3, compile="blocks")
+    cfg = build_ds_config(train)
+    del cfg["zero_optimization"]["leaf_module"]
+    path = tmp_path / "ds.json"
+    path.write_text(__import__("json").dumps(cfg))
+    with pytest.raises(ValueError, match="leaf_module"):
+        build_ds_config(TrainConfig(stage=3, compile="blocks", ds_config=str(path)))
