@@ -10,15 +10,16 @@ OUT=${1:?usage: h200_train_and_scale.sh OUTDIR}
 W="$OUT/work"
 mkdir -p "$W"
 python3 -m shared.prepare_data data/kjv.txt --out /tmp/kjv > "$W/prepare.log" 2>&1 || { cat "$W/prepare.log"; exit 1; }
-TRAIN=(--preset 350m --data /tmp/kjv --vocab_size 256 --seq_len 512 --micro_batch 16 --steps 1000 --warmup_steps 20
-       --lr 6e-4 --min_lr 6e-5 --lr_warmup_steps 100 --val_every 100 --val_batches 16 --log_every 50
+TRAIN=(--preset 350m --data /tmp/kjv --vocab_size 256 --seq_len 512 --micro_batch 16 --steps ${KJV_STEPS:-1000} --warmup_steps 20
+       --lr 6e-4 --min_lr 6e-5 --lr_warmup_steps 50 --val_every 50 --val_batches 16 --log_every 50
        --stage 3 --precision bf16 --zero_profile tuned)
-CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m torch.distributed.run --standalone --nproc_per_node 1 \
+CUDA_VISIBLE_DEVICES=0 timeout ${KJV_TIMEOUT:-240} python3 -m torch.distributed.run --standalone --nproc_per_node 1 \
   plain_deepspeed/train.py "${TRAIN[@]}" --log_csv "$W/kjv350m_deepspeed.csv" --out "$W/kjv350m_deepspeed.json" \
   > "$W/kjv350m_deepspeed.log" 2>&1 &
-CUDA_VISIBLE_DEVICES=1 timeout 240 python3 lightning_app/train.py "${TRAIN[@]}" --devices 1 \
+CUDA_VISIBLE_DEVICES=1 timeout ${KJV_TIMEOUT:-240} python3 lightning_app/train.py "${TRAIN[@]}" --devices 1 \
   --log_csv "$W/kjv350m_lightning.csv" --out "$W/kjv350m_lightning.json" > "$W/kjv350m_lightning.log" 2>&1 &
 wait
+[ -n "${KJV_ONLY:-}" ] && exit 0
 tail -4 "$W/kjv350m_deepspeed.log" "$W/kjv350m_lightning.log"
 CMP=(--gpus 2 --preset 1.5b --stage 3 --precision bf16 --steps 16 --warmup_steps 6)
 timeout 110 python3 compare.py "${CMP[@]}" --micro_batch 8 --repeats 1 --out "$W/cmp2_naive"

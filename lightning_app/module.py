@@ -69,6 +69,12 @@ class GPTModule(pl.LightningModule):
             self.log("train_loss", loss, prog_bar=True, sync_dist=self.sync_dist)
         return loss
 
+    def on_validation_epoch_start(self):
+        # DeepSpeedStrategy does not move the LightningModule's own submodules to the GPU under ZeRO-3 (the
+        # engine owns placement), so the metric's state would stay on the CPU while the losses are on the GPU
+        # (seen on the H200: "Encountered different devices in metric calculation"). Move it explicitly.
+        self.val_loss.to(self.trainer.strategy.root_device)
+
     def validation_step(self, batch, batch_idx):
         x, y = batch
         self.val_loss.update(self.gpt(x, y))

@@ -4,6 +4,7 @@ import inspect
 import sys
 
 import pytest
+import torch
 from pytorch_lightning.strategies import DeepSpeedStrategy
 
 from lightning_app.strategy import ZeroStrategy
@@ -66,3 +67,17 @@ def test_fabric_run_launcher(tmp_path):
 def test_bad_input_exits_2(tmp_path):
     proc = run([sys.executable, LIGHTNING, "--precision", "fp16"], check=False)
     assert proc.returncode == 2 and "fp16 is not supported by DeepSpeed on CPU" in proc.stderr
+
+
+def test_validation_metric_moves_to_the_strategy_device():
+    """Under ZeRO-3 Lightning leaves the module's own metric on the CPU; the hook must move it (the H200 bug)."""
+    from types import SimpleNamespace
+
+    from lightning_app.module import GPTModule
+    from shared.config import TrainConfig
+
+    module = GPTModule(TrainConfig())
+    target = torch.device("meta")  # any device other than the CPU the metric starts on
+    module._trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=target))
+    module.on_validation_epoch_start()
+    assert module.val_loss.mean_value.device == target
