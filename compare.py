@@ -163,6 +163,7 @@ def summarize_path(runs: list[RunResult]) -> dict:
         "phases_s": {p: statistics.median(r.phases_s[p] for r in runs) for p in PHASES},
         "peak_mem_gib": max(mems) if mems else None,
         "peak_rss_gib": max(r.peak_rss_gib for r in runs),
+        "allocator_cache_flushes": [r.extra.get("allocator_cache_flushes") for r in runs],
         "losses": runs[0].losses,
         "attention": runs[0].attention,
         "fused": runs[0].fused,

@@ -147,8 +147,16 @@ def build_result(*, path: str, train: TrainConfig, model_cfg: GPTConfig, ds_conf
         peak_rss_gib=_peak_rss_gib(),
         n_params=n_params,
         ds_breakdown_ms=ds_breakdown_ms,
-        extra=extra or {},
+        extra={**(extra or {}), "allocator_cache_flushes": allocator_cache_flushes(device)},
     )
+
+
+def allocator_cache_flushes(device: torch.device) -> int | None:
+    """cudaMalloc retries after emptying PyTorch's cache: what DeepSpeed's ZeRO-3 warns about as "pytorch allocator
+    cache flushes since last step" (it reads the same counter). Each one stalls the step; None on CPU."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
 
 
 def dynamo_stats() -> dict[str, int]:
@@ -187,7 +195,8 @@ def format_summary(r: RunResult) -> str:
         ("phases (median ms)", "  ".join(f"{p} {ph[p] * 1e3:.1f}" for p in ("data", "forward", "backward", "step"))),
         ("throughput", f"{r.tflops_per_gpu:.2f} TFLOPs/GPU (k={r.flops_factor}), MFU {mfu}, "
                        f"{r.tokens_per_s_per_gpu:,.0f} tokens/s/GPU"),
-        ("peak memory", mem),
+        ("peak memory", mem + (f", {r.extra['allocator_cache_flushes']} allocator cache flushes"
+                                 if r.extra.get("allocator_cache_flushes") is not None else "")),
         ("loss", f"{r.losses[0]:.4f} -> {r.losses[-1]:.4f}"),
     ]
     width = max(len(k) for k, _ in rows)

@@ -217,3 +217,11 @@ def test_a_user_ds_config_without_the_leaf_module_is_refused_when_compiling(tmp_
     path.write_text(__import__("json").dumps(cfg))
     with pytest.raises(ValueError, match="leaf_module"):
         build_ds_config(TrainConfig(stage=3, compile="blocks", ds_config=str(path)))
+
+
+@pytest.mark.gpu
+def test_allocator_cache_flushes_are_counted_on_gpu():
+    from shared.results import allocator_cache_flushes
+
+    assert allocator_cache_flushes(torch.device("cuda")) >= 0
+    assert allocator_cache_flushes(torch.device("cpu")) is None

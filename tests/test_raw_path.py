@@ -26,6 +26,8 @@ def test_two_process_zero3_run_writes_a_valid_result(tmp_path):
     assert r.step_time_s["median"] > 0 and r.tflops_per_gpu > 0 and r.tokens_per_s_per_gpu > 0
     assert set(r.phases_s) == {"data", "forward", "backward", "step"} and len(r.per_step_s) == 4
     assert r.mfu is None and r.peak_mem_gib is None  # CPU: no peak table entry, no device memory
+    assert r.extra["allocator_cache_flushes"] is None  # a CUDA allocator counter
+    assert r.fused["dynamo_graphs"] == 0 and r.fused["compile"] == "none"  # eager on CPU by default
     assert r.versions["deepspeed"] and r.versions["torch"] and r.device["type"] == "cpu"
     assert "plain_deepspeed/train.py" in r.command and "--out" in r.command
     assert "step 6/6" in proc.stdout and "ETA" in proc.stdout and "TFLOPs/GPU" in proc.stdout  # progress, summary
