@@ -212,14 +212,17 @@ def read_export_meta(path: str | Path) -> dict:
 
 def load_exported(path: str | Path, attention: str | None = None):
     """(GPT in eval mode with the exported weights, metadata dict). `attention` overrides the saved backend
-    (generation on a CPU uses `reference` for sparse layouts, `sdpa` for causal ones)."""
+    (generation on a CPU uses `reference` for sparse layouts, `sdpa` for causal ones).
+
+    The training run's fused paths and compilation are dropped: they compute the same function with the same
+    parameters, and generation's growing sequence lengths (and a CPU) suit the plain model."""
     from safetensors.torch import load_file
 
-    from shared.config import GPTConfig
+    from shared.config import FUSED_FLAGS, GPTConfig
     from shared.model import GPT
 
     meta = read_export_meta(path)
-    cfg_dict = meta["model_config"]
+    cfg_dict = {**meta["model_config"], **dict.fromkeys(FUSED_FLAGS, False), "compile": "none"}
     if attention is not None:
         cfg_dict = {**cfg_dict, "attention": attention}
     model = GPT(GPTConfig(**cfg_dict))

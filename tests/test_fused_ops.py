@@ -225,3 +225,18 @@ def test_allocator_cache_flushes_are_counted_on_gpu():
 
     assert allocator_cache_flushes(torch.device("cuda")) >= 0
     assert allocator_cache_flushes(torch.device("cpu")) is None
+
+
+def test_exported_weights_of_a_fused_gpu_run_load_into_the_plain_model_on_cpu(tmp_path):
+    import dataclasses
+
+    from shared.checkpoint import load_exported, save_exported
+
+    cfg = preset("tiny", fused_layernorm=True, fused_bias_gelu=True, fused_bias_dropout_add=True)
+    plain = GPT(preset("tiny"))
+    state = {k: v for k, v in plain.state_dict().items() if k != "head.weight"}
+    path = save_exported(tmp_path / "w.safetensors", state, dataclasses.asdict(cfg))
+    model, meta = load_exported(path)
+    assert meta["model_config"]["fused_layernorm"] is True  # what the run trained with stays recorded
+    idx = torch.randint(0, 256, (1, 16))
+    torch.testing.assert_close(model(idx), plain.eval()(idx))  # and the plain model runs it on the CPU
