@@ -20,6 +20,7 @@ def fake_launch(fits_up_to: int, calls: list):
             raise CompareError("deepspeed run failed; reason: error: micro_batch 16 does not fit in H200")
         speed = 1000.0 * cfg.micro_batch * (0.7 if cfg.activation_checkpointing else 1.0)
         speed *= 1.1 if cfg.prefetch_bucket_size == 1_000_000_000 else 1.0
+        speed *= 1.05 if cfg.compile == "blocks" else 1.0
         return SimpleNamespace(tokens_per_s_per_gpu=speed, tflops_per_gpu=speed / 100, mfu=None, peak_mem_gib=1.0,
                                step_time_s={"median": 1.0 / speed})
 
@@ -32,11 +33,14 @@ def test_search_stops_at_the_first_oom_then_tries_checkpointing_then_the_knobs(t
     report = autotune.run_autotune(TrainConfig(preset="tiny"), ns, fake_launch(8, calls), tmp_path)
     tried = [(c.micro_batch, c.activation_checkpointing) for c in calls]
     assert tried[:5] == [(4, False), (8, False), (16, False), (16, True), (32, True)]  # 32 w/o ckpt never tried
+    assert [c.compile for c in calls[:6]] == ["none"] * 5 + ["blocks"]  # then compiled blocks on the best
+    assert all(c.compile == "blocks" for c in calls[6:])  # the knobs are tuned on the compiled model
     statuses = {r["i"]: r["status"] for r in report["ranking"]}
     assert statuses[2] == "oom"
     w = report["winner"]["knobs"]
     assert (w["micro_batch"], w["activation_checkpointing"], w["prefetch_bucket_size"]) == (32, True, 1_000_000_000)
-    assert "--micro_batch 32 --activation_checkpointing" in report["winner_flags"]
+    assert "--micro_batch 32 --activation_checkpointing --compile blocks" in report["winner_flags"]
+    assert "+compile" in autotune.format_autotune(report)
     assert (tmp_path / "winner_ds_config.json").is_file() and (tmp_path / "autotune.json").is_file()
 
 
@@ -62,10 +66,11 @@ def test_autotune_sweep_on_cpu_and_both_paths_accept_the_winner(tmp_path):
     report = load(tmp_path / "autotune.json")
     assert report["winner"] is not None and len(report["ranking"]) >= 3
     assert all(r["status"] == "ok" for r in report["ranking"])
-    mb = report["winner"]["knobs"]["micro_batch"]
-    winner_cfg = tmp_path / "winner_ds_config.json"
+    assert any(r["knobs"]["compile"] == "blocks" for r in report["ranking"])
+    flags = report["winner_flags"].split()  # what the printed winner line tells the user to pass
+    assert flags[:2] == ["--ds_config", str(tmp_path / "winner_ds_config.json")]
     for script, out in ((RAW, "raw.json"), (LIGHTNING, "pl.json")):
-        run([sys.executable, script, *FAST, "--ds_config", winner_cfg, "--micro_batch", mb, "--out", tmp_path / out])
+        run([sys.executable, script, *FAST, *flags, "--out", tmp_path / out])
     assert load(tmp_path / "raw.json")["ds_config"] == load(tmp_path / "pl.json")["ds_config"]
     assert load(tmp_path / "raw.json")["ds_config"]["zero_optimization"]["stage3_prefetch_bucket_size"] == \
         report["winner"]["knobs"]["prefetch_bucket_size"]
