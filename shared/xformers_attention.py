@@ -126,6 +126,7 @@ class XFormersAttention(Attention):
         self._mea = xops.memory_efficient_attention
         self._bias = attn_bias.LowerTriangularMask()
 
+    @torch.compiler.disable  # xFormers' dispatch is not traceable: its ops run between compiled graphs
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if q.device.type != "cuda":
             raise ValueError(f"attention backend {self.backend!r} runs on CUDA tensors only, got {q.device}")

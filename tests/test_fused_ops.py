@@ -240,3 +240,17 @@ def test_exported_weights_of_a_fused_gpu_run_load_into_the_plain_model_on_cpu(tm
     assert meta["model_config"]["fused_layernorm"] is True  # what the run trained with stays recorded
     idx = torch.randint(0, 256, (1, 16))
     torch.testing.assert_close(model(idx), plain.eval()(idx))  # and the plain model runs it on the CPU
+
+
+def test_compiled_blocks_run_the_blocksparse_kernel_between_graphs():
+    """Dynamo does not trace into our Triton kernel (torch.compiler.disable): same loss and gradients as eager."""
+    idx = torch.randint(0, 256, (2, 128))
+    results = []
+    for comp in ("none", "blocks"):
+        torch.manual_seed(0)
+        model = GPT(preset("tiny", attention="blocksparse", compile=comp, dropout=0.0, attn_dropout=0.0))
+        loss = model(idx, idx)
+        loss.backward()
+        results.append((loss.detach(), model.blocks[0].attn.qkv.weight.grad.clone()))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -760,6 +760,10 @@ class BlockSparseAttention(Attention):
             self._device_luts[device] = self.lut.to(device)
         return self._device_luts[device]
 
+    # Inside a compiled block (--compile blocks) the kernel runs as it is, between two compiled graphs: dynamo
+    # would otherwise trace into the Triton launcher and the seed's .item() (under TRITON_INTERPRET it cannot).
+    # The break is counted in the result's dynamo_graph_breaks.
+    @torch.compiler.disable
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         p = self._dropout()
         seed = draw_seed() if p > 0 else 0
