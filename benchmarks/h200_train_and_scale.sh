@@ -22,7 +22,7 @@ wait
 [ -n "${KJV_ONLY:-}" ] && exit 0
 tail -4 "$W/kjv350m_deepspeed.log" "$W/kjv350m_lightning.log"
 CMP=(--gpus 2 --preset 1.5b --stage 3 --precision bf16 --steps 16 --warmup_steps 6)
-timeout 110 python3 compare.py "${CMP[@]}" --micro_batch 8 --repeats 1 --out "$W/cmp2_naive"
+timeout 110 python3 compare.py "${CMP[@]}" --micro_batch 8 --repeats 1 --zero_profile original --out "$W/cmp2_naive"
 timeout 110 python3 compare.py "${CMP[@]}" --micro_batch 8 --repeats 1 --zero_profile tuned --out "$W/cmp2_tuned"
 timeout 250 python3 compare.py "${CMP[@]}" --micro_batch 16 --repeats 2 --zero_profile tuned --compile blocks \
   --fused_bias_dropout_add --fused_bias_gelu --out "$W/cmp2_best"

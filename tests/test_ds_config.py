@@ -7,7 +7,7 @@ from shared.ds_config import build_ds_config
 
 
 def test_original_profile_is_the_study_config():
-    train = TrainConfig(preset="1.5b", stage=3, precision="bf16", micro_batch=8)
+    train = TrainConfig(preset="1.5b", stage=3, precision="bf16", micro_batch=8, zero_profile="original")
     cfg = build_ds_config(train)
     h = 2304
     assert cfg["zero_optimization"] == {
@@ -19,6 +19,11 @@ def test_original_profile_is_the_study_config():
     assert cfg["bf16"] == {"enabled": True} and "fp16" not in cfg
     assert cfg["train_micro_batch_size_per_gpu"] == 8 and cfg["gradient_accumulation_steps"] == 1
     assert "timers" not in cfg  # DeepSpeed's (synchronized) throughput timer stays at its default here
+
+
+def test_the_tuned_profile_is_the_default():
+    assert build_ds_config(TrainConfig(preset="1.5b")) == build_ds_config(TrainConfig(preset="1.5b",
+                                                                                      zero_profile="tuned"))
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

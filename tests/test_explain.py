@@ -88,4 +88,4 @@ def test_explain_end_to_end_two_processes(tmp_path):
     assert settings("log_sync_dist").extra["lightning"]["log_sync_dist"] is True
     assert settings("python_gc_auto").extra["lightning"]["gc_frozen_objects"] == 0
     assert settings("ds_throughput_timer").ds_config["timers"]["throughput"]["synchronized"] is True
-    assert "timers" not in settings("deepspeed").ds_config
+    assert settings("deepspeed").ds_config["timers"]["throughput"]["enabled"] is False  # the tuned default
