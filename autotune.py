@@ -116,7 +116,12 @@ def run_autotune(train: TrainConfig, ns, launch, out_dir: Path) -> dict:
     # 2. compiled blocks, from the best so far
     best = search.best()
     if best is not None and best["knobs"]["compile"] == "none":
-        search.run(dataclasses.replace(base, **{**best["knobs"], "compile": "blocks"}))
+        try:
+            compiled = dataclasses.replace(base, **{**best["knobs"], "compile": "blocks"})
+        except ValueError as e:  # a flag of the run excludes compiled blocks (e.g. --fused_layernorm)
+            print(f"  compiled blocks not tried: {e}", flush=True)
+        else:
+            search.run(compiled)
 
     # 3. ZeRO-3 knobs, one at a time from the best so far
     if base.stage == 3:

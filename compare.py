@@ -106,6 +106,9 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
                 setattr(ns, key, value)
         ns.report_dir = Path(ns.out or "reports/latest")
         train = config_from_args(ns, out=str(ns.report_dir / "runs" / "run.json"))
+        if ns.explain:  # every factor's config must be valid before the first run starts
+            for factor in explain.parse_factors(ns.factors):
+                explain.factor_config(train, factor)
     except ValueError as e:
         parser.error(str(e))
     return train, ns

@@ -12,7 +12,8 @@ BASE=(--gpus "$G" --preset 1.5b --stage 3 --precision bf16 --steps 14 --warmup_s
 timeout "${AUTOTUNE_S:-300}" python3 compare.py "${BASE[@]}" --autotune --mb_grid 8,12,16,24 \
   --budget_s "$(( ${AUTOTUNE_S:-300} - 40 ))" --out "$W/autotune"
 WIN=$(python3 -c "import json; print(json.load(open('$W/autotune/autotune.json'))['winner_flags'])" 2>/dev/null)
-timeout 120 python3 compare.py "${BASE[@]}" --micro_batch 8 --repeats 1 --zero_profile original --out "$W/naive"
+timeout 120 python3 compare.py "${BASE[@]}" --micro_batch 8 --repeats 1 --zero_profile original \
+  --fused_bias_dropout_add false --fused_bias_gelu false --out "$W/naive"
 timeout 120 python3 compare.py "${BASE[@]}" --micro_batch 8 --repeats 1 --out "$W/tuned"
 [ -n "$WIN" ] && timeout 200 python3 compare.py "${BASE[@]}" --repeats 2 $WIN --out "$W/winner"
 tar czf "$OUT/h200_tuning.tar.gz" -C "$W" .

@@ -314,6 +314,10 @@ class TrainConfig:
         if self.memory_efficient_linear and self.compile != "none" and self.stage == 3:
             raise ValueError("--memory_efficient_linear true cannot be used with --compile blocks under ZeRO-3: "
                              "DeepSpeed's linear makes dynamo recompile for every block (see shared/ds_config.py)")
+        if "pl_default_ds_config" in self.overheads and self.compile != "none" and self.stage == 3:
+            raise ValueError("lightning_overheads pl_default_ds_config cannot run with --compile blocks under ZeRO-3: "
+                             "Lightning's own DeepSpeed dict has no leaf module and keeps DeepSpeed's linear, so "
+                             "the compiled blocks would break and recompile in the Lightning path only")
         self.model()  # validate the model overrides now, not after the process group is up
 
     def model(self) -> GPTConfig:

@@ -182,12 +182,22 @@ def load_user_ds_config(path: str | Path, train: TrainConfig) -> dict:
     stage = cfg.get("zero_optimization", {}).get("stage", 0)
     if stage != train.stage:
         raise ValueError(f"DeepSpeed config {str(path)!r} sets ZeRO stage {stage} but the run asks for {train.stage}")
+    if stage == 3 and train.memory_efficient_linear is not None:
+        raise ValueError(f"--memory_efficient_linear has no effect with --ds_config {str(path)!r}: set "
+                         "zero_optimization.memory_efficient_linear in the JSON instead")
     if stage == 3 and train.model().compile == "blocks":
-        leaf = cfg["zero_optimization"].get("leaf_module", {}).get("classes", [])
-        if BLOCK_CLASS not in ([leaf] if isinstance(leaf, str) else leaf):
+        zero = cfg["zero_optimization"]
+        leaf = zero.get("leaf_module", {}).get("classes", [])
+        leaf = [leaf] if isinstance(leaf, str) else leaf
+        if BLOCK_CLASS not in leaf and BLOCK_CLASS.rsplit(".", 1)[1] not in leaf:  # DeepSpeed takes either
             raise ValueError(
                 f"DeepSpeed config {str(path)!r}: --compile blocks under ZeRO-3 needs zero_optimization.leaf_module."
                 f"classes to contain {BLOCK_CLASS!r} (else DeepSpeed's hooks break every compiled graph)"
+            )
+        if zero.get("memory_efficient_linear", True):
+            raise ValueError(
+                f"DeepSpeed config {str(path)!r}: --compile blocks under ZeRO-3 needs zero_optimization."
+                "memory_efficient_linear false (DeepSpeed's linear makes dynamo recompile the block for every layer)"
             )
     cfg.setdefault("train_micro_batch_size_per_gpu", train.micro_batch)
     cfg.setdefault("gradient_accumulation_steps", train.grad_accum)

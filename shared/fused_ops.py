@@ -26,7 +26,7 @@ import torch.nn.functional as F
 @torch.compile(dynamic=False)
 def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float,
                      training: bool) -> torch.Tensor:
-    """residual + dropout(x + bias): one kernel forward, one backward, the mask regenerated not stored."""
+    """residual + dropout(x + bias): one kernel forward, one backward; the 1-byte mask is saved for backward."""
     if bias is not None:
         x = x + bias
     return residual + F.dropout(x, p, training)

@@ -134,7 +134,7 @@ class Block(nn.Module):
     Under ZeRO-3 DeepSpeed hooks every module that owns parameters to gather them before its forward; those
     hooks are torch.compiler.disable'd, so a compiled region that contains submodules breaks its graph at each
     one, and DeepSpeed's release loop adds more breaks and recompiles (what DeepSpeed's engine.compile() hits on
-    this model: tests/test_compile.py counts them). build_ds_config therefore makes Block a ZeRO-3 *leaf
+    this model: README, "Fused paths and torch.compile"). build_ds_config therefore makes Block a ZeRO-3 *leaf
     module* when compiling: one hook on the block gathers all its parameters, none fire inside it, and the
     compiled forward is one graph with no break, shared by every block (the parameters are graph inputs).
     """

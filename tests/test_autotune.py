@@ -44,6 +44,16 @@ def test_search_stops_at_the_first_oom_then_tries_checkpointing_then_the_knobs(t
     assert (tmp_path / "winner_ds_config.json").is_file() and (tmp_path / "autotune.json").is_file()
 
 
+def test_search_skips_compiled_blocks_when_a_flag_excludes_them(tmp_path, capsys):
+    calls = []
+    ns = SimpleNamespace(mb_grid="4,8", budget_s=1e9, world=1)
+    report = autotune.run_autotune(TrainConfig(preset="tiny", fused_layernorm=True), ns, fake_launch(8, calls),
+                                   tmp_path)
+    assert all(c.compile == "none" for c in calls) and report["winner"] is not None
+    assert "compiled blocks not tried: fused_layernorm does not combine" in capsys.readouterr().out
+    assert (tmp_path / "autotune.json").is_file()
+
+
 def test_search_respects_the_budget(tmp_path):
     calls = []
     ns = SimpleNamespace(mb_grid="4,8,16,32", budget_s=0.0, world=1)
