@@ -79,8 +79,7 @@ class Search:
             row.update(status="ok", tokens_per_s_per_gpu=r.tokens_per_s_per_gpu, tflops_per_gpu=r.tflops_per_gpu,
                        mfu=r.mfu, peak_mem_gib=r.peak_mem_gib, step_time_s=r.step_time_s["median"])
         except Exception as e:  # compare.CompareError: the run failed; say why in the table
-            text = str(e)
-            row.update(status="oom" if "does not fit" in text else "failed", error=text.splitlines()[0][:300])
+            row.update(status="oom" if getattr(e, "oom", False) else "failed", error=str(e).splitlines()[0][:300])
         row["wall_s"] = time.perf_counter() - t
         self.slowest = max(self.slowest, row["wall_s"])
         self.tried.append(row)

@@ -47,6 +47,19 @@ PARITY_STEPS = 10
 class CompareError(Exception):
     """A run failed; the message names it and where its log is."""
 
+    @property
+    def oom(self) -> bool:
+        """The run ran out of device memory: both paths turn that into "micro_batch N does not fit in ..."
+        (shared/distributed.oom_message); an out-of-memory they did not catch still says "out of memory"."""
+        text = str(self)
+        return "does not fit" in text or "out of memory" in text.lower()
+
+    @property
+    def reason(self) -> str:
+        """The run's own error line if its log had one, else the first line of the message."""
+        lines = str(self).splitlines()
+        return next((ln for ln in lines if ln.startswith("reason:")), lines[0])
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

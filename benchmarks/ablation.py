@@ -63,12 +63,8 @@ def run_one(base: TrainConfig, name: str, flags: dict, path: str, out: Path, gpu
         r = launch(path, cfg, 1, out / "runs" / f"{slug}_{path}.json", out / "logs" / f"{slug}_{path}.log",
                    timeout, env=env)
     except CompareError as e:
-        text = str(e)
-        # both paths turn an out-of-memory into "micro_batch N does not fit in <GPU> ..." (shared/distributed.py)
-        oom = "does not fit" in text or "out of memory" in text.lower()
-        reason = next((ln for ln in text.splitlines() if ln.startswith("reason:")), text.splitlines()[0])
         return {"config": name, "path": path, "flags": flags, "micro_batch": cfg.micro_batch, "ok": False,
-                "oom": oom, "error": reason[:300]}
+                "oom": e.oom, "error": e.reason[:300]}
     return {"config": name, "path": path, "flags": flags, "micro_batch": cfg.micro_batch, "ok": True,
             "tflops_per_gpu": r.tflops_per_gpu, "mfu": r.mfu, "tokens_per_s_per_gpu": r.tokens_per_s_per_gpu,
             "step_time_s": r.step_time_s, "phases_s": r.phases_s, "peak_mem_gib": r.peak_mem_gib,

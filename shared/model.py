@@ -61,13 +61,13 @@ class ResidualLinear(Linear):
 
     def __init__(self, cfg: GPTConfig, in_features: int):
         super().__init__(in_features, cfg.n_embd, cfg.bias, std=INIT_STD / math.sqrt(2 * cfg.n_layer))
-        self.p = cfg.dropout
         self.fused = cfg.fused_bias_dropout_add
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            return fused_ops.bias_dropout_add(F.linear(x, self.weight), self.bias, residual, self.p, self.training)
+            return fused_ops.bias_dropout_add(F.linear(x, self.weight), self.bias, residual, self.dropout.p,
+                                              self.training)
         return residual + self.dropout(F.linear(x, self.weight, self.bias))
 
 
