@@ -53,6 +53,9 @@ def lightning_ds_config(train: TrainConfig, world_size: int) -> dict:
     if "original_ds_config" in on:
         train = dataclasses.replace(train, zero_profile="original")
     cfg = build_ds_config(train, train.model(), world_size)
+    if cfg.get("autotuning", {}).get("enabled"):
+        raise ValueError("DeepSpeed's autotuner drives the raw loop (deepspeed --autotuning tune "
+                         "plain_deepspeed/train.py ...); remove the enabled autotuning section for Lightning")
     cfg.pop("gradient_accumulation_steps", None)
     if "ds_throughput_timer" in on:
         cfg["timers"] = {"throughput": {"enabled": True, "synchronized": True}}

@@ -1,7 +1,7 @@
 """Command-line flags from the config dataclasses: flag names are field names (`--micro_batch`, `--micro-batch`).
 
 Both paths build their parser here, so a flag means the same thing everywhere. The original study's flag names
-keep working as aliases (`--batch_size_per_gpu`).
+keep working as aliases (`--batch_size_per_gpu`), and so does DeepSpeed's `--deepspeed_config`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ import typing
 from shared.config import TrainConfig
 
 # The original min-LLM scripts' flags, mapped to our field names.
-ALIASES = {"micro_batch": ["--batch_size_per_gpu", "--batch-size-per-gpu"]}
+ALIASES = {"micro_batch": ["--batch_size_per_gpu", "--batch-size-per-gpu"],
+           # DeepSpeed's own name for it; its autotuner passes each experiment's config as --deepspeed_config.
+           "ds_config": ["--deepspeed_config", "--deepspeed-config"]}
 
 
 def _parse_bool(text: str) -> bool:

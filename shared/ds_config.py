@@ -13,6 +13,8 @@ A user JSON (`--ds_config FILE`) replaces the built dict; it is checked against 
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from pathlib import Path
 
@@ -148,42 +150,61 @@ def _apply_tuned_rules(cfg: dict, model: GPTConfig, world_size: int) -> None:
     cfg["timers"] = {"throughput": {"enabled": False, "synchronized": False}}
 
 
-def load_user_ds_config(path: str | Path, train: TrainConfig) -> dict:
-    """Read a user DeepSpeed JSON and check it against the run's flags; raises ValueError naming the problem."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"DeepSpeed config file {str(path)!r} does not exist")
+def read_user_json(source: str | Path) -> tuple[dict, str]:
+    """A user DeepSpeed JSON and the name errors call it by, from a file path or from base64 text of the JSON
+    (DeepSpeed's autotuner hands each experiment's config to the script that way: `--deepspeed_config <base64>`)."""
+    path = Path(source)
     try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"DeepSpeed config {str(path)!r} is not valid JSON: {e}") from e
+        is_file = path.is_file()
+    except OSError:  # base64 text is longer than a file name may be
+        is_file = False
+    if is_file:
+        name = repr(str(path))
+        try:
+            cfg = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"DeepSpeed config {name} is not valid JSON: {e}") from e
+    else:
+        name = "(base64 from --deepspeed_config)"
+        try:
+            cfg = json.loads(base64.urlsafe_b64decode(str(source).encode()).decode())
+        except (binascii.Error, UnicodeDecodeError, json.JSONDecodeError, ValueError):
+            raise ValueError(f"DeepSpeed config file {str(source)!r} does not exist (and it is not base64 of a "
+                             "JSON object, as DeepSpeed's autotuner passes)") from None
     if not isinstance(cfg, dict):
-        raise ValueError(f"DeepSpeed config {str(path)!r} must hold a JSON object, got {type(cfg).__name__}")
+        raise ValueError(f"DeepSpeed config {name} must hold a JSON object, got {type(cfg).__name__}")
+    return cfg, name
+
+
+def load_user_ds_config(source: str | Path, train: TrainConfig) -> dict:
+    """Read a user DeepSpeed JSON (a path, or base64 text) and check it against the run's flags; raises
+    ValueError naming the problem."""
+    cfg, name = read_user_json(source)
     unknown = sorted(set(cfg) - KNOWN_TOP_LEVEL_KEYS)
     if unknown:
-        raise ValueError(f"unknown key(s) {unknown} in DeepSpeed config {str(path)!r}; DeepSpeed would ignore them")
+        raise ValueError(f"unknown key(s) {unknown} in DeepSpeed config {name}; DeepSpeed would ignore them")
     mb = cfg.get("train_micro_batch_size_per_gpu", train.micro_batch)
     if mb != train.micro_batch:
         raise ValueError(
-            f"DeepSpeed config {str(path)!r} sets train_micro_batch_size_per_gpu={mb} but the run uses "
+            f"DeepSpeed config {name} sets train_micro_batch_size_per_gpu={mb} but the run uses "
             f"micro_batch={train.micro_batch}; pass --micro_batch {mb} or remove the key"
         )
     ga = cfg.get("gradient_accumulation_steps", train.grad_accum)
     if ga != train.grad_accum:
         raise ValueError(
-            f"DeepSpeed config {str(path)!r} sets gradient_accumulation_steps={ga} but the run uses "
+            f"DeepSpeed config {name} sets gradient_accumulation_steps={ga} but the run uses "
             f"grad_accum={train.grad_accum}"
         )
     cfg_precision = "bf16" if _enabled(cfg, "bf16") else "fp16" if _enabled(cfg, "fp16") else "fp32"
     if cfg_precision != train.precision:
         raise ValueError(
-            f"DeepSpeed config {str(path)!r} enables {cfg_precision} but the run asks for {train.precision}"
+            f"DeepSpeed config {name} enables {cfg_precision} but the run asks for {train.precision}"
         )
     stage = cfg.get("zero_optimization", {}).get("stage", 0)
     if stage != train.stage:
-        raise ValueError(f"DeepSpeed config {str(path)!r} sets ZeRO stage {stage} but the run asks for {train.stage}")
+        raise ValueError(f"DeepSpeed config {name} sets ZeRO stage {stage} but the run asks for {train.stage}")
     if stage == 3 and train.memory_efficient_linear is not None:
-        raise ValueError(f"--memory_efficient_linear has no effect with --ds_config {str(path)!r}: set "
+        raise ValueError(f"--memory_efficient_linear has no effect with --ds_config {name}: set "
                          "zero_optimization.memory_efficient_linear in the JSON instead")
     if stage == 3 and train.model().compile == "blocks":
         zero = cfg["zero_optimization"]
@@ -191,14 +212,22 @@ def load_user_ds_config(path: str | Path, train: TrainConfig) -> dict:
         leaf = [leaf] if isinstance(leaf, str) else leaf
         if BLOCK_CLASS not in leaf and BLOCK_CLASS.rsplit(".", 1)[1] not in leaf:  # DeepSpeed takes either
             raise ValueError(
-                f"DeepSpeed config {str(path)!r}: --compile blocks under ZeRO-3 needs zero_optimization.leaf_module."
+                f"DeepSpeed config {name}: --compile blocks under ZeRO-3 needs zero_optimization.leaf_module."
                 f"classes to contain {BLOCK_CLASS!r} (else DeepSpeed's hooks break every compiled graph)"
             )
         if zero.get("memory_efficient_linear", True):
             raise ValueError(
-                f"DeepSpeed config {str(path)!r}: --compile blocks under ZeRO-3 needs zero_optimization."
+                f"DeepSpeed config {name}: --compile blocks under ZeRO-3 needs zero_optimization."
                 "memory_efficient_linear false (DeepSpeed's linear makes dynamo recompile the block for every layer)"
             )
+    tuning = cfg.get("autotuning")
+    if isinstance(tuning, dict) and tuning.get("enabled") and not tuning.get("model_info"):
+        # An autotuning experiment: the engine writes its metrics and exits after end_profile_step (DeepSpeed's
+        # default 5); a shorter run would end without them and the autotuner would record a failure.
+        end = int(tuning.get("end_profile_step", 5))
+        if train.steps <= end:
+            raise ValueError(f"DeepSpeed config {name} enables autotuning up to end_profile_step={end}; "
+                             f"--steps {train.steps} ends before it: pass --steps {end + 1} or more")
     cfg.setdefault("train_micro_batch_size_per_gpu", train.micro_batch)
     cfg.setdefault("gradient_accumulation_steps", train.grad_accum)
     return cfg

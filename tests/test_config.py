@@ -60,6 +60,7 @@ def test_cli_flags_are_field_names_with_study_aliases():
                               "--activation-checkpointing"], "test")
     assert cfg.micro_batch == 36 and cfg.attention == "reference" and cfg.activation_checkpointing
     assert cfg.flops_factor == 4
+    assert parse_train_config(["--deepspeed_config", "ds.json"], "test").ds_config == "ds.json"  # DeepSpeed's name
 
 
 def test_cli_bad_value_exits_2(capsys):

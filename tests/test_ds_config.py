@@ -1,3 +1,4 @@
+import base64
 import json
 
 import pytest
@@ -73,3 +74,32 @@ def test_user_json_errors(tmp_path, content, flags, message):
         build_ds_config(TrainConfig(ds_config=str(path), **flags))
     with pytest.raises(ValueError, match="does not exist"):
         build_ds_config(TrainConfig(ds_config=str(tmp_path / "nope.json")))
+
+
+def test_user_json_as_base64_text_as_deepspeeds_autotuner_passes_it(tmp_path):
+    user = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
+    text = base64.urlsafe_b64encode(json.dumps(user).encode()).decode()
+    assert build_ds_config(TrainConfig(ds_config=text))["zero_optimization"] == {"stage": 3}
+    with pytest.raises(ValueError, match=r"\(base64 from --deepspeed_config\) sets ZeRO stage 3 but the run asks"):
+        build_ds_config(TrainConfig(ds_config=text, stage=2))
+    # neither a file nor base64 of a JSON object: the message says both
+    for junk in ("bm90IGpzb24=", "x" * 600):
+        with pytest.raises(ValueError, match="does not exist .*not base64 of a JSON object"):
+            build_ds_config(TrainConfig(ds_config=junk))
+
+
+def test_autotuning_experiment_must_run_past_its_profile_steps():
+    user = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True},
+            "autotuning": {"enabled": True, "start_profile_step": 2, "end_profile_step": 4}}
+    text = base64.urlsafe_b64encode(json.dumps(user).encode()).decode()
+    assert build_ds_config(TrainConfig(ds_config=text, steps=5, warmup_steps=2))["autotuning"]["enabled"]
+    with pytest.raises(ValueError, match="end_profile_step=4; --steps 4 ends before it: pass --steps 5"):
+        build_ds_config(TrainConfig(ds_config=text, steps=4, warmup_steps=2))
+    # its model-info run stops in the first forward: any --steps will do
+    user["autotuning"]["model_info"] = {"profile": True}
+    text = base64.urlsafe_b64encode(json.dumps(user).encode()).decode()
+    assert build_ds_config(TrainConfig(ds_config=text, steps=2, warmup_steps=1))
+    from lightning_app.train import lightning_ds_config
+
+    with pytest.raises(ValueError, match="DeepSpeed's autotuner drives the raw loop"):
+        lightning_ds_config(TrainConfig(ds_config=text, steps=2, warmup_steps=1), 1)
