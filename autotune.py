@@ -13,8 +13,8 @@ Candidates are ranked by tokens/s per GPU, not TFLOPs: with activation checkpoin
 recomputed forward (k=4) as work, which would flatter the slower configuration. The budget stops the search
 before a candidate that would not finish in it (estimated from the slowest run so far).
 
-DeepSpeed ships an autotuner of its own (`deepspeed --autotuning tune`); it needs its launcher with a hostfile
-and its own search over the same knobs. It was not run on the device for this comparison (see README).
+DeepSpeed ships an autotuner of its own (`deepspeed --autotuning tune`); benchmarks/ds_autotuner.py runs it on
+the raw loop and measures its answer against this search's winner (README, "Tuning ZeRO-3").
 """
 
 from __future__ import annotations
