@@ -5,9 +5,11 @@ report how fast each is, where each spends its time, and the gap.
     python compare.py --stage 3 --precision bf16         # GPUs: 1.5b preset on every GPU
     python compare.py --preset 1.5b --gpus 2 --micro_batch 8 --repeats 3 --out reports/h200x2
 
-Runs are subprocesses launched the same way for both paths (torchrun), interleaved raw, lightning, raw,
-lightning, ... so that drift of the machine hits both; warmup steps are excluded inside each run. Orchestration
-only: the numbers come from the RunResult JSON each run writes (shared/results.py).
+Runs are subprocesses launched the same way for both paths (torchrun), interleaved in pairs whose order
+alternates (raw, lightning, then lightning, raw, ...), so that drift of the machine hits both and neither path is
+always first (in 6 of the 7 one-pair compares of the H200 tuning runs the path run first, raw, was the slower;
+README, "Tuning"); warmup steps are excluded inside each run. Orchestration only: the numbers come from the
+RunResult JSON each run writes (shared/results.py).
 """
 
 from __future__ import annotations
@@ -353,7 +355,7 @@ def main(argv: list[str] | None = None) -> dict:
         return report
     results: dict[str, list[RunResult]] = {p: [] for p in PATHS}
     for i in range(ns.repeats):
-        for path in PATHS:
+        for path in PATHS if i % 2 == 0 else PATHS[::-1]:
             out = out_dir / "runs" / f"{path}_{i}.json"
             results[path].append(launch(path, train, ns.world, out, out_dir / "logs" / f"{path}_{i}.log",
                                         ns.timeout))

@@ -70,7 +70,7 @@ def run_cli(main, train, device_hint: str) -> None:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         exit_process(2, torch.device(device_hint))
-    except SystemExit as e:  # DeepSpeed's autotuning experiments call exit() once their profile steps are done
+    except SystemExit as e:  # preemption's exit code; DeepSpeed's autotuning experiments exit() after profiling
         exit_process(e.code if isinstance(e.code, int) else 0 if e.code is None else 1, torch.device(device_hint))
     exit_process(0, torch.device(device_hint))
 

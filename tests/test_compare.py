@@ -33,6 +33,9 @@ def test_compare_end_to_end_on_cpu(tmp_path):
     assert report["ratio_lightning_over_deepspeed"] == pytest.approx(sorted(ratios)[0] / 2 + sorted(ratios)[1] / 2)
     assert report["loss_parity"]["ok"] and report["loss_parity"]["max_abs_diff"] == 0.0
     assert report["same_ds_config"]
+    # pairs alternate their order: raw first, then Lightning first
+    done = {f.stem: f.stat().st_mtime for f in (out / "runs").glob("*_[01].json")}
+    assert done["deepspeed_0"] < done["lightning_0"] < done["lightning_1"] < done["deepspeed_1"]
     md = (out / "report.md").read_text()
     assert "Lightning / DeepSpeed throughput" in md and "phases.png" in md
     assert (out / "phases.png").read_bytes()[:4] == b"\x89PNG"
