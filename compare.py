@@ -51,10 +51,8 @@ class CompareError(Exception):
 
     @property
     def oom(self) -> bool:
-        """The run ran out of device memory: both paths turn that into "micro_batch N does not fit in ..."
-        (shared/distributed.oom_message); an out-of-memory they did not catch still says "out of memory"."""
-        text = str(self)
-        return "does not fit" in text or "out of memory" in text.lower()
+        """The run ran out of device memory (see is_oom)."""
+        return is_oom(str(self))
 
     @property
     def reason(self) -> str:
@@ -129,6 +127,19 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
     return train, ns
 
 
+def run_env(extra: dict | None = None) -> dict:
+    """The environment a training process is started with: unbuffered output, this repo importable."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra or {}))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def is_oom(text: str) -> bool:
+    """A run's message says it ran out of device memory: both paths turn that into "micro_batch N does not fit
+    in ..." (shared/distributed.oom_message); an out-of-memory they did not catch still says "out of memory"."""
+    return "does not fit" in text or "out of memory" in text.lower()
+
+
 def launch(path: str, train: TrainConfig, world: int, out: Path, log: Path, timeout: int,
            env: dict | None = None) -> RunResult:
     """Run one path in its own processes (torchrun, one process per GPU) and read back its RunResult.
@@ -138,8 +149,7 @@ def launch(path: str, train: TrainConfig, world: int, out: Path, log: Path, time
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
            str(SCRIPTS[path]), *to_argv(run_cfg)]
     log.parent.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env = run_env(env)
     t0 = time.perf_counter()
     with open(log, "w") as f:
         f.write(" ".join(cmd) + "\n")

@@ -52,7 +52,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from compare import CompareError, launch  # noqa: E402
+from compare import CompareError, is_oom, launch, run_env, spread  # noqa: E402
 from shared.cli import add_config_args, config_from_args, to_argv  # noqa: E402
 from shared.config import TrainConfig  # noqa: E402
 from shared.ds_config import build_ds_config  # noqa: E402
@@ -61,13 +61,16 @@ from shared.results import device_info, versions  # noqa: E402
 RAW = ROOT / "plain_deepspeed" / "train.py"
 # Flags the autotuner sets per experiment (arg_mappings) or that this script sets: not passed through.
 OWN = {"micro_batch", "grad_accum", "ds_config", "steps", "warmup_steps", "out"}
+# DeepSpeed's autotuner cleans up each experiment with `pdsh -f N -w HOSTS pkill -f NAME`. The stand-in drops
+# pdsh's options and runs the command here; pkill -f NAME also matches the stand-in's own command line and ends it
+# (DeepSpeed takes that exit as success), after the finished experiment had nothing left to kill.
 PDSH_STANDIN = """#!/bin/sh
-# Stand-in for pdsh on one machine (benchmarks/ds_autotuner.py): DeepSpeed's autotuner cleans up each
-# experiment with `pdsh -f N -w HOSTS pkill -f NAME`; drop pdsh's options and run the command here.
+# Stand-in for pdsh on one machine, written by benchmarks/ds_autotuner.py.
 while [ $# -gt 0 ]; do case "$1" in -f|-w|-R) shift 2;; *) break;; esac; done
 "$@"
 exit 0
 """
+GRACE_S = 40  # after SIGTERM: the training processes' preemption handler stops at its next check
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,8 +97,10 @@ def parse(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
     ns = parser.parse_args(argv)
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     try:
+        if ns.gpus is not None and ns.gpus <= 0:
+            raise ValueError(f"--gpus must be positive, got {ns.gpus}")
         ns.world = ns.gpus or n_gpus or 1
-        if ns.world > max(n_gpus, 1) or ns.world <= 0:
+        if ns.world > max(n_gpus, 1):
             raise ValueError(f"--gpus {ns.gpus}: {n_gpus} GPU(s) available (one process without a GPU)")
         ns.mb_list = ns.mb_list or ("8,12,16" if n_gpus else "1,2")
         try:
@@ -155,14 +160,29 @@ def passthrough(train: TrainConfig) -> list[str]:
     return argv
 
 
+def stop_group(pgid: int) -> None:
+    """SIGTERM a process group, then SIGKILL what is left of it after GRACE_S."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + GRACE_S
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.5)
+
+
 def run_tuner(train: TrainConfig, ns, config_path: Path) -> tuple[list[str], float, int]:
     # --include, not --num_gpus: with --num_gpus the pool is every GPU of the machine (see the docstring)
     gpus = ",".join(str(i) for i in range(ns.world))
     cmd = ["deepspeed", "--autotuning", "tune", "--include", f"localhost:{gpus}", str(RAW),
-           "--deepspeed_config", str(config_path), "--steps", str(ns.end_profile_step + 1),
+           "--deepspeed_config", str(config_path.resolve()), "--steps", str(ns.end_profile_step + 1),
            "--warmup_steps", str(ns.start_profile_step), *passthrough(train)]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env = run_env()
     # The autotuner launches each experiment as `deepspeed ...`: the one installed beside this Python.
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
     if shutil.which("pdsh", path=env["PATH"]) is None:
@@ -174,56 +194,74 @@ def run_tuner(train: TrainConfig, ns, config_path: Path) -> tuple[list[str], flo
     log = ns.out_dir / "autotuner.log"
     print(f"ds_autotuner: {' '.join(cmd)}\n  log: {log}", flush=True)
     t0 = time.perf_counter()
+    rc = -1
     with open(log, "w") as f:
+        # its own process group, so that the experiments it launched go down with it, whatever stops this script
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
         try:
             rc = proc.wait(timeout=ns.tuner_timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait()
-            rc = -1
             print(f"ds_autotuner: stopped after --tuner_timeout {ns.tuner_timeout}s", flush=True)
+        finally:
+            stop_group(proc.pid)
     return cmd, time.perf_counter() - t0, rc
 
 
+def _read_json(path: Path) -> dict | None:
+    """A JSON file the autotuner or an experiment wrote, or None when it is missing or cut short."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def read_experiments(results: Path, seq_len: int, world: int) -> list[dict]:
-    """Every experiment the autotuner ran (its model-info profile run aside), best first."""
+    """Every experiment the autotuner launched, best first; its model-info run first of all when that failed."""
     from deepspeed.autotuning.utils import search_error
 
+    def error(exp_dir: Path, default: str) -> str:
+        return (search_error(str(exp_dir / "stderr.log")) or default).strip()[:300]
+
     rows = []
-    for exp_dir in sorted(p for p in results.glob("*") if p.is_dir() and p.name != "profile_model_info"):
-        exp_file = exp_dir / "exp.json"
-        if not exp_file.is_file():
-            rows.append({"name": exp_dir.name, "status": "failed", "error": "the autotuner did not launch it"})
+    for exp_dir in sorted(p for p in results.glob("*") if p.is_dir()):
+        exp = _read_json(exp_dir / "exp.json")
+        if exp_dir.name == "profile_model_info":  # the model-info run: only a failure is worth a row
+            if _read_json(exp_dir / "model_info.json") is None:
+                rows.append({"name": exp_dir.name, "status": "failed", "error": error(exp_dir, "no model_info.json")})
             continue
-        ds = json.loads(exp_file.read_text())["ds_config"]
+        if exp is None:
+            rows.append({"name": exp_dir.name, "status": "failed", "error": "no readable exp.json"})
+            continue
+        ds = exp["ds_config"]
         row = {"name": exp_dir.name, "micro_batch": ds["train_micro_batch_size_per_gpu"],
                "grad_accum": ds.get("gradient_accumulation_steps", 1), "zero_optimization": ds["zero_optimization"]}
-        metrics = exp_dir / "metrics.json"
-        if metrics.is_file():
-            m = json.loads(metrics.read_text())
+        m = _read_json(exp_dir / "metrics.json")
+        if m is not None:
             # throughput: train_batch_size * 1e6 / latency, latency in microseconds (engine._autotuning_exit)
             row.update(status="ok", samples_per_s=m["throughput"], latency_ms=m["latency"] / 1e3,
                        tokens_per_s_per_gpu=m["throughput"] * seq_len / world)
         else:
-            err = search_error(str(exp_dir / "stderr.log")) or "no metrics.json"
-            oom = "out of memory" in err.lower() or "does not fit" in err
-            row.update(status="oom" if oom else "failed", error=err.strip()[:300])
+            err = error(exp_dir, "no readable metrics.json")
+            row.update(status="oom" if is_oom(err) else "failed", error=err)
         rows.append(row)
     return sorted(rows, key=lambda r: -r.get("tokens_per_s_per_gpu", -1.0))
 
 
 def head_to_head(train: TrainConfig, ns, optimal: dict, optimal_path: Path) -> dict:
     """Our autotune winner vs DeepSpeed's optimal config on the raw loop, alternately, --repeats each."""
-    report = json.loads(Path(ns.versus).read_text())
-    if not report.get("winner"):
-        raise ValueError(f"--versus {ns.versus}: its autotune found no winner")
+    report = _read_json(Path(ns.versus))
+    if report is None or not report.get("winner"):
+        raise ValueError(f"--versus {ns.versus}: no winner in it (compare.py --autotune writes one)")
+    for key, here in (("preset", train.preset), ("world_size", ns.world)):
+        if report.get(key, here) != here:
+            raise ValueError(f"--versus {ns.versus}: its winner was found for {key} {report[key]}, this run has {here}")
     ours = dataclasses.replace(train, zero_profile="tuned", **report["winner"]["knobs"])
     theirs = dataclasses.replace(train, ds_config=str(optimal_path), micro_batch=optimal["micro_batch"],
                                  grad_accum=optimal["grad_accum"])
     runs = {"ours": [], "deepspeed_autotuner": []}
+    pair = (("deepspeed_autotuner", theirs), ("ours", ours))
     for i in range(ns.repeats):
-        for name, cfg in (("deepspeed_autotuner", theirs), ("ours", ours)):
+        for name, cfg in pair if i % 2 == 0 else pair[::-1]:  # neither always first (see compare.py)
             out, log = ns.out_dir / "versus" / f"{name}_{i}.json", ns.out_dir / "versus" / f"{name}_{i}.log"
             try:
                 r = launch("deepspeed", cfg, ns.world, out, log, ns.timeout)
@@ -243,8 +281,7 @@ def head_to_head(train: TrainConfig, ns, optimal: dict, optimal_path: Path) -> d
         "runs": runs,
         "tokens_per_s_per_gpu": {n: median(n, "tokens_per_s_per_gpu") for n in runs},
         "tflops_per_gpu": {n: median(n, "tflops_per_gpu") for n in runs},
-        "ratio_ours_over_deepspeed": {"median": statistics.median(pairs), "min": min(pairs), "max": max(pairs),
-                                      "n": len(pairs)} if pairs else None,
+        "ratio_ours_over_deepspeed": spread(pairs) if pairs else None,
     }
 
 
@@ -263,7 +300,8 @@ def format_report(report: dict) -> str:
         t, f = v["tokens_per_s_per_gpu"], v["tflops_per_gpu"]
         lines.append(f"head to head (raw loop, {len(v['runs']['ours'])} runs each, alternating):")
         for name in ("deepspeed_autotuner", "ours"):
-            lines.append(f"  {name:<20} {t[name] or 0:10,.0f} tokens/s/GPU  {f[name] or 0:8.2f} TFLOPs/GPU")
+            lines.append(f"  {name:<20} {t[name]:10,.0f} tokens/s/GPU  {f[name]:8.2f} TFLOPs/GPU" if t[name]
+                         else f"  {name:<20} every run failed: {v['runs'][name][0]['error']}")
         q = v["ratio_ours_over_deepspeed"]
         lines.append(f"  ours / DeepSpeed's: {q['median']:.3f} [{q['min']:.3f}, {q['max']:.3f}] over {q['n']} pairs"
                      if q else "  no pair of runs completed")
@@ -274,16 +312,23 @@ def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     train, ns = parse(argv)
     ns.out_dir.mkdir(parents=True, exist_ok=True)
-    optimal_path = ns.out_dir / "ds_optimal_config.json"
+    optimal_path, results = ns.out_dir / "ds_optimal_config.json", ns.out_dir / "results"
     if ns.reuse:
-        report = json.loads((ns.out_dir / "ds_autotuner.json").read_text())
+        report = _read_json(ns.out_dir / "ds_autotuner.json")
+        if report is None or "optimal" not in report:
+            print(f"ds_autotuner: error: {ns.out_dir / 'ds_autotuner.json'} is not a finished autotuner run",
+                  file=sys.stderr)
+            sys.exit(1)
         report["versus_command"] = " ".join(["python", "benchmarks/ds_autotuner.py", *argv])
+        for key in ("versus", "versus_error"):  # a head-to-head of an earlier --reuse
+            report.pop(key, None)
         optimal = report["optimal"]
     else:
+        for stale in (results, optimal_path):  # an earlier run's answer must not pass for this one's
+            shutil.rmtree(stale) if stale.is_dir() else stale.unlink(missing_ok=True)
         config_path = ns.out_dir / "ds_autotuner_config.json"
         config_path.write_text(json.dumps(autotuner_config(train, ns), indent=1))
         cmd, tuner_s, rc = run_tuner(train, ns, config_path)
-        results = ns.out_dir / "results"
         optimal = None
         if (results / "ds_config_optimal.json").is_file():
             cfg = json.loads((results / "ds_config_optimal.json").read_text())

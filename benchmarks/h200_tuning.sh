@@ -15,6 +15,7 @@ set -uo pipefail
 OUT=${1:?usage: h200_tuning.sh OUTDIR}
 G=${GPUS:-1}
 W=${WORK:-/tmp/h200_tuning}  # outside OUTDIR: only the archive comes back
+rm -rf "$W"  # a warm machine keeps /tmp: nothing of an earlier call may pass for this one's
 mkdir -p "$W"
 T0=$SECONDS
 DEADLINE=${DEADLINE_S:-560}

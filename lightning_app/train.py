@@ -28,7 +28,7 @@ from shared.cli import parse_train_config
 from shared.config import TrainConfig
 from shared.data import train_loader, val_loader
 from shared.distributed import check_precision, oom_message, run_cli
-from shared.ds_config import build_ds_config
+from shared.ds_config import autotuning_enabled, build_ds_config, read_user_json
 from shared.preemption import EXIT_CODE
 from shared.results import RunResult
 
@@ -52,10 +52,10 @@ def lightning_ds_config(train: TrainConfig, world_size: int) -> dict:
     on = train.overheads
     if "original_ds_config" in on:
         train = dataclasses.replace(train, zero_profile="original")
-    cfg = build_ds_config(train, train.model(), world_size)
-    if cfg.get("autotuning", {}).get("enabled"):
+    if train.ds_config and autotuning_enabled(read_user_json(train.ds_config)[0]):
         raise ValueError("DeepSpeed's autotuner drives the raw loop (deepspeed --autotuning tune "
                          "plain_deepspeed/train.py ...); remove the enabled autotuning section for Lightning")
+    cfg = build_ds_config(train, train.model(), world_size)
     cfg.pop("gradient_accumulation_steps", None)
     if "ds_throughput_timer" in on:
         cfg["timers"] = {"throughput": {"enabled": True, "synchronized": True}}

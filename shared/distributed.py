@@ -71,6 +71,8 @@ def run_cli(main, train, device_hint: str) -> None:
         print(f"error: {e}", file=sys.stderr, flush=True)
         exit_process(2, torch.device(device_hint))
     except SystemExit as e:  # preemption's exit code; DeepSpeed's autotuning experiments exit() after profiling
+        if e.code is not None and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr, flush=True)  # as Python prints sys.exit("message")
         exit_process(e.code if isinstance(e.code, int) else 0 if e.code is None else 1, torch.device(device_hint))
     exit_process(0, torch.device(device_hint))
 

@@ -14,7 +14,6 @@ A user JSON (`--ds_config FILE`) replaces the built dict; it is checked against 
 from __future__ import annotations
 
 import base64
-import binascii
 import json
 from pathlib import Path
 
@@ -155,9 +154,11 @@ def read_user_json(source: str | Path) -> tuple[dict, str]:
     (DeepSpeed's autotuner hands each experiment's config to the script that way: `--deepspeed_config <base64>`)."""
     path = Path(source)
     try:
-        is_file = path.is_file()
+        exists, is_file = path.exists(), path.is_file()
     except OSError:  # base64 text is longer than a file name may be
-        is_file = False
+        exists = is_file = False
+    if exists and not is_file:
+        raise ValueError(f"DeepSpeed config {str(path)!r} is not a file")
     if is_file:
         name = repr(str(path))
         try:
@@ -165,12 +166,13 @@ def read_user_json(source: str | Path) -> tuple[dict, str]:
         except json.JSONDecodeError as e:
             raise ValueError(f"DeepSpeed config {name} is not valid JSON: {e}") from e
     else:
-        name = "(base64 from --deepspeed_config)"
+        name = "(given as base64 text)"
         try:
             cfg = json.loads(base64.urlsafe_b64decode(str(source).encode()).decode())
-        except (binascii.Error, UnicodeDecodeError, json.JSONDecodeError, ValueError):
-            raise ValueError(f"DeepSpeed config file {str(source)!r} does not exist (and it is not base64 of a "
-                             "JSON object, as DeepSpeed's autotuner passes)") from None
+        except ValueError:  # binascii.Error, UnicodeDecodeError and JSONDecodeError are ValueErrors
+            shown = str(source) if len(str(source)) <= 80 else f"{str(source)[:77]}..."
+            raise ValueError(f"DeepSpeed config file {shown!r} does not exist (and it is not base64 of a JSON "
+                             "object, as DeepSpeed's autotuner passes)") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"DeepSpeed config {name} must hold a JSON object, got {type(cfg).__name__}")
     return cfg, name
@@ -220,17 +222,24 @@ def load_user_ds_config(source: str | Path, train: TrainConfig) -> dict:
                 f"DeepSpeed config {name}: --compile blocks under ZeRO-3 needs zero_optimization."
                 "memory_efficient_linear false (DeepSpeed's linear makes dynamo recompile the block for every layer)"
             )
-    tuning = cfg.get("autotuning")
-    if isinstance(tuning, dict) and tuning.get("enabled") and not tuning.get("model_info"):
+    if autotuning_enabled(cfg) and not cfg["autotuning"].get("model_info"):
         # An autotuning experiment: the engine writes its metrics and exits after end_profile_step (DeepSpeed's
         # default 5); a shorter run would end without them and the autotuner would record a failure.
-        end = int(tuning.get("end_profile_step", 5))
+        end = cfg["autotuning"].get("end_profile_step", 5)
+        if not isinstance(end, int) or isinstance(end, bool) or end < 0:
+            raise ValueError(f"DeepSpeed config {name}: autotuning.end_profile_step must be a non-negative integer, "
+                             f"got {end!r}")
         if train.steps <= end:
             raise ValueError(f"DeepSpeed config {name} enables autotuning up to end_profile_step={end}; "
                              f"--steps {train.steps} ends before it: pass --steps {end + 1} or more")
     cfg.setdefault("train_micro_batch_size_per_gpu", train.micro_batch)
     cfg.setdefault("gradient_accumulation_steps", train.grad_accum)
     return cfg
+
+
+def autotuning_enabled(cfg: dict) -> bool:
+    """The config turns DeepSpeed's autotuning on (its experiments exit after their profile steps)."""
+    return _enabled(cfg, "autotuning")
 
 
 def _enabled(cfg: dict, key: str) -> bool:

@@ -1,5 +1,6 @@
 """benchmarks/ablation.py, ds_autotuner.py and plot_training.py as a user runs them (CPU, tiny preset)."""
 
+import importlib.util
 import json
 import sys
 
@@ -89,4 +90,76 @@ def test_deepspeeds_autotuner_drives_the_raw_loop_and_meets_our_winner(tmp_path)
 def test_ds_autotuner_bad_input_exits_2_before_any_run(tmp_path, args, message):
     proc = run([sys.executable, DS_AUTOTUNER, *args, "--out", tmp_path], check=False, timeout=60)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
-    assert not (tmp_path / "ds_autotuner_config.json").exists()
+
+
+def _ds_autotuner():
+    spec = importlib.util.spec_from_file_location("ds_autotuner", DS_AUTOTUNER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ds_autotuner_reads_partial_and_failed_experiments(tmp_path):
+    mod = _ds_autotuner()
+    (tmp_path / "profile_model_info").mkdir()
+    (tmp_path / "profile_model_info" / "stderr.log").write_text("RuntimeError: NCCL boom\n")
+    ds = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 3}}
+    for name, metrics, stderr in (("ok", '{"throughput": 10.0, "latency": 1600000.0}', ""),
+                                  ("cut", '{"throughput": 1', "warning only\n"),
+                                  ("oom", None, "error: micro_batch 8 does not fit in NVIDIA H200 (140 GiB)\n")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "exp.json").write_text(json.dumps({"ds_config": ds}))
+        (tmp_path / name / "stderr.log").write_text(stderr)
+        if metrics is not None:
+            (tmp_path / name / "metrics.json").write_text(metrics)
+    (tmp_path / "never").mkdir()  # scheduled, killed before it wrote exp.json
+    rows = {r["name"]: r for r in mod.read_experiments(tmp_path, seq_len=2048, world=2)}
+    assert rows["ok"]["status"] == "ok" and rows["ok"]["tokens_per_s_per_gpu"] == 10.0 * 2048 / 2
+    assert rows["ok"]["latency_ms"] == 1600.0 and rows["ok"]["grad_accum"] == 2
+    assert rows["cut"] == {**rows["cut"], "status": "failed", "error": "no readable metrics.json"}
+    assert rows["oom"]["status"] == "oom" and "does not fit" in rows["oom"]["error"]
+    assert rows["never"]["status"] == "failed" and rows["profile_model_info"]["error"] == "NCCL boom"
+    assert mod.read_experiments(tmp_path, 2048, 2)[0]["name"] == "ok"  # best first
+
+
+def test_ds_autotuner_head_to_head_when_one_side_fails(tmp_path, monkeypatch):
+    from compare import CompareError
+    from shared.results import RunResult
+
+    mod = _ds_autotuner()
+    winner = {"micro_batch": 2, "activation_checkpointing": False, "prefetch_bucket_size": 50_000_000,
+              "reduce_bucket_size": 500_000_000, "param_persistence_threshold": 1_000_000, "compile": "none"}
+    versus = lambda world: json.dumps({"preset": "tiny", "world_size": world, "winner": {"knobs": winner}})
+    (tmp_path / "autotune.json").write_text(versus(1))
+    order = []
+
+    def fake_launch(path, cfg, world, out, log, timeout):
+        order.append(out.stem)
+        if cfg.ds_config:  # DeepSpeed's optimal config
+            raise CompareError(f"deepspeed run failed (exit 1); log: {log}\nreason: error: micro_batch 2 does not fit")
+        return RunResult(**{**load(ROOT / "benchmarks" / "results" / "tuning_2xh200" / "winner" / "runs" /
+                                   "deepspeed_0.json"), "tokens_per_s_per_gpu": 100.0})
+
+    monkeypatch.setattr(mod, "launch", fake_launch)
+    train, ns = mod.parse(["--versus", str(tmp_path / "autotune.json"), "--repeats", "2", "--out", str(tmp_path)])
+    v = mod.head_to_head(train, ns, {"micro_batch": 2, "grad_accum": 1}, tmp_path / "opt.json")
+    assert order == ["deepspeed_autotuner_0", "ours_0", "ours_1", "deepspeed_autotuner_1"]  # alternating
+    assert v["ratio_ours_over_deepspeed"] is None and v["tokens_per_s_per_gpu"] == {"ours": 100.0,
+                                                                                     "deepspeed_autotuner": None}
+    assert v["runs"]["deepspeed_autotuner"][0]["oom"]
+    text = mod.format_report({"experiments": [], "optimal": None, "versus": v})
+    assert "every run failed: reason: error: micro_batch 2 does not fit" in text and "no pair of runs" in text
+    # a winner found for another GPU count is refused
+    (tmp_path / "autotune.json").write_text(versus(2))
+    with pytest.raises(ValueError, match="found for world_size 2, this run has 1"):
+        mod.head_to_head(train, ns, {"micro_batch": 2, "grad_accum": 1}, tmp_path / "opt.json")
+
+
+def test_ds_autotuner_reuse_of_a_run_without_an_optimal_config_exits_1(tmp_path):
+    (tmp_path / "autotune.json").write_text(json.dumps({"winner": None}))
+    (tmp_path / "ds_autotuner.json").write_text(json.dumps({"optimal": None, "autotuner_exit": 1, "experiments": [],
+                                                            "versus": {"stale": True}}))
+    proc = run([sys.executable, DS_AUTOTUNER, "--versus", tmp_path / "autotune.json", "--reuse", "--out", tmp_path],
+               check=False, timeout=60)
+    assert proc.returncode == 1 and "wrote no optimal config (exit 1)" in proc.stderr, proc.stderr
+    assert "versus" not in load(tmp_path / "ds_autotuner.json")  # an earlier head-to-head is not passed on

@@ -73,3 +73,20 @@ def test_cli_bad_value_exits_2(capsys):
 def test_to_argv_round_trips():
     cfg = TrainConfig(preset="tiny", micro_batch=3, dropout=0.0, activation_checkpointing=True, seq_len=64)
     assert parse_train_config(to_argv(cfg), "test") == cfg
+
+
+@pytest.mark.parametrize("code, rc, stderr", [(143, 143, ""), (None, 0, ""), ("stopped: reason", 1, "stopped: reason")])
+def test_run_cli_keeps_the_exit_code_of_a_system_exit(code, rc, stderr):
+    # preemption raises SystemExit(143); DeepSpeed's autotuning experiments call exit() after profiling
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT, env
+
+    script = ("from shared.distributed import run_cli\n"
+              "def main(train):\n"
+              f"    raise SystemExit({code!r})\n"
+              "run_cli(main, None, 'cpu')\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env(), cwd=ROOT,
+                          timeout=120)
+    assert proc.returncode == rc and proc.stderr.strip().endswith(stderr), proc.stderr

@@ -80,12 +80,15 @@ def test_user_json_as_base64_text_as_deepspeeds_autotuner_passes_it(tmp_path):
     user = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
     text = base64.urlsafe_b64encode(json.dumps(user).encode()).decode()
     assert build_ds_config(TrainConfig(ds_config=text))["zero_optimization"] == {"stage": 3}
-    with pytest.raises(ValueError, match=r"\(base64 from --deepspeed_config\) sets ZeRO stage 3 but the run asks"):
+    with pytest.raises(ValueError, match=r"\(given as base64 text\) sets ZeRO stage 3 but the run asks for 2"):
         build_ds_config(TrainConfig(ds_config=text, stage=2))
     # neither a file nor base64 of a JSON object: the message says both
     for junk in ("bm90IGpzb24=", "x" * 600):
-        with pytest.raises(ValueError, match="does not exist .*not base64 of a JSON object"):
+        with pytest.raises(ValueError, match="does not exist .*not base64 of a JSON object") as e:
             build_ds_config(TrainConfig(ds_config=junk))
+        assert len(str(e.value)) < 200  # a long blob is shortened in the message
+    with pytest.raises(ValueError, match="is not a file"):
+        build_ds_config(TrainConfig(ds_config=str(tmp_path)))
 
 
 def test_autotuning_experiment_must_run_past_its_profile_steps():
@@ -99,7 +102,22 @@ def test_autotuning_experiment_must_run_past_its_profile_steps():
     user["autotuning"]["model_info"] = {"profile": True}
     text = base64.urlsafe_b64encode(json.dumps(user).encode()).decode()
     assert build_ds_config(TrainConfig(ds_config=text, steps=2, warmup_steps=1))
+    for bad in (None, "5", -1):
+        user["autotuning"] = {"enabled": True, "end_profile_step": bad}
+        text = base64.urlsafe_b64encode(json.dumps(user).encode()).decode()
+        with pytest.raises(ValueError, match=f"end_profile_step must be a non-negative integer, got {bad!r}"):
+            build_ds_config(TrainConfig(ds_config=text))
+
+
+def test_lightning_refuses_an_autotuning_config_before_anything_else():
     from lightning_app.train import lightning_ds_config
 
+    user = {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True},
+            "autotuning": {"enabled": True, "end_profile_step": 5}}
+    text = base64.urlsafe_b64encode(json.dumps(user).encode()).decode()
+    # --steps 4 would also be refused for the raw loop; Lightning says first that it is the wrong path
     with pytest.raises(ValueError, match="DeepSpeed's autotuner drives the raw loop"):
-        lightning_ds_config(TrainConfig(ds_config=text, steps=2, warmup_steps=1), 1)
+        lightning_ds_config(TrainConfig(ds_config=text, steps=4, warmup_steps=2), 1)
+    user["autotuning"] = None  # no section: an ordinary user JSON
+    text = base64.urlsafe_b64encode(json.dumps(user).encode()).decode()
+    assert lightning_ds_config(TrainConfig(ds_config=text), 1)["zero_optimization"] == {"stage": 3}
