@@ -32,13 +32,14 @@ REDUCE = (50_000_000, 200_000_000, 500_000_000)
 PERSISTENCE = (10_000, 100_000, 1_000_000, 10_000_000)
 
 
-def parse_grid(text: str) -> list[int]:
+def parse_grid(text: str, flag: str = "--mb_grid") -> list[int]:
+    """Comma-separated micro-batches, sorted and unique; a ValueError names `flag` on bad input."""
     try:
         grid = sorted({int(x) for x in text.split(",") if x.strip()})
     except ValueError as e:
-        raise ValueError(f"--mb_grid must be comma-separated integers, got {text!r}") from e
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from e
     if not grid or grid[0] <= 0:
-        raise ValueError(f"--mb_grid needs positive micro-batches, got {text!r}")
+        raise ValueError(f"{flag} needs positive micro-batches, got {text!r}")
     return grid
 
 

@@ -172,6 +172,13 @@ def launch(path: str, train: TrainConfig, world: int, out: Path, log: Path, time
     return result
 
 
+def measured(r: RunResult) -> dict:
+    """What a benchmark keeps of one run: throughput, step-time spread, phases, peak memory and its command."""
+    return {"tflops_per_gpu": r.tflops_per_gpu, "mfu": r.mfu, "tokens_per_s_per_gpu": r.tokens_per_s_per_gpu,
+            "step_time_s": r.step_time_s, "phases_s": r.phases_s, "peak_mem_gib": r.peak_mem_gib,
+            "command": r.command}
+
+
 def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values),
             "stdev": statistics.stdev(values) if len(values) > 1 else 0.0, "n": len(values)}

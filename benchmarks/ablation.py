@@ -27,7 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from compare import CompareError, launch  # noqa: E402
+from compare import CompareError, launch, measured  # noqa: E402
 from shared.config import TrainConfig  # noqa: E402
 from shared.results import versions  # noqa: E402
 
@@ -65,10 +65,8 @@ def run_one(base: TrainConfig, name: str, flags: dict, path: str, out: Path, gpu
     except CompareError as e:
         return {"config": name, "path": path, "flags": flags, "micro_batch": cfg.micro_batch, "ok": False,
                 "oom": e.oom, "error": e.reason[:300]}
-    return {"config": name, "path": path, "flags": flags, "micro_batch": cfg.micro_batch, "ok": True,
-            "tflops_per_gpu": r.tflops_per_gpu, "mfu": r.mfu, "tokens_per_s_per_gpu": r.tokens_per_s_per_gpu,
-            "step_time_s": r.step_time_s, "phases_s": r.phases_s, "peak_mem_gib": r.peak_mem_gib,
-            "fused": r.fused, "losses": r.losses[:5], "command": r.command, "device": r.device["name"]}
+    return {"config": name, "path": path, "flags": flags, "micro_batch": cfg.micro_batch, "ok": True, **measured(r),
+            "fused": r.fused, "losses": r.losses[:5], "device": r.device["name"]}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -52,7 +52,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from compare import CompareError, is_oom, launch, run_env, spread  # noqa: E402
+from autotune import parse_grid  # noqa: E402
+from compare import CompareError, is_oom, launch, measured, run_env, spread  # noqa: E402
 from shared.cli import add_config_args, config_from_args, to_argv  # noqa: E402
 from shared.config import TrainConfig  # noqa: E402
 from shared.ds_config import build_ds_config  # noqa: E402
@@ -102,27 +103,20 @@ def parse(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
         ns.world = ns.gpus or n_gpus or 1
         if ns.world > max(n_gpus, 1):
             raise ValueError(f"--gpus {ns.gpus}: {n_gpus} GPU(s) available (one process without a GPU)")
-        ns.mb_list = ns.mb_list or ("8,12,16" if n_gpus else "1,2")
-        try:
-            ns.mbs = sorted({int(x) for x in ns.mb_list.split(",") if x.strip()})
-        except ValueError:
-            raise ValueError(f"--mb_list must be comma-separated integers, got {ns.mb_list!r}") from None
-        if not ns.mbs or ns.mbs[0] <= 0:
-            raise ValueError(f"--mb_list needs positive micro-batches, got {ns.mb_list!r}")
+        ns.mbs = parse_grid(ns.mb_list or ("8,12,16" if n_gpus else "1,2"), "--mb_list")
         if not 0 <= ns.start_profile_step <= ns.end_profile_step:
             raise ValueError(f"need 0 <= --start_profile_step <= --end_profile_step, got "
                              f"{ns.start_profile_step} and {ns.end_profile_step}")
         if ns.repeats <= 0:
             raise ValueError(f"--repeats must be positive, got {ns.repeats}")
-        if ns.reuse and (ns.versus is None or not (Path(ns.out or "reports/ds_autotuner") /
-                                                     "ds_autotuner.json").is_file()):
+        ns.out_dir = Path(ns.out or "reports/ds_autotuner")
+        if ns.reuse and (ns.versus is None or not (ns.out_dir / "ds_autotuner.json").is_file()):
             raise ValueError("--reuse needs --versus and a finished autotuner run in --out (ds_autotuner.json)")
         if ns.versus is not None and not Path(ns.versus).is_file():
             raise ValueError(f"--versus {ns.versus!r} does not exist (compare.py --autotune writes autotune.json)")
         for key, value in (dict(preset="1.5b", steps=30, warmup_steps=10) if n_gpus else {}).items():
             if getattr(ns, key) is None:
                 setattr(ns, key, value)
-        ns.out_dir = Path(ns.out or "reports/ds_autotuner")
         train = config_from_args(ns, out=None)
         if train.ds_config is not None:
             raise ValueError("--ds_config: this script writes the autotuner's config itself")
@@ -265,9 +259,7 @@ def head_to_head(train: TrainConfig, ns, optimal: dict, optimal_path: Path) -> d
             out, log = ns.out_dir / "versus" / f"{name}_{i}.json", ns.out_dir / "versus" / f"{name}_{i}.log"
             try:
                 r = launch("deepspeed", cfg, ns.world, out, log, ns.timeout)
-                runs[name].append({"tokens_per_s_per_gpu": r.tokens_per_s_per_gpu, "tflops_per_gpu": r.tflops_per_gpu,
-                                   "mfu": r.mfu, "step_time_s": r.step_time_s, "phases_s": r.phases_s,
-                                   "peak_mem_gib": r.peak_mem_gib, "extra": r.extra, "command": r.command})
+                runs[name].append({**measured(r), "extra": r.extra})
             except CompareError as e:
                 runs[name].append({"error": e.reason[:300], "oom": e.oom})
     pairs = [a["tokens_per_s_per_gpu"] / b["tokens_per_s_per_gpu"]
