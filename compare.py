@@ -34,8 +34,13 @@ from shared.results import RunResult, versions
 from shared.timing import PHASES
 
 ROOT = Path(__file__).resolve().parent
-SCRIPTS = {"deepspeed": ROOT / "plain_deepspeed" / "train.py", "lightning": ROOT / "lightning_app" / "train.py"}
+SCRIPTS = {"deepspeed": ROOT / "plain_deepspeed" / "train.py", "lightning": ROOT / "lightning_app" / "train.py",
+           "ceiling": ROOT / "benchmarks" / "reference.py", "fsdp2": ROOT / "benchmarks" / "reference.py"}
+SCRIPT_ARGS = {"ceiling": ["--mode", "ceiling"], "fsdp2": ["--mode", "fsdp2"]}
 PATHS = ("deepspeed", "lightning")
+# Reference rows (--reference): the same model, seed and batches without DeepSpeed (benchmarks/reference.py).
+# ceiling: unsharded, whole model compiled, one GPU; fsdp2: torch FSDP2 + compiled blocks on the run's GPUs.
+REFERENCES = ("ceiling", "fsdp2")
 # Largest |loss_lightning - loss_deepspeed| over the compared steps that still counts as parity. Both paths run
 # the same kernels on the same batches with the same seeds; on CPU they agree bit for bit. On GPUs, kernels with
 # atomics (embedding backward, split-K matmuls, the flash-attention backward) are not bitwise deterministic,
@@ -70,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cross_check", "--cross-check", action="store_true",
                    help="one extra run per path with DeepSpeed's wall_clock_breakdown (synchronized timers)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds before a single run is killed")
+    p.add_argument("--reference", nargs="?", const=",".join(REFERENCES), default="",
+                   help="also run reference rows in every round: ceiling (plain PyTorch, whole model compiled, no "
+                        "sharding, one GPU) and fsdp2 (torch FSDP2 + compiled blocks); each path is reported as a "
+                        "fraction of the ceiling of the same run (default with the flag: ceiling,fsdp2)")
     p.add_argument("--explain", action="store_true",
                    help="run Lightning with one overhead switched on at a time, against raw (see explain.py)")
     p.add_argument("--factors", default=None, help="--explain: comma-separated factors (default: all)")
@@ -104,6 +113,12 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
             raise ValueError(f"--factor_repeats must be positive, got {ns.factor_repeats}")
         if ns.explain:
             explain.parse_factors(ns.factors)
+        ns.references = [r.strip() for r in ns.reference.split(",") if r.strip()]
+        unknown = sorted(set(ns.references) - set(REFERENCES))
+        if unknown:
+            raise ValueError(f"unknown --reference row(s) {unknown}; choose from {REFERENCES}")
+        if ns.references and (ns.explain or ns.autotune):
+            raise ValueError("--reference adds rows to a compare run; it does not combine with --explain/--autotune")
         if ns.explain and ns.autotune:
             raise ValueError("--explain and --autotune are separate modes; pick one")
         if ns.autotune:
@@ -147,7 +162,7 @@ def launch(path: str, train: TrainConfig, world: int, out: Path, log: Path, time
     env: extra environment for the run (e.g. CUDA_VISIBLE_DEVICES to pin it to some of the GPUs)."""
     run_cfg = dataclasses.replace(train, out=str(out))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           str(SCRIPTS[path]), *to_argv(run_cfg)]
+           str(SCRIPTS[path]), *SCRIPT_ARGS.get(path, []), *to_argv(run_cfg)]
     log.parent.mkdir(parents=True, exist_ok=True)
     env = run_env(env)
     t0 = time.perf_counter()
@@ -170,6 +185,12 @@ def launch(path: str, train: TrainConfig, world: int, out: Path, log: Path, time
     print(f"  {path:<9} {result.tflops_per_gpu:9.3f} TFLOPs/GPU  step {result.step_time_s['median'] * 1e3:8.1f} ms"
           f"  ({time.perf_counter() - t0:.0f}s incl. start-up)", flush=True)
     return result
+
+
+def first_gpu() -> str:
+    """The first GPU this process may use, as CUDA_VISIBLE_DEVICES names it for a child."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    return visible or "0"
 
 
 def measured(r: RunResult) -> dict:
@@ -201,6 +222,10 @@ def summarize_path(runs: list[RunResult]) -> dict:
         "allocator_cache_flushes": [r.extra.get("allocator_cache_flushes") for r in runs],
         "losses": runs[0].losses,
         "attention": runs[0].attention,
+        "compile": runs[0].fused.get("compile", "none"),
+        # Warm-up (excluded steps: compilation, DeepCompile's profiling) and torch.compile's own time, per run.
+        "warmup_s": [r.extra.get("warmup_s") for r in runs],
+        "compile_s": [r.extra.get("compile_s") for r in runs],
         "fused": runs[0].fused,
         "ds_config": runs[0].ds_config,
         "runs": [{"tflops_per_gpu": r.tflops_per_gpu, "step_time_s": r.step_time_s["median"],
@@ -235,6 +260,16 @@ def build_report(train: TrainConfig, ns: argparse.Namespace, results: dict[str, 
         "loss_parity": loss_parity(ds[0].losses, pl[0].losses, train.precision),
         "same_ds_config": all(r.ds_config == ds[0].ds_config for r in ds + pl),
     }
+    refs = [r for r in REFERENCES if results.get(r)]
+    if refs:
+        report["reference"] = {r: summarize_path(results[r]) for r in refs}
+        for r in refs:
+            report["reference"][r]["world_size"] = results[r][0].world_size
+    if "ceiling" in refs:
+        ceiling = report["reference"]["ceiling"]["tflops_per_gpu"]
+        report["fraction_of_ceiling"] = {p: report["paths"][p]["tflops_per_gpu"] / ceiling for p in PATHS}
+        if "fsdp2" in refs:
+            report["fraction_of_ceiling"]["fsdp2"] = report["reference"]["fsdp2"]["tflops_per_gpu"] / ceiling
     if cross:
         report["cross_check"] = {
             path: {"ds_wall_clock_breakdown_ms": r.ds_breakdown_ms,
@@ -275,9 +310,23 @@ def format_table(report: dict) -> str:
     row("peak memory GiB", lambda p: _fmt(p["peak_mem_gib"]) if p["peak_mem_gib"] is not None
         else f"RSS {p['peak_rss_gib']:.2f}")
     row("attention", lambda p: p["attention"])
+    row("compile", lambda p: p.get("compile", "none"))
+    row("warm-up s (excluded)", lambda p: ", ".join(_fmt(w, ".1f") for w in p.get("warmup_s", [])) or "n/a")
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)
     lines = [f"{a:<{w0}}  {b:>{w1}}  {c}" for a, b, c in rows]
+    for name, ref in report.get("reference", {}).items():
+        s = ref["tflops_spread"]
+        frac = report.get("fraction_of_ceiling", {})
+        lines.append(f"reference {name} ({ref['world_size']} x, compile {ref['fused']['compile']}): "
+                     f"{ref['tflops_per_gpu']:{spec}} [{s['min']:{spec}}, {s['max']:{spec}}] TFLOPs/GPU, "
+                     f"step {ref['step_time_s']['median'] * 1e3:.1f} ms, peak "
+                     f"{_fmt(ref['peak_mem_gib'])} GiB" + (f", {frac['fsdp2']:.3f} of the ceiling"
+                                                          if name == "fsdp2" and "fsdp2" in frac else ""))
+    if "fraction_of_ceiling" in report:
+        f = report["fraction_of_ceiling"]
+        lines.append(f"fraction of the ceiling (median TFLOPs / ceiling median, same run): deepspeed "
+                     f"{f['deepspeed']:.3f}, lightning {f['lightning']:.3f}")
     rs, lp = report["ratio_spread"], report["loss_parity"]
     lines.append("")
     lines.append(f"Lightning / DeepSpeed throughput: {report['ratio_lightning_over_deepspeed']:.4f} "
@@ -370,12 +419,14 @@ def main(argv: list[str] | None = None) -> dict:
         print(explain.format_explain(report))
         print(f"\nwrote {out_dir / 'explain.json'}, {out_dir / 'explain.md'}")
         return report
-    results: dict[str, list[RunResult]] = {p: [] for p in PATHS}
+    results: dict[str, list[RunResult]] = {p: [] for p in (*PATHS, *ns.references)}
     for i in range(ns.repeats):
-        for path in PATHS if i % 2 == 0 else PATHS[::-1]:
+        for path in [*(PATHS if i % 2 == 0 else PATHS[::-1]), *ns.references]:
             out = out_dir / "runs" / f"{path}_{i}.json"
-            results[path].append(launch(path, train, ns.world, out, out_dir / "logs" / f"{path}_{i}.log",
-                                        ns.timeout))
+            # The ceiling is one unsharded process on the first GPU whatever the run's world size.
+            world, env = (1, {"CUDA_VISIBLE_DEVICES": first_gpu()}) if path == "ceiling" else (ns.world, None)
+            results[path].append(launch(path, train, world, out, out_dir / "logs" / f"{path}_{i}.log",
+                                        ns.timeout, env=env))
     cross = {}
     if ns.cross_check:
         diag = dataclasses.replace(train, wall_clock_breakdown=True)

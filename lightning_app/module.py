@@ -54,6 +54,12 @@ class GPTModule(pl.LightningModule):
         seed_all(self.train_cfg.seed)  # the same RNG state the raw loop builds its model from
         self.gpt = GPT(self.model_cfg)
 
+    def compile(self, *args, **kwargs) -> None:
+        """What DeepSpeed's engine.compile() calls on its module (`self.module.compile(backend=...)`): compile the
+        GPT's forward + loss, the same function the raw loop's engine compiles, and not this module, whose forward
+        Lightning redirects to training_step (its logging and bookkeeping stay eager)."""
+        self.gpt.compile(*args, **kwargs)
+
     def configure_optimizers(self):
         optimizer = build_optimizer(self.gpt, self.train_cfg, self.device)
         scheduler = build_scheduler(optimizer, self.train_cfg)

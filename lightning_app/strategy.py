@@ -23,9 +23,15 @@ from lightning_fabric.utilities.seed import reset_seed
 from pytorch_lightning.plugins.precision import DeepSpeedPrecision
 from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy
 
+from shared.ds_runtime import compile_engine
+
 
 class ZeroStrategy(DeepSpeedStrategy):
     strategy_name = "zero3bench_deepspeed"
+
+    def __init__(self, *args, compile_mode: str = "none", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.compile_mode = compile_mode
 
     @property
     def _on_cpu(self) -> bool:
@@ -46,6 +52,13 @@ class ZeroStrategy(DeepSpeedStrategy):
         self._init_deepspeed_distributed()
 
     def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
+        engine, ds_optimizer = self._initialize(model, optimizer, lr_scheduler)
+        # Lightning 2.6 only calls deepspeed.initialize; a compile mode that lives in the engine (DeepCompile) is
+        # applied right after it, as the raw loop does (the engine's module hands compile() to the GPT).
+        compile_engine(engine, self.compile_mode, self.global_rank)
+        return engine, ds_optimizer
+
+    def _initialize(self, model, optimizer, lr_scheduler):
         if not self._on_cpu:
             return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
         import deepspeed

@@ -73,7 +73,8 @@ def build_strategy(train: TrainConfig, world_size: int) -> ZeroStrategy:
         # stage-3 defaults for prefetch and persistence, DeepSpeed's synchronized throughput timer).
         return ZeroStrategy(stage=train.stage, logging_batch_size_per_gpu=train.micro_batch,
                             precision_plugin=precision)
-    return ZeroStrategy(config=lightning_ds_config(train, world_size), precision_plugin=precision)
+    return ZeroStrategy(config=lightning_ds_config(train, world_size), precision_plugin=precision,
+                        compile_mode=train.compile)
 
 
 class DataModule(pl.LightningDataModule):

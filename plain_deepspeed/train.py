@@ -36,7 +36,7 @@ from shared.distributed import (
     seed_all,
 )
 from shared.ds_config import build_ds_config
-from shared.ds_runtime import BreakdownCollector, progress_extras
+from shared.ds_runtime import BreakdownCollector, compile_engine, progress_extras
 from shared.model import GPT, count_parameters
 from shared.optim import build_optimizer, build_scheduler
 from shared.preemption import EXIT_CODE, Preemption
@@ -99,6 +99,7 @@ def main(train: TrainConfig) -> RunResult:
             print(f"[deepspeed] resumed from {resume_from} at step {start}", flush=True)
     if start >= train.steps:
         raise ValueError(f"checkpoint {resume_from} is at step {start}, not before --steps {train.steps}")
+    compile_engine(engine, train.compile, rank)  # after the resume: DeepCompile registers the loaded shards
 
     pin = device.type == "cuda"
     loader = train_loader(train, rank, start, pin_memory=pin)

@@ -16,7 +16,13 @@ PRECISIONS = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "fusedadam")
 ZERO_PROFILES = ("original", "tuned")
 GC_POLICIES = ("auto", "freeze")
-COMPILE_MODES = ("none", "blocks")
+# How the model is compiled. none and blocks are applied by the model itself (GPTConfig.compile); deepcompile is
+# DeepSpeed's compiler pass for ZeRO (the engine compiles the whole GPT forward + loss; shared/ds_config.py).
+COMPILE_MODES = ("none", "blocks", "deepcompile")
+MODEL_COMPILE_MODES = ("none", "blocks")
+# DeepCompile profiles its first steps and recompiles with prefetching at this global step (deepspeed/compile/
+# init_z3.py WARMUP): a timed step must come after it.
+DEEPCOMPILE_WARMUP = 5
 # The model-level fused paths: one switch each, GPTConfig and TrainConfig fields of the same name.
 FUSED_FLAGS = ("fused_loss", "fused_bias_dropout_add", "fused_bias_gelu", "fused_layernorm")
 NAN_POLICIES = ("stop", "skip")
@@ -106,8 +112,9 @@ class GPTConfig:
                 raise ValueError(f"{name} must be in [0, 1), got {value!r}")
         if self.layout not in LAYOUTS and not self.layout.endswith(".pt"):
             raise ValueError(f"unknown layout {self.layout!r}; choose one of {LAYOUTS} or a path to a .pt file")
-        if self.compile not in COMPILE_MODES:
-            raise ValueError(f"unknown compile mode {self.compile!r}; choose one of {COMPILE_MODES}")
+        if self.compile not in MODEL_COMPILE_MODES:
+            raise ValueError(f"unknown model compile mode {self.compile!r}; choose one of {MODEL_COMPILE_MODES} "
+                             "(deepcompile is applied by the DeepSpeed engine, see TrainConfig.compile)")
         if self.fused_layernorm and self.compile != "none":
             raise ValueError(
                 "fused_layernorm does not combine with --compile blocks: liger-kernel's LayerNorm kernel fails to "
@@ -210,8 +217,11 @@ class TrainConfig:
     """gelu(x W^T + b) as one compiled kernel (shared/fused_ops.py); default: on with CUDA (+3.5%), off on CPU"""
     fused_layernorm: bool = False
     """liger-kernel's Triton LayerNorm (CUDA only)"""
-    compile: str = "none"
-    """none | blocks: torch.compile each block (a DeepSpeed ZeRO-3 leaf module; see shared/model.py)"""
+    compile: str | None = None
+    """none | blocks | deepcompile. blocks: torch.compile each block (a DeepSpeed ZeRO-3 leaf module; see
+    shared/model.py). deepcompile: DeepSpeed's compiler pass for ZeRO 1-3 (CUDA only): engine.compile() compiles the
+    whole GPT forward and loss and schedules the gathers and reduce-scatters inside the graph. Default: deepcompile
+    with CUDA and ZeRO 1-3 (the fastest mode measured, README), none on CPU"""
     zero_profile: str = "tuned"
     """DeepSpeed config rules: tuned (the default; see shared/ds_config.py: +8.5% per GPU on 2 H200s) |
     original (the 2022 study's bucket sizes and DeepSpeed's synchronized throughput timer)"""
@@ -311,13 +321,20 @@ class TrainConfig:
             raise ValueError(f"log_every must be positive, got {self.log_every!r}")
         if self.devices is not None and self.devices <= 0:
             raise ValueError(f"devices must be positive, got {self.devices!r}")
-        if self.memory_efficient_linear and self.compile != "none" and self.stage == 3:
+        if self.compile is None:
+            self.compile = _default_compile(self.stage)
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"unknown compile mode {self.compile!r}; choose one of {COMPILE_MODES}")
+        if self.compile == "deepcompile":
+            _check_deepcompile(self)
+        if self.memory_efficient_linear and self.compile == "blocks" and self.stage == 3:
             raise ValueError("--memory_efficient_linear true cannot be used with --compile blocks under ZeRO-3: "
                              "DeepSpeed's linear makes dynamo recompile for every block (see shared/ds_config.py)")
         if "pl_default_ds_config" in self.overheads and self.compile != "none" and self.stage == 3:
-            raise ValueError("lightning_overheads pl_default_ds_config cannot run with --compile blocks under ZeRO-3: "
-                             "Lightning's own DeepSpeed dict has no leaf module and keeps DeepSpeed's linear, so "
-                             "the compiled blocks would break and recompile in the Lightning path only")
+            raise ValueError(f"lightning_overheads pl_default_ds_config cannot run with --compile {self.compile} "
+                             "under ZeRO-3: Lightning's own DeepSpeed dict has no compile section, leaf module or "
+                             "linear setting, so the Lightning path would compile differently from the raw one; "
+                             "pass --compile none")
         self.model()  # validate the model overrides now, not after the process group is up
 
     def model(self) -> GPTConfig:
@@ -335,7 +352,7 @@ class TrainConfig:
             dropout=drop,
             attn_dropout=drop,
             activation_checkpointing=self.activation_checkpointing,
-            compile=self.compile,
+            compile="blocks" if self.compile == "blocks" else "none",
             **{name: _on_gpu_by_default(getattr(self, name)) for name in FUSED_FLAGS},
         )
 
@@ -347,6 +364,34 @@ class TrainConfig:
     def flops_factor(self) -> int:
         """k in the Megatron formula: 3 (forward + 2x backward), 4 with activation recompute."""
         return 4 if self.activation_checkpointing else 3
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _default_compile(stage: int) -> str:
+    """deepcompile where it runs (CUDA, ZeRO 1-3), else eager."""
+    return "deepcompile" if stage > 0 and _cuda_available() else "none"
+
+
+def _check_deepcompile(train: TrainConfig) -> None:
+    """Refuse, before any process starts, what DeepCompile cannot run: never silently something else."""
+    if not _cuda_available():
+        raise ValueError("--compile deepcompile needs a CUDA GPU (DeepSpeed runs DeepCompile only on CUDA); on this "
+                         "machine use --compile none (the default here) or --compile blocks")
+    if train.stage == 0:
+        raise ValueError("--compile deepcompile needs ZeRO stage 1, 2 or 3 (DeepCompile is a ZeRO pass); "
+                         "use --compile blocks or none with stage 0")
+    if train.warmup_steps <= DEEPCOMPILE_WARMUP:
+        raise ValueError(f"--compile deepcompile needs --warmup_steps > {DEEPCOMPILE_WARMUP}: DeepCompile profiles "
+                         f"its first {DEEPCOMPILE_WARMUP} steps and recompiles at step {DEEPCOMPILE_WARMUP}, and "
+                         f"those steps must not be timed (got --warmup_steps {train.warmup_steps})")
+    if train.fused_layernorm:
+        raise ValueError("fused_layernorm does not combine with --compile deepcompile: liger-kernel's LayerNorm "
+                         "fails to compile under torch.compile (Triton CompilationError on its eps argument)")
 
 
 def _on_gpu_by_default(flag: bool | None) -> bool:

@@ -87,6 +87,11 @@ def build_ds_config(train: TrainConfig, model: GPTConfig | None = None, world_si
         zero["memory_efficient_linear"] = False
     if train.stage == 3 and train.memory_efficient_linear is not None:
         zero["memory_efficient_linear"] = train.memory_efficient_linear
+    if train.compile == "deepcompile":
+        # DeepCompile (DeepSpeed >= 0.16.6): engine.compile() then traces the whole GPT forward + loss, removes
+        # ZeRO's module and gradient hooks and inserts the all-gathers, releases and reduce-scatters into the graph
+        # (deepspeed/compile/init_z3.py); it restores torch's own F.linear itself.
+        cfg["compile"] = {"deepcompile": True}
     if train.zero_profile == "tuned":
         _apply_tuned_rules(cfg, model, world_size)
     _apply_overrides(cfg["zero_optimization"], train)
@@ -222,6 +227,11 @@ def load_user_ds_config(source: str | Path, train: TrainConfig) -> dict:
                 f"DeepSpeed config {name}: --compile blocks under ZeRO-3 needs zero_optimization."
                 "memory_efficient_linear false (DeepSpeed's linear makes dynamo recompile the block for every layer)"
             )
+    deepcompile = isinstance(cfg.get("compile"), dict) and bool(cfg["compile"].get("deepcompile", False))
+    if deepcompile != (train.compile == "deepcompile"):
+        raise ValueError(f"DeepSpeed config {name} has compile.deepcompile={deepcompile} but the run uses "
+                         f"--compile {train.compile}: pass --compile {'deepcompile' if deepcompile else 'none'} "
+                         "or change the JSON, so the engine compiles the way the result says")
     if autotuning_enabled(cfg) and not cfg["autotuning"].get("model_info"):
         # An autotuning experiment: the engine writes its metrics and exits after end_profile_step (DeepSpeed's
         # default 5); a shorter run would end without them and the autotuner would record a failure.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import statistics
 
 # DeepSpeed's per-micro-step timer names (deepspeed/utils/timer.py), filled with "wall_clock_breakdown": true.
@@ -51,3 +53,44 @@ def progress_extras(scheduler, engine, device):
     cuda = device.type == "cuda"
     return lambda: {"lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm(engine),
                     "mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None}
+
+
+def normalize_cuda_arch_list(environ=os.environ) -> str | None:
+    """Make TORCH_CUDA_ARCH_LIST parseable by DeepSpeed 0.19's JIT op builder; returns a note when it changed it.
+
+    PyTorch accepts arch-specific entries such as "9.0a" (Hopper's wgmma/TMA variant), and some CUDA images set
+    them; DeepSpeed's builder sorts the list by int() of each part and fails with "invalid literal for int() with
+    base 10: '0a'" when DeepCompile (or FusedAdam) builds its op. Its ops use no arch-specific instruction, so the
+    plain capability ("9.0") builds the same code. "+PTX" suffixes are kept.
+    """
+    value = environ.get("TORCH_CUDA_ARCH_LIST")
+    if not value:
+        return None
+    entries = [e for e in re.split(r"[;\s]+", value.strip()) if e]
+    fixed = [re.sub(r"^(\d+\.\d+)[a-z]+", r"\1", e) for e in entries]
+    fixed = list(dict.fromkeys(fixed))  # "9.0;9.0a" -> "9.0"
+    if fixed == entries:
+        return None
+    environ["TORCH_CUDA_ARCH_LIST"] = ";".join(fixed)
+    return (f"TORCH_CUDA_ARCH_LIST={value!r} set to {environ['TORCH_CUDA_ARCH_LIST']!r} for DeepSpeed's op builder "
+            "(it cannot parse arch-specific suffixes such as '9.0a')")
+
+
+def compile_engine(engine, mode: str, rank: int = 0) -> None:
+    """Apply a TrainConfig.compile mode that lives in the engine: deepcompile calls engine.compile() (inductor).
+
+    The compiled graph is built at the first forward; DeepCompile profiles the first steps and recompiles with
+    prefetching at step 5 (deepspeed/compile/init_z3.py), which the timing excludes (TrainConfig validation). The
+    module compiled is the engine's module: the GPT in the raw loop; in Lightning the GPTModule hands it on to its
+    GPT (lightning_app/module.GPTModule.compile), so both paths compile the same forward + loss.
+    """
+    if mode != "deepcompile":
+        return
+    note = normalize_cuda_arch_list()
+    if note and rank == 0:
+        print(f"note: {note}", flush=True)
+    engine.compile(backend="inductor")
+    if not engine.is_deepcompile_active():
+        # DeepSpeed falls back to plain torch.compile when its pass cannot run (e.g. ZeRO stage 0): never report a
+        # run as DeepCompile that is not one.
+        raise RuntimeError("DeepSpeed did not activate DeepCompile (engine.is_deepcompile_active() is False)")

@@ -130,7 +130,7 @@ def build_result(*, path: str, train: TrainConfig, model_cfg: GPTConfig, ds_conf
         device=dev,
         world_size=world_size,
         attention=attention,
-        fused={**fused_paths(model_cfg), **dynamo_stats()},
+        fused={**fused_paths(model_cfg), "compile": train.compile, **dynamo_stats()},
         losses=losses,
         steps=train.steps,
         warmup_steps=train.warmup_steps,
@@ -147,7 +147,8 @@ def build_result(*, path: str, train: TrainConfig, model_cfg: GPTConfig, ds_conf
         peak_rss_gib=_peak_rss_gib(),
         n_params=n_params,
         ds_breakdown_ms=ds_breakdown_ms,
-        extra={**(extra or {}), "allocator_cache_flushes": allocator_cache_flushes(device)},
+        extra={**(extra or {}), "allocator_cache_flushes": allocator_cache_flushes(device),
+               "warmup_s": timing.get("warmup_s"), "compile_s": compile_seconds()},
     )
 
 
@@ -172,6 +173,18 @@ def dynamo_stats() -> dict[str, int]:
         "dynamo_graph_breaks": int(sum(counters.get("graph_break", {}).values())),
         "dynamo_recompile_limit_hits": int(sum(v for k, v in unimplemented.items() if "recompile" in k.lower())),
     }
+
+
+def compile_seconds() -> float | None:
+    """Seconds torch.compile spent in this process (dynamo + AOT + inductor, all graphs), by dynamo's own clock;
+    None where this torch does not report it. Part of the warm-up steps, never of a timed step."""
+    try:
+        from torch._dynamo.utils import calculate_time_spent
+
+        spent = calculate_time_spent()
+    except (ImportError, AttributeError, RuntimeError):
+        return None
+    return float(spent.get("total_wall_time", sum(spent.values()))) if spent else 0.0
 
 
 def _peak_rss_gib() -> float:

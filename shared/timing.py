@@ -98,4 +98,7 @@ class PhaseTimer:
             },
             "phases_s": {p: statistics.median(s[p] for s in timed) for p in PHASES},
             "per_step_s": totals,
+            # The excluded steps' wall time: compilation (torch.compile, DeepCompile's profiling and recompile),
+            # autotuning and allocator warm-up land here, reported apart from every throughput figure.
+            "warmup_s": sum(s["total"] for s in self.steps[:skip]),
         }

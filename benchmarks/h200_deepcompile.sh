@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# DeepCompile on the H200s, one device call per STAGE (nvidia-h200-x2), every step bounded so the call ends
+# inside the device's 10 minutes; results are packed into OUTDIR/deepcompile_<stage>.tar.gz.
+#   STAGE=one   GPU 0: 1-GPU compare (both paths, --compile deepcompile, ceiling + FSDP2 rows);
+#               GPU 1: the deepcompile GPU tests (tests/test_deepcompile.py -m gpu)
+#   STAGE=two   2-GPU compare (both paths, deepcompile, ceiling on GPU 0 + FSDP2 on both)
+#   STAGE=explain  GPU 0: 1-GPU compare as in `one`; GPU 1: compare.py --explain (eager, tuned, micro-batch 8)
+# Usage on the device machine, from the repo root: STAGE=one bash benchmarks/h200_deepcompile.sh OUTDIR
+set -uo pipefail
+OUT=${1:?usage: h200_deepcompile.sh OUTDIR}
+STAGE=${STAGE:-one}
+W=${WORK:-/tmp/h200_deepcompile}
+rm -rf "$W"; mkdir -p "$W"
+# Caches shared by every run of the call: DeepSpeed's JIT op (DeepCompile's `dc`), inductor's graphs and kernels.
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/zero3bench_extensions}
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/zero3bench_inductor}
+T0=$SECONDS
+DEADLINE=${DEADLINE_S:-565}
+left() { echo $(( DEADLINE - (SECONDS - T0) - 8 )); }
+MB=${MB:-16}
+BASE=(--preset 1.5b --stage 3 --precision bf16 --micro_batch "$MB" --steps "${STEPS:-20}" --warmup_steps 10
+      --compile deepcompile)
+nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv > "$W/gpus.txt" 2>&1
+# Build DeepCompile's op once, before any run races for it (the image's TORCH_CUDA_ARCH_LIST=9.0a is handled).
+python3 -c "
+from shared.ds_runtime import normalize_cuda_arch_list; print(normalize_cuda_arch_list())
+from deepspeed.ops.op_builder.dc import DeepCompileBuilder; DeepCompileBuilder().load(); print('dc op built')
+" > "$W/op_build.log" 2>&1
+echo "op build: $(tail -1 "$W/op_build.log") at $((SECONDS - T0)) s"
+case "$STAGE" in
+  one|explain)
+    CUDA_VISIBLE_DEVICES=0 timeout -k 10 "$(left)" python3 compare.py --gpus 1 "${BASE[@]}" \
+      --repeats "${REPEATS:-1}" --reference --timeout 400 --out "$W/compare_1xh200" > "$W/compare_1xh200.log" 2>&1 &
+    if [ "$STAGE" = one ]; then
+      CUDA_VISIBLE_DEVICES=1 timeout -k 10 "$(left)" python3 -m pytest -m gpu tests/test_deepcompile.py -x -q \
+        -p no:cacheprovider > "$W/gpu_tests_deepcompile.log" 2>&1 &
+    else
+      CUDA_VISIBLE_DEVICES=1 timeout -k 10 "$(left)" python3 compare.py --gpus 1 --explain --compile none \
+        --preset 1.5b --micro_batch 8 --steps 16 --warmup_steps 6 --factor_repeats 2 \
+        --factors "${FACTORS:-ds_throughput_timer,original_ds_config,progress_bar,log_loss,pl_default_ds_config,python_gc_auto}" \
+        --out "$W/explain_1xh200" > "$W/explain_1xh200.log" 2>&1 &
+    fi
+    wait ;;
+  two)
+    timeout -k 10 "$(left)" python3 compare.py --gpus 2 "${BASE[@]}" --repeats "${REPEATS:-2}" --reference \
+      --timeout 400 --out "$W/compare_2xh200" > "$W/compare_2xh200.log" 2>&1 ;;
+  *) echo "unknown STAGE $STAGE"; exit 2 ;;
+esac
+echo "done at $((SECONDS - T0)) s"
+for f in "$W"/*.log; do echo "== $f"; tail -25 "$f"; done
+tar czf "$OUT/deepcompile_$STAGE.tar.gz" -C "$W" .
