@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -79,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run reference rows in every round: ceiling (plain PyTorch, whole model compiled, no "
                         "sharding, one GPU) and fsdp2 (torch FSDP2 + compiled blocks); each path is reported as a "
                         "fraction of the ceiling of the same run (default with the flag: ceiling,fsdp2)")
+    p.add_argument("--parallel", action="store_true",
+                   help="run the two paths of each pair at the same time, each on its own GPU (and the reference "
+                        "rows likewise): one-GPU runs on a machine with >= 2 GPUs, half the wall time; the runs "
+                        "share the host's CPUs")
     p.add_argument("--explain", action="store_true",
                    help="run Lightning with one overhead switched on at a time, against raw (see explain.py)")
     p.add_argument("--factors", default=None, help="--explain: comma-separated factors (default: all)")
@@ -119,6 +124,12 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
             raise ValueError(f"unknown --reference row(s) {unknown}; choose from {REFERENCES}")
         if ns.references and (ns.explain or ns.autotune):
             raise ValueError("--reference adds rows to a compare run; it does not combine with --explain/--autotune")
+        if ns.parallel and (ns.explain or ns.autotune or ns.cross_check):
+            raise ValueError("--parallel runs compare pairs side by side; it does not combine with "
+                             "--explain/--autotune/--cross_check")
+        if ns.parallel and n_gpus and (ns.gpus != 1 or n_gpus < 2):
+            raise ValueError(f"--parallel needs --gpus 1 and at least 2 GPUs (one per path), got --gpus {ns.gpus} "
+                             f"with {n_gpus} GPU(s)")
         if ns.explain and ns.autotune:
             raise ValueError("--explain and --autotune are separate modes; pick one")
         if ns.autotune:
@@ -187,10 +198,12 @@ def launch(path: str, train: TrainConfig, world: int, out: Path, log: Path, time
     return result
 
 
-def first_gpu() -> str:
-    """The first GPU this process may use, as CUDA_VISIBLE_DEVICES names it for a child."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
-    return visible or "0"
+def visible_gpu(slot: int) -> str:
+    """The slot-th GPU this process may use, as CUDA_VISIBLE_DEVICES names it for a child ("" on a CPU machine)."""
+    if not torch.cuda.is_available():
+        return ""
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    return (visible or [str(i) for i in range(torch.cuda.device_count())])[slot]
 
 
 def measured(r: RunResult) -> dict:
@@ -259,6 +272,7 @@ def build_report(train: TrainConfig, ns: argparse.Namespace, results: dict[str, 
         "ratio_spread": spread(ratios),
         "loss_parity": loss_parity(ds[0].losses, pl[0].losses, train.precision),
         "same_ds_config": all(r.ds_config == ds[0].ds_config for r in ds + pl),
+        "parallel": bool(getattr(ns, "parallel", False)),
     }
     refs = [r for r in REFERENCES if results.get(r)]
     if refs:
@@ -353,7 +367,9 @@ def write_markdown(report: dict, path: Path, chart: str) -> None:
         "",
         f"ZeRO stage {report['train']['stage']}, {report['train']['precision']}, micro-batch "
         f"{report['train']['micro_batch']}, {report['train']['steps']} steps ({report['train']['warmup_steps']} "
-        f"warmup excluded), {report['repeats']} interleaved repeats per path.",
+        f"warmup excluded), {report['repeats']} interleaved repeats per path"
+        + (" (--parallel: the two paths of each pair, and the reference rows, ran at the same time, one GPU each)."
+           if report.get("parallel") else "."),
         "",
         "```",
         format_table(report),
@@ -421,12 +437,20 @@ def main(argv: list[str] | None = None) -> dict:
         return report
     results: dict[str, list[RunResult]] = {p: [] for p in (*PATHS, *ns.references)}
     for i in range(ns.repeats):
-        for path in [*(PATHS if i % 2 == 0 else PATHS[::-1]), *ns.references]:
-            out = out_dir / "runs" / f"{path}_{i}.json"
-            # The ceiling is one unsharded process on the first GPU whatever the run's world size.
-            world, env = (1, {"CUDA_VISIBLE_DEVICES": first_gpu()}) if path == "ceiling" else (ns.world, None)
-            results[path].append(launch(path, train, world, out, out_dir / "logs" / f"{path}_{i}.log",
-                                        ns.timeout, env=env))
+        order = list(PATHS if i % 2 == 0 else PATHS[::-1])
+        groups = [order, ns.references] if ns.parallel else [[p] for p in [*order, *ns.references]]
+        for group in filter(None, groups):
+            with ThreadPoolExecutor(len(group)) as pool:
+                jobs = {}
+                for slot, path in enumerate(group):
+                    # The ceiling is one unsharded process on the first GPU whatever the run's world size; with
+                    # --parallel every run of a group has a GPU of its own.
+                    world, env = (1, {"CUDA_VISIBLE_DEVICES": visible_gpu(slot)}) \
+                        if ns.parallel or path == "ceiling" else (ns.world, None)
+                    jobs[path] = pool.submit(launch, path, train, world, out_dir / "runs" / f"{path}_{i}.json",
+                                             out_dir / "logs" / f"{path}_{i}.log", ns.timeout, env=env)
+                for path in group:
+                    results[path].append(jobs[path].result())
     cross = {}
     if ns.cross_check:
         diag = dataclasses.replace(train, wall_clock_breakdown=True)

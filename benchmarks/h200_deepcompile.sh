@@ -3,6 +3,9 @@
 # inside the device's 10 minutes; results are packed into OUTDIR/deepcompile_<stage>.tar.gz.
 #   STAGE=one   GPU 0: 1-GPU compare (both paths, --compile deepcompile, ceiling + FSDP2 rows);
 #               GPU 1: the deepcompile GPU tests (tests/test_deepcompile.py -m gpu)
+#   STAGE=pair  1-GPU compare with --parallel: each pair's two paths at once on GPUs 0 and 1, then the ceiling
+#               and FSDP2 rows likewise (a DeepCompile run of the 1.5b preset warms up for ~5 min)
+#   STAGE=tests GPU 0: the deepcompile GPU tests; GPU 1: compare.py --explain (eager, tuned, micro-batch 8)
 #   STAGE=two   2-GPU compare (both paths, deepcompile, ceiling on GPU 0 + FSDP2 on both)
 #   STAGE=explain  GPU 0: 1-GPU compare as in `one`; GPU 1: compare.py --explain (eager, tuned, micro-batch 8)
 # Usage on the device machine, from the repo root: STAGE=one bash benchmarks/h200_deepcompile.sh OUTDIR
@@ -40,6 +43,17 @@ case "$STAGE" in
         --factors "${FACTORS:-ds_throughput_timer,original_ds_config,progress_bar,log_loss,pl_default_ds_config,python_gc_auto}" \
         --out "$W/explain_1xh200" > "$W/explain_1xh200.log" 2>&1 &
     fi
+    wait ;;
+  pair)
+    timeout -k 10 "$(left)" python3 compare.py --gpus 1 --parallel "${BASE[@]}" --repeats "${REPEATS:-1}" \
+      --reference --timeout 500 --out "$W/compare_1xh200" > "$W/compare_1xh200.log" 2>&1 ;;
+  tests)
+    CUDA_VISIBLE_DEVICES=0 timeout -k 10 "$(left)" python3 -m pytest -m gpu tests/test_deepcompile.py -q -rA \
+      -p no:cacheprovider > "$W/gpu_tests_deepcompile.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=1 timeout -k 10 "$(left)" python3 compare.py --gpus 1 --explain --compile none \
+      --preset 1.5b --micro_batch 8 --steps 14 --warmup_steps 5 --factor_repeats 2 \
+      --factors "${FACTORS:-ds_throughput_timer,original_ds_config,progress_bar,log_loss,python_gc_auto}" \
+      --out "$W/explain_1xh200" > "$W/explain_1xh200.log" 2>&1 &
     wait ;;
   two)
     timeout -k 10 "$(left)" python3 compare.py --gpus 2 "${BASE[@]}" --repeats "${REPEATS:-2}" --reference \

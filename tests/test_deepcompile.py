@@ -146,8 +146,14 @@ def test_both_paths_train_with_deepcompile_and_compile_the_same_graphs(tmp_path,
         assert r["extra"]["warmup_s"] > 0 and r["losses"][-1] < r["losses"][0] - 1.0
     counters = ("dynamo_graphs", "dynamo_graph_breaks", "dynamo_recompile_limit_hits")
     assert {k: raw["fused"][k] for k in counters} == {k: pl["fused"][k] for k in counters}
-    # same compiled graph, same RNG seeds: the paths' losses agree as closely as in eager mode (bf16 atomics)
-    assert max(abs(a - b) for a, b in zip(raw["losses"], pl["losses"])) < 2e-2
+    # Same compiled graph, same RNG seeds: the paths' losses agree as closely as the eager paths' do (bf16 kernels
+    # with atomics drift apart, and 30 steps at this learning rate amplify it).
+    eager_raw = _train(RAW, tmp_path, "eager_raw", kjv, "--compile", "none")
+    eager_pl = _train(LIGHTNING, tmp_path, "eager_pl", kjv, "--compile", "none")
+    gap = lambda a, b: max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
+    print("losses raw/lightning, deepcompile:", raw["losses"], pl["losses"])
+    print("losses raw/lightning, eager:", eager_raw["losses"], eager_pl["losses"])
+    assert gap(raw, pl) <= max(3 * gap(eager_raw, eager_pl), 1e-2)
 
 
 @pytest.mark.gpu
