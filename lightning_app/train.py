@@ -85,9 +85,10 @@ class DataModule(pl.LightningDataModule):
         cfg = self.train_cfg
         on = cfg.overheads
         start = self.trainer.global_step  # restored from the checkpoint before the loaders are built
+        # count_skipped: Lightning's restored batch counter starts at `start`; the epoch must end with the run.
         return train_loader(cfg, self.trainer.global_rank, start,
                             pin_memory=torch.cuda.is_available() and "no_pin_memory" not in on,
-                            num_workers=4 if "dataloader_workers" in on else 0)
+                            num_workers=4 if "dataloader_workers" in on else 0, count_skipped=True)
 
     def val_dataloader(self):
         return val_loader(self.train_cfg, self.trainer.global_rank, pin_memory=torch.cuda.is_available())
