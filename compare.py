@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -44,6 +45,9 @@ PATHS = ("deepspeed", "lightning")
 # batches, scaling or dropout stream) shows up at 1e-2 or more from the first steps.
 LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 1e-3, "fp16": 1e-3}
 PARITY_STEPS = 10
+# After SIGTERM to a run's process group: seconds before what is left of it gets SIGKILL. A run stops at its
+# next agreed preemption check (--sigterm_check_every steps); a benchmark run keeps nothing worth waiting for.
+GRACE_S = 15
 
 
 class CompareError(Exception):
@@ -59,6 +63,51 @@ class CompareError(Exception):
         """The run's own error line if its log had one, else the first line of the message."""
         lines = str(self).splitlines()
         return next((ln for ln in lines if ln.startswith("reason:")), lines[0])
+
+
+class Stopped(BaseException):
+    """compare.py itself was told to stop (SIGTERM); its running run was stopped with it. A BaseException, as
+    KeyboardInterrupt is, so that the searches' `except Exception` (a failed candidate) does not swallow it."""
+
+
+def _raise_stopped(signum, frame) -> None:
+    raise Stopped(signal.Signals(signum).name)
+
+
+def stop_group(pid: int, grace_s: float = GRACE_S) -> None:
+    """Stop a run started with start_new_session=True: SIGTERM to its process group (torchrun passes it on to the
+    training processes), then SIGKILL to every process of its tree still alive after grace_s.
+
+    The tree is walked, not only the group, because torchrun starts each training process in a session of its own
+    (torch.distributed.elastic's subprocess handler): once torchrun is gone they would run on, orphaned. SIGTERM
+    and SIGINT to compare.py are held off meanwhile, so a second Ctrl-C cannot leave the run half-stopped.
+    """
+    import psutil  # a DeepSpeed dependency
+
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    try:
+        def tree() -> list:
+            try:
+                root = psutil.Process(pid)
+                return [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                return []
+
+        procs = tree()
+        try:
+            os.killpg(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        _, alive = psutil.wait_procs(procs, timeout=grace_s)
+        alive = {p.pid: p for p in alive + tree()}  # and what they started meanwhile
+        for p in alive.values():
+            try:
+                p.kill()  # psutil checks the process is still the one listed (pid reuse)
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(list(alive.values()), timeout=10)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,17 +203,26 @@ def launch(path: str, train: TrainConfig, world: int, out: Path, log: Path, time
     with open(log, "w") as f:
         f.write(" ".join(cmd) + "\n")
         f.flush()
+        # Its own session and process group: whatever stops compare.py (SIGTERM, Ctrl-C, an error, the timeout)
+        # stops torchrun and every training process with it, instead of leaving them running orphaned.
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
-            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout)
+            returncode = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired as e:
+            stop_group(proc.pid)
+            proc.wait()
             raise CompareError(f"{path} run timed out after {timeout}s; log: {log}") from e
-    if proc.returncode != 0 or not out.is_file():
+        except BaseException:
+            stop_group(proc.pid)
+            proc.wait()
+            raise
+    if returncode != 0 or not out.is_file():
         lines = log.read_text().splitlines()
         # The script's own message ("error: ...", or a Python exception line) says more than torchrun's summary.
         reasons = [ln for ln in lines if ln.startswith("error:") or ln.startswith("[rank0]: ") and "Error" in ln]
         tail = "\n".join(lines[-15:])
         reason = f"\nreason: {reasons[0]}" if reasons else ""
-        raise CompareError(f"{path} run failed (exit {proc.returncode}); log: {log}{reason}\n"
+        raise CompareError(f"{path} run failed (exit {returncode}); log: {log}{reason}\n"
                            f"--- last lines of the log ---\n{tail}")
     result = RunResult.from_json(out)
     print(f"  {path:<9} {result.tflops_per_gpu:9.3f} TFLOPs/GPU  step {result.step_time_s['median'] * 1e3:8.1f} ms"
@@ -393,8 +451,14 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _raise_stopped)
     try:
         main()
     except CompareError as e:
         print(f"compare.py: error: {e}", file=sys.stderr)
         sys.exit(1)
+    except (Stopped, KeyboardInterrupt) as e:
+        name = str(e) if isinstance(e, Stopped) else "SIGINT"
+        print(f"compare.py: stopped by {name}; the run in progress was stopped with it (SIGTERM to its process "
+              f"group, SIGKILL after {GRACE_S}s); no report was written", file=sys.stderr)
+        sys.exit(128 + signal.Signals[name].value)

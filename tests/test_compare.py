@@ -1,11 +1,15 @@
 """compare.py end to end on CPU, and its refusal of bad arguments."""
 
 import json
+import signal
+import subprocess
 import sys
+import time
 
 import pytest
 
-from tests.helpers import ROOT, run
+import compare
+from tests.helpers import ROOT, env, run
 
 COMPARE = ROOT / "compare.py"
 
@@ -73,3 +77,36 @@ def test_a_failing_run_is_reported_with_its_log(tmp_path):
     assert "deepspeed run failed" in proc.stderr
     assert "reason: error: token file metadata" in proc.stderr and "missing.meta.json" in proc.stderr
     assert (tmp_path / "logs" / "deepspeed_0.log").is_file()
+
+
+@pytest.mark.slow
+def test_sigterm_to_compare_stops_every_process_it_started(tmp_path):
+    import psutil
+
+    out, log_path = tmp_path / "report", tmp_path / "compare.txt"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, COMPARE, "--steps", "100000", "--warmup_steps", "1",
+                                 "--log_every", "1", "--out", out], stdout=log, stderr=subprocess.STDOUT, env=env(),
+                                cwd=ROOT, start_new_session=True)
+    started = []
+    try:
+        run_log = out / "logs" / "deepspeed_0.log"
+        deadline = time.time() + 240
+        while "step 2/" not in (run_log.read_text() if run_log.is_file() else "") and time.time() < deadline:
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            time.sleep(0.5)
+        # torchrun and its training process (which torchrun puts in a session of its own)
+        started = psutil.Process(proc.pid).children(recursive=True)
+        assert any("train.py" in " ".join(p.cmdline()) for p in started), [p.cmdline() for p in started]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=compare.GRACE_S + 60) == 128 + signal.SIGTERM
+        assert "compare.py: stopped by SIGTERM" in log_path.read_text()
+        _, alive = psutil.wait_procs(started, timeout=5)
+        assert alive == []
+    finally:
+        for p in [psutil.Process(proc.pid), *started] if proc.poll() is None else started:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        proc.wait(timeout=60)
