@@ -31,6 +31,7 @@ import autotune
 import explain
 from shared.cli import add_config_args, config_from_args, to_argv
 from shared.config import TrainConfig
+from shared.distributed import check_before_start
 from shared.results import RunResult, versions
 from shared.timing import PHASES
 
@@ -168,6 +169,8 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
                 setattr(ns, key, value)
         ns.report_dir = Path(ns.out or "reports/latest")
         train = config_from_args(ns, out=str(ns.report_dir / "runs" / "run.json"))
+        # precision on this device, token files, --ds_config, size: refused here, not by a run's log
+        check_before_start(train, torch.device("cuda" if n_gpus else "cpu"), ns.world, ns.world)
         if ns.explain:  # every factor's config must be valid before the first run starts
             for factor in explain.parse_factors(ns.factors):
                 explain.factor_config(train, factor)

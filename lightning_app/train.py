@@ -27,7 +27,7 @@ from shared import checkpoint
 from shared.cli import parse_train_config
 from shared.config import TrainConfig
 from shared.data import train_loader, val_loader
-from shared.distributed import check_precision, oom_message, run_cli
+from shared.distributed import check_before_start, check_precision, oom_message, run_cli
 from shared.ds_config import autotuning_enabled, build_ds_config, read_user_json
 from shared.preemption import EXIT_CODE
 from shared.results import RunResult
@@ -135,6 +135,9 @@ def main(train: TrainConfig) -> RunResult | None:
         raise ValueError("nan_policy skip is not available in the Lightning path: Lightning refuses a training_step "
                          "that returns None in distributed training, and DeepSpeed cannot drop a backward that has "
                          "already reduced NaN gradients; use nan_policy stop, or the raw path")
+    devices = default_devices(train)
+    world = int(os.environ["WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else devices
+    check_before_start(train, torch.device("cuda" if torch.cuda.is_available() else "cpu"), world, devices)
     resume_from = checkpoint.resolve_resume(train.resume, train.ckpt_dir)
     if resume_from is not None:
         checkpoint.check_safe_to_load(resume_from, train.trust_checkpoint)

@@ -51,28 +51,44 @@ def read_meta(prefix: str | Path) -> dict:
     return json.loads(meta_path.read_text())
 
 
+def check_token_file(prefix: str | Path, split: str, vocab_size: int, seq_len: int) -> dict:
+    """The metadata of PREFIX.SPLIT.bin, after checking that the files exist and fit the model (no data read)."""
+    meta = read_meta(prefix)
+    path = Path(f"{prefix}.{split}.bin")
+    if not path.is_file():
+        raise ValueError(f"token file {str(path)!r} not found")
+    if meta["vocab_size"] > vocab_size:
+        raise ValueError(
+            f"token file {str(path)!r} was made with vocab_size {meta['vocab_size']} but the model has "
+            f"vocab_size {vocab_size}: token ids would index past the embedding; pass --vocab_size "
+            f"{meta['vocab_size']}"
+        )
+    if meta.get("max_token", 0) >= vocab_size:
+        raise ValueError(f"token file {str(path)!r} holds token id {meta['max_token']}, outside the model's "
+                         f"vocabulary of {vocab_size}")
+    n_tokens = path.stat().st_size // np.dtype(meta["dtype"]).itemsize
+    if n_tokens < seq_len + 2:
+        raise ValueError(f"token file {str(path)!r} has {n_tokens} tokens, fewer than seq_len+2")
+    return meta
+
+
+def check_data(train) -> None:
+    """Refuse, before any process starts, token files a TrainConfig's run could not read (synthetic: nothing)."""
+    if train.data == "synthetic":
+        return
+    model = train.model()
+    for split in ("train", "val") if train.val_every else ("train",):
+        check_token_file(train.data, split, model.vocab_size, model.seq_len)
+
+
 class TokenFile(Dataset):
     """Item i: micro_batch random windows of seq_len+1 tokens from a memory-mapped token file."""
 
     def __init__(self, prefix: str | Path, split: str, vocab_size: int, seq_len: int, micro_batch: int,
                  seed: int, rank: int, length: int):
-        meta = read_meta(prefix)
-        path = Path(f"{prefix}.{split}.bin")
-        if not path.is_file():
-            raise ValueError(f"token file {str(path)!r} not found")
-        if meta["vocab_size"] > vocab_size:
-            raise ValueError(
-                f"token file {str(path)!r} was made with vocab_size {meta['vocab_size']} but the model has "
-                f"vocab_size {vocab_size}: token ids would index past the embedding; pass --vocab_size "
-                f"{meta['vocab_size']}"
-            )
-        if meta.get("max_token", 0) >= vocab_size:
-            raise ValueError(f"token file {str(path)!r} holds token id {meta['max_token']}, outside the model's "
-                             f"vocabulary of {vocab_size}")
+        meta = check_token_file(prefix, split, vocab_size, seq_len)
         self.vocab_size = vocab_size
-        self.tokens = np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r")
-        if len(self.tokens) < seq_len + 2:
-            raise ValueError(f"token file {str(path)!r} has {len(self.tokens)} tokens, fewer than seq_len+2")
+        self.tokens = np.memmap(f"{prefix}.{split}.bin", dtype=np.dtype(meta["dtype"]), mode="r")
         self.seq_len, self.micro_batch, self.seed, self.rank, self.length = seq_len, micro_batch, seed, rank, length
         self.split_salt = 0 if split == "train" else 1_000_003
 

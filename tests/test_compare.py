@@ -6,9 +6,12 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
+import torch
 
 import compare
+from shared.prepare_data import prepare
 from tests.helpers import ROOT, env, run
 
 COMPARE = ROOT / "compare.py"
@@ -69,13 +72,30 @@ def test_model_overrides_are_validated_before_any_run(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 is refused on a CPU only")
+def test_what_a_run_would_refuse_is_refused_before_any_run_keeping_the_previous_logs(tmp_path):
+    previous = tmp_path / "logs" / "deepspeed_0.log"
+    previous.parent.mkdir()
+    previous.write_text("the previous report's log\n")
+    for args, message in [(["--ds_config", tmp_path / "nope.json"], "nope.json' does not exist"),
+                          (["--precision", "fp16"], "fp16 is not supported by DeepSpeed on CPU"),
+                          (["--data", tmp_path / "missing"], "missing.meta.json' not found")]:
+        proc = run([sys.executable, COMPARE, *args, "--out", tmp_path], check=False, timeout=60)
+        assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr[-2000:])
+    assert previous.read_text() == "the previous report's log\n" and not (tmp_path / "runs").exists()
+
+
 @pytest.mark.slow
 def test_a_failing_run_is_reported_with_its_log(tmp_path):
-    proc = run([sys.executable, COMPARE, "--data", tmp_path / "missing", "--out", tmp_path], check=False,
-               timeout=120)
+    # token ids edited after the metadata was written: valid before the run, refused by its first batch
+    src = tmp_path / "t.txt"
+    src.write_text("words and more words. " * 400)
+    prepare(src, tmp_path / "t", "byte")
+    np.full(2000, 300, dtype=np.uint16).tofile(tmp_path / "t.train.bin")
+    proc = run([sys.executable, COMPARE, "--data", tmp_path / "t", "--out", tmp_path], check=False, timeout=300)
     assert proc.returncode == 1
     assert "deepspeed run failed" in proc.stderr
-    assert "reason: error: token file metadata" in proc.stderr and "missing.meta.json" in proc.stderr
+    assert "reason: error: token id 300" in proc.stderr
     assert (tmp_path / "logs" / "deepspeed_0.log").is_file()
 
 
