@@ -140,6 +140,7 @@ def main(train: TrainConfig) -> RunResult | None:
     check_before_start(train, torch.device("cuda" if torch.cuda.is_available() else "cpu"), world, devices)
     resume_from = checkpoint.resolve_resume(train.resume, train.ckpt_dir)
     if resume_from is not None:
+        checkpoint.check_resumable(resume_from, "lightning", dataclasses.asdict(train.model()))
         checkpoint.check_safe_to_load(resume_from, train.trust_checkpoint)
         start = checkpoint.client_state_of(resume_from).get("global_step", 0)
         if start >= train.steps:

@@ -81,6 +81,7 @@ def main(train: TrainConfig) -> RunResult:
     check_before_start(train, device, int(os.environ["WORLD_SIZE"]), local_world)
     resume_from = checkpoint.resolve_resume(train.resume, train.ckpt_dir)
     if resume_from is not None:
+        checkpoint.check_resumable(resume_from, "deepspeed", dataclasses.asdict(train.model()))
         checkpoint.check_safe_to_load(resume_from, train.trust_checkpoint)
     import deepspeed  # after the device is set: DeepSpeed picks its accelerator at import
 
