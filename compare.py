@@ -46,6 +46,9 @@ PATHS = ("deepspeed", "lightning")
 # batches, scaling or dropout stream) shows up at 1e-2 or more from the first steps.
 LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 1e-3, "fp16": 1e-3}
 PARITY_STEPS = 10
+# A path whose runs' TFLOPs/GPU differ by more than this (max/min) ran on an unsteady machine (other load,
+# thermals): its median, and the ratio, are flagged in the report and printed with a WARNING line.
+REPEAT_SPREAD_BOUND = 1.10
 # After SIGTERM to a run's process group: seconds before what is left of it gets SIGKILL. A run stops at its
 # next agreed preemption check (--sigterm_check_every steps); a benchmark run keeps nothing worth waiting for.
 GRACE_S = 15
@@ -279,7 +282,15 @@ def loss_parity(a: list[float], b: list[float], precision: str) -> dict:
 def build_report(train: TrainConfig, ns: argparse.Namespace, results: dict[str, list[RunResult]],
                  cross: dict[str, RunResult], argv: list[str]) -> dict:
     ds, pl = results["deepspeed"], results["lightning"]
+    paths = {"deepspeed": summarize_path(ds), "lightning": summarize_path(pl)}
+    # One statistic for the headline and the table: the ratio of the table's per-path medians. The per-pair
+    # ratios (each Lightning run over the DeepSpeed run of its pair) give its spread only.
     ratios = [b.tflops_per_gpu / a.tflops_per_gpu for a, b in zip(ds, pl)]
+    disagree = {}
+    for path, p in paths.items():
+        s = p["tflops_spread"]
+        if s["min"] > 0 and s["max"] / s["min"] > REPEAT_SPREAD_BOUND:
+            disagree[path] = s["max"] / s["min"]
     first = ds[0]
     report = {
         "command": " ".join(["python", "compare.py", *argv]),
@@ -290,9 +301,13 @@ def build_report(train: TrainConfig, ns: argparse.Namespace, results: dict[str, 
         "train": dataclasses.asdict(train),
         "repeats": ns.repeats,
         "flops_factor": train.flops_factor,
-        "paths": {"deepspeed": summarize_path(ds), "lightning": summarize_path(pl)},
-        "ratio_lightning_over_deepspeed": statistics.median(ratios),
+        "paths": paths,
+        "ratio_lightning_over_deepspeed": paths["lightning"]["tflops_per_gpu"] / paths["deepspeed"]["tflops_per_gpu"],
+        "ratio_definition": "median TFLOPs/GPU of the Lightning runs / median of the DeepSpeed runs (the table's "
+                            "medians); ratio_spread: the per-pair ratios",
         "ratio_spread": spread(ratios),
+        "repeat_spread_bound": REPEAT_SPREAD_BOUND,
+        "repeats_disagree": disagree,
         "loss_parity": loss_parity(ds[0].losses, pl[0].losses, train.precision),
         "same_ds_config": all(r.ds_config == ds[0].ds_config for r in ds + pl),
     }
@@ -341,8 +356,13 @@ def format_table(report: dict) -> str:
     lines = [f"{a:<{w0}}  {b:>{w1}}  {c}" for a, b, c in rows]
     rs, lp = report["ratio_spread"], report["loss_parity"]
     lines.append("")
-    lines.append(f"Lightning / DeepSpeed throughput: {report['ratio_lightning_over_deepspeed']:.4f} "
-                 f"(min {rs['min']:.4f}, max {rs['max']:.4f}, {rs['n']} interleaved pairs)")
+    lines.append(f"Lightning / DeepSpeed throughput: {report['ratio_lightning_over_deepspeed']:.4f} (ratio of the "
+                 f"medians above; per-pair ratios min {rs['min']:.4f}, max {rs['max']:.4f}, {rs['n']} interleaved "
+                 "pairs)")
+    for path, x in report.get("repeats_disagree", {}).items():
+        lines.append(f"WARNING: the {path} runs disagree: max/min TFLOPs/GPU {x:.2f} > "
+                     f"{report['repeat_spread_bound']:.2f}; the machine was not steady (other load?), so the "
+                     "medians and the ratio are unreliable: rerun on an idle machine or with more --repeats")
     lines.append(f"loss parity over {lp['steps']} steps: max |diff| {lp['max_abs_diff']:.2e} "
                  f"(tolerance {lp['tolerance']:.0e}) -> {'OK' if lp['ok'] else 'MISMATCH'}")
     lines.append(f"same DeepSpeed config in every run: {report['same_ds_config']}")

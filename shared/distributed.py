@@ -6,6 +6,8 @@ import gc
 import os
 import socket
 import sys
+import time
+from pathlib import Path
 
 import torch
 
@@ -126,12 +128,64 @@ def check_fits(train, device: torch.device, world: int, local_world: int) -> Non
     )
 
 
+def extensions_root() -> Path:
+    """Where torch JIT-builds extensions (DeepSpeed's ops): TORCH_EXTENSIONS_DIR, else torch's per-user cache
+    folder for this Python and accelerator (as torch.utils.cpp_extension._get_build_directory names it)."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    from torch.utils.cpp_extension import get_default_build_root
+
+    acc = (f"rocm{torch.version.hip.replace('.', '')}" if torch.version.hip else
+           f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu")
+    py = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return Path(get_default_build_root()) / f"{py}_{acc}"
+
+
+def _held_open(path: Path) -> bool:
+    """Whether any process this user can see has `path` open (a live build holds its lock file open)."""
+    target = str(path.resolve())
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            for fd in fd_dir.iterdir():
+                if os.readlink(fd) == target:
+                    return True
+        except OSError:  # another user's process, or one that just exited
+            continue
+    return False
+
+
+def check_build_locks(min_age_s: float = 10.0) -> None:
+    """Refuse to start when an extension build left its lock behind.
+
+    torch's FileBaton creates BUILD_DIR/lock, holds it open while one process builds (DeepSpeed's CPU
+    communication op on a first CPU run, FusedAdam with --optimizer fusedadam) and removes it when done; every
+    other process waits while the file exists, with no timeout and no output. A build killed mid-way leaves the
+    file, and every later DeepSpeed start would hang. A lock no process holds open, older than min_age_s, is
+    such a leftover. (A build running in another container that shares the cache is invisible here: the
+    message says to check.)"""
+    root = extensions_root()
+    if not root.is_dir():
+        return
+    for lock in sorted(root.glob("*/lock")):
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except OSError:  # released meanwhile
+            continue
+        if age >= min_age_s and not _held_open(lock):
+            raise ValueError(
+                f"stale JIT-build lock {lock} ({age:.0f} s old, held open by no process): a build of the "
+                f"{lock.parent.name} extension was killed mid-way, and DeepSpeed would wait on this file forever. "
+                f"Unless a build in another container shares this folder, remove it: rm {lock}"
+            )
+
+
 def check_before_start(train, device: torch.device, world: int, local_world: int) -> None:
     """Everything that can be refused before a process group or DeepSpeed starts: the precision on this device,
-    the token files, a user DeepSpeed JSON, and a size that clearly cannot fit."""
+    the token files, a user DeepSpeed JSON, a size that clearly cannot fit, a JIT-build lock left behind."""
     from shared.data import check_data
     from shared.ds_config import build_ds_config
 
+    check_build_locks()
     check_precision(device, train.precision)
     check_data(train)
     if train.ds_config:

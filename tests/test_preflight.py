@@ -2,7 +2,9 @@
 bad DeepSpeed JSON, a precision the device lacks, flags a launcher would silently ignore."""
 
 import json
+import os
 import sys
+import time
 
 import pytest
 import torch
@@ -90,3 +92,33 @@ def test_the_training_scripts_refuse_before_deepspeed_starts(script, tmp_path):
         assert "refused:" in proc.stdout and message in proc.stdout + proc.stderr, (args, proc.stdout,
                                                                                   proc.stderr[-2000:])
         assert "deepspeed imported: False" in proc.stdout
+
+
+def _lock(root, age_s: float):
+    lock = root / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    os.utime(lock, (time.time() - age_s, time.time() - age_s))
+    return lock
+
+
+def test_a_stale_jit_build_lock_is_named_before_deepspeed_would_hang_on_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert distributed.extensions_root() == tmp_path
+    lock = _lock(tmp_path, age_s=120)
+    with pytest.raises(ValueError, match=f"stale JIT-build lock {lock} .*rm {lock}"):
+        distributed.check_build_locks()
+    with open(lock):  # a build in progress holds its lock open: wait for it, as torch does
+        distributed.check_build_locks()
+    os.utime(lock)  # just created: a build that is starting
+    distributed.check_build_locks()
+    os.utime(lock, (time.time() - 120, time.time() - 120))
+    proc = run([sys.executable, RAW, "--steps", "2", "--warmup_steps", "1"], check=False, timeout=120)
+    assert proc.returncode == 2 and f"rm {lock}" in proc.stderr
+
+
+def test_the_tests_build_extensions_outside_the_users_cache():
+    from torch.utils.cpp_extension import get_default_build_root
+
+    assert os.environ.get("TORCH_EXTENSIONS_DIR")
+    assert not str(distributed.extensions_root()).startswith(get_default_build_root())
