@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-import warnings
 
 import pytorch_lightning as pl
 import torch
@@ -148,14 +147,11 @@ def main(train: TrainConfig) -> RunResult | None:
     timing = TimingCallback(train, resume_from)
     ckpt = CheckpointCallback(train, timing)
     trainer = build_trainer(train, [timing, ckpt])
-    with warnings.catch_warnings():
-        # Our loaders are already batched (batch_size=None); Lightning warns it cannot infer a batch size.
-        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-        try:
-            trainer.fit(GPTModule(train), datamodule=DataModule(train),
-                        ckpt_path=str(resume_from) if resume_from else None)
-        except torch.OutOfMemoryError as e:
-            raise ValueError(oom_message(train, trainer.strategy.root_device)) from e
+    try:  # the library warnings the project cannot fix are filtered in shared/distributed.quiet_library_noise
+        trainer.fit(GPTModule(train), datamodule=DataModule(train),
+                    ckpt_path=str(resume_from) if resume_from else None)
+    except torch.OutOfMemoryError as e:
+        raise ValueError(oom_message(train, trainer.strategy.root_device)) from e
     if ckpt.preempted:
         raise SystemExit(EXIT_CODE)
     return timing.result
