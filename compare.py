@@ -46,6 +46,8 @@ PATHS = ("deepspeed", "lightning")
 # batches, scaling or dropout stream) shows up at 1e-2 or more from the first steps.
 LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 1e-3, "fp16": 1e-3}
 PARITY_STEPS = 10
+# What compare.py runs on a machine with GPUs when these flags are not given (the study's model and a longer run)
+GPU_DEFAULTS = {"preset": "1.5b", "micro_batch": 8, "steps": 30, "warmup_steps": 10}
 # A path whose runs' TFLOPs/GPU differ by more than this (max/min) ran on an unsteady machine (other load,
 # thermals): its median, and the ratio, are flagged in the report and printed with a WARNING line.
 REPEAT_SPREAD_BOUND = 1.10
@@ -117,6 +119,10 @@ def stop_group(pid: int, grace_s: float = GRACE_S) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(p)
+    for action in p._actions:  # the help says what compare.py changes on GPUs (see parse)
+        if action.dest in GPU_DEFAULTS:
+            action.help = action.help.replace("(default: ", f"(default on GPUs: {GPU_DEFAULTS[action.dest]}; "
+                                              "without a GPU: ")
     p.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all); error if fewer exist")
     p.add_argument("--nproc", type=int, default=None, help="processes on a machine without GPUs (default 1)")
     p.add_argument("--repeats", type=int, default=2, help="runs of each path, interleaved (default 2)")
@@ -166,8 +172,7 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
             if ns.budget_s <= 0:
                 raise ValueError(f"--budget_s must be positive, got {ns.budget_s}")
         ns.world = ns.gpus or n_gpus or ns.nproc or 1
-        gpu_defaults = dict(preset="1.5b", micro_batch=8, steps=30, warmup_steps=10) if n_gpus else {}
-        for key, value in gpu_defaults.items():
+        for key, value in (GPU_DEFAULTS if n_gpus else {}).items():
             if getattr(ns, key) is None:
                 setattr(ns, key, value)
         ns.report_dir = Path(ns.out or "reports/latest")
