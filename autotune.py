@@ -161,8 +161,9 @@ def format_autotune(report: dict) -> str:
         k = r["knobs"]
         conf = (f"mb {k['micro_batch']}{' +ckpt' if k['activation_checkpointing'] else ''}"
                 f"{' +compile' if k.get('compile', 'none') != 'none' else ''}"
-                f" prefetch {k['prefetch_bucket_size']:.0e} reduce {k['reduce_bucket_size']:.0e}"
-                f" persist {k['param_persistence_threshold']:.0e}")
+                + "".join(f" {label} {k[key]:.0e}" for label, key in (
+                    ("prefetch", "prefetch_bucket_size"), ("reduce", "reduce_bucket_size"),
+                    ("persist", "param_persistence_threshold")) if k[key] is not None))  # None: not of this stage
         if r["status"] == "ok":
             mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "n/a"
             lines.append(f"{r['i']:>3} {r['tokens_per_s_per_gpu']:>13,.0f} {r['tflops_per_gpu']:>11.3f} {mem:>9}  "

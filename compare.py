@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -31,6 +32,7 @@ import autotune
 import explain
 from shared.cli import add_config_args, config_from_args, to_argv
 from shared.config import TrainConfig
+from shared.distributed import check_before_start
 from shared.results import RunResult, versions
 from shared.timing import PHASES
 
@@ -50,6 +52,14 @@ REFERENCES = ("ceiling", "fsdp2")
 # batches, scaling or dropout stream) shows up at 1e-2 or more from the first steps.
 LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 1e-3, "fp16": 1e-3}
 PARITY_STEPS = 10
+# What compare.py runs on a machine with GPUs when these flags are not given (the study's model and a longer run)
+GPU_DEFAULTS = {"preset": "1.5b", "micro_batch": 8, "steps": 30, "warmup_steps": 10}
+# A path whose runs' TFLOPs/GPU differ by more than this (max/min) ran on an unsteady machine (other load,
+# thermals): its median, and the ratio, are flagged in the report and printed with a WARNING line.
+REPEAT_SPREAD_BOUND = 1.10
+# After SIGTERM to a run's process group: seconds before what is left of it gets SIGKILL. A run stops at its
+# next agreed preemption check (--sigterm_check_every steps); a benchmark run keeps nothing worth waiting for.
+GRACE_S = 15
 
 
 class CompareError(Exception):
@@ -67,9 +77,58 @@ class CompareError(Exception):
         return next((ln for ln in lines if ln.startswith("reason:")), lines[0])
 
 
+class Stopped(BaseException):
+    """compare.py itself was told to stop (SIGTERM); its running run was stopped with it. A BaseException, as
+    KeyboardInterrupt is, so that the searches' `except Exception` (a failed candidate) does not swallow it."""
+
+
+def _raise_stopped(signum, frame) -> None:
+    raise Stopped(signal.Signals(signum).name)
+
+
+def stop_group(pid: int, grace_s: float = GRACE_S) -> None:
+    """Stop a run started with start_new_session=True: SIGTERM to its process group (torchrun passes it on to the
+    training processes), then SIGKILL to every process of its tree still alive after grace_s.
+
+    The tree is walked, not only the group, because torchrun starts each training process in a session of its own
+    (torch.distributed.elastic's subprocess handler): once torchrun is gone they would run on, orphaned. SIGTERM
+    and SIGINT to compare.py are held off meanwhile, so a second Ctrl-C cannot leave the run half-stopped.
+    """
+    import psutil  # a DeepSpeed dependency
+
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    try:
+        def tree() -> list:
+            try:
+                root = psutil.Process(pid)
+                return [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                return []
+
+        procs = tree()
+        try:
+            os.killpg(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        _, alive = psutil.wait_procs(procs, timeout=grace_s)
+        alive = {p.pid: p for p in alive + tree()}  # and what they started meanwhile
+        for p in alive.values():
+            try:
+                p.kill()  # psutil checks the process is still the one listed (pid reuse)
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(list(alive.values()), timeout=10)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(p)
+    for action in p._actions:  # the help says what compare.py changes on GPUs (see parse)
+        if action.dest in GPU_DEFAULTS:
+            action.help = action.help.replace("(default: ", f"(default on GPUs: {GPU_DEFAULTS[action.dest]}; "
+                                              "without a GPU: ")
     p.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all); error if fewer exist")
     p.add_argument("--nproc", type=int, default=None, help="processes on a machine without GPUs (default 1)")
     p.add_argument("--repeats", type=int, default=2, help="runs of each path, interleaved (default 2)")
@@ -139,12 +198,13 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
             if ns.budget_s <= 0:
                 raise ValueError(f"--budget_s must be positive, got {ns.budget_s}")
         ns.world = ns.gpus or n_gpus or ns.nproc or 1
-        gpu_defaults = dict(preset="1.5b", micro_batch=8, steps=30, warmup_steps=10) if n_gpus else {}
-        for key, value in gpu_defaults.items():
+        for key, value in (GPU_DEFAULTS if n_gpus else {}).items():
             if getattr(ns, key) is None:
                 setattr(ns, key, value)
         ns.report_dir = Path(ns.out or "reports/latest")
         train = config_from_args(ns, out=str(ns.report_dir / "runs" / "run.json"))
+        # precision on this device, token files, --ds_config, size: refused here, not by a run's log
+        check_before_start(train, torch.device("cuda" if n_gpus else "cpu"), ns.world, ns.world)
         if ns.explain:  # every factor's config must be valid before the first run starts
             for factor in explain.parse_factors(ns.factors):
                 explain.factor_config(train, factor)
@@ -180,17 +240,26 @@ def launch(path: str, train: TrainConfig, world: int, out: Path, log: Path, time
     with open(log, "w") as f:
         f.write(" ".join(cmd) + "\n")
         f.flush()
+        # Its own session and process group: whatever stops compare.py (SIGTERM, Ctrl-C, an error, the timeout)
+        # stops torchrun and every training process with it, instead of leaving them running orphaned.
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
-            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout)
+            returncode = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired as e:
+            stop_group(proc.pid)
+            proc.wait()
             raise CompareError(f"{path} run timed out after {timeout}s; log: {log}") from e
-    if proc.returncode != 0 or not out.is_file():
+        except BaseException:
+            stop_group(proc.pid)
+            proc.wait()
+            raise
+    if returncode != 0 or not out.is_file():
         lines = log.read_text().splitlines()
         # The script's own message ("error: ...", or a Python exception line) says more than torchrun's summary.
         reasons = [ln for ln in lines if ln.startswith("error:") or ln.startswith("[rank0]: ") and "Error" in ln]
         tail = "\n".join(lines[-15:])
         reason = f"\nreason: {reasons[0]}" if reasons else ""
-        raise CompareError(f"{path} run failed (exit {proc.returncode}); log: {log}{reason}\n"
+        raise CompareError(f"{path} run failed (exit {returncode}); log: {log}{reason}\n"
                            f"--- last lines of the log ---\n{tail}")
     result = RunResult.from_json(out)
     print(f"  {path:<9} {result.tflops_per_gpu:9.3f} TFLOPs/GPU  step {result.step_time_s['median'] * 1e3:8.1f} ms"
@@ -256,7 +325,15 @@ def loss_parity(a: list[float], b: list[float], precision: str) -> dict:
 def build_report(train: TrainConfig, ns: argparse.Namespace, results: dict[str, list[RunResult]],
                  cross: dict[str, RunResult], argv: list[str]) -> dict:
     ds, pl = results["deepspeed"], results["lightning"]
+    paths = {"deepspeed": summarize_path(ds), "lightning": summarize_path(pl)}
+    # One statistic for the headline and the table: the ratio of the table's per-path medians. The per-pair
+    # ratios (each Lightning run over the DeepSpeed run of its pair) give its spread only.
     ratios = [b.tflops_per_gpu / a.tflops_per_gpu for a, b in zip(ds, pl)]
+    disagree = {}
+    for path, p in paths.items():
+        s = p["tflops_spread"]
+        if s["min"] > 0 and s["max"] / s["min"] > REPEAT_SPREAD_BOUND:
+            disagree[path] = s["max"] / s["min"]
     first = ds[0]
     report = {
         "command": " ".join(["python", "compare.py", *argv]),
@@ -267,9 +344,13 @@ def build_report(train: TrainConfig, ns: argparse.Namespace, results: dict[str, 
         "train": dataclasses.asdict(train),
         "repeats": ns.repeats,
         "flops_factor": train.flops_factor,
-        "paths": {"deepspeed": summarize_path(ds), "lightning": summarize_path(pl)},
-        "ratio_lightning_over_deepspeed": statistics.median(ratios),
+        "paths": paths,
+        "ratio_lightning_over_deepspeed": paths["lightning"]["tflops_per_gpu"] / paths["deepspeed"]["tflops_per_gpu"],
+        "ratio_definition": "median TFLOPs/GPU of the Lightning runs / median of the DeepSpeed runs (the table's "
+                            "medians); ratio_spread: the per-pair ratios",
         "ratio_spread": spread(ratios),
+        "repeat_spread_bound": REPEAT_SPREAD_BOUND,
+        "repeats_disagree": disagree,
         "loss_parity": loss_parity(ds[0].losses, pl[0].losses, train.precision),
         "same_ds_config": all(r.ds_config == ds[0].ds_config for r in ds + pl),
         "parallel": bool(getattr(ns, "parallel", False)),
@@ -343,8 +424,13 @@ def format_table(report: dict) -> str:
                      f"{f['deepspeed']:.3f}, lightning {f['lightning']:.3f}")
     rs, lp = report["ratio_spread"], report["loss_parity"]
     lines.append("")
-    lines.append(f"Lightning / DeepSpeed throughput: {report['ratio_lightning_over_deepspeed']:.4f} "
-                 f"(min {rs['min']:.4f}, max {rs['max']:.4f}, {rs['n']} interleaved pairs)")
+    lines.append(f"Lightning / DeepSpeed throughput: {report['ratio_lightning_over_deepspeed']:.4f} (ratio of the "
+                 f"medians above; per-pair ratios min {rs['min']:.4f}, max {rs['max']:.4f}, {rs['n']} interleaved "
+                 "pairs)")
+    for path, x in report.get("repeats_disagree", {}).items():
+        lines.append(f"WARNING: the {path} runs disagree: max/min TFLOPs/GPU {x:.2f} > "
+                     f"{report['repeat_spread_bound']:.2f}; the machine was not steady (other load?), so the "
+                     "medians and the ratio are unreliable: rerun on an idle machine or with more --repeats")
     lines.append(f"loss parity over {lp['steps']} steps: max |diff| {lp['max_abs_diff']:.2e} "
                  f"(tolerance {lp['tolerance']:.0e}) -> {'OK' if lp['ok'] else 'MISMATCH'}")
     lines.append(f"same DeepSpeed config in every run: {report['same_ds_config']}")
@@ -468,8 +554,14 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _raise_stopped)
     try:
         main()
     except CompareError as e:
         print(f"compare.py: error: {e}", file=sys.stderr)
         sys.exit(1)
+    except (Stopped, KeyboardInterrupt) as e:
+        name = str(e) if isinstance(e, Stopped) else "SIGINT"
+        print(f"compare.py: stopped by {name}; the run in progress was stopped with it (SIGTERM to its process "
+              f"group, SIGKILL after {GRACE_S}s); no report was written", file=sys.stderr)
+        sys.exit(128 + signal.Signals[name].value)

@@ -242,7 +242,9 @@ class CheckpointCallback(pl.Callback):
     def save(self, trainer, step: int) -> Path:
         self.timing.progress.check_finite(step - 1)  # never save after a non-finite loss
         folder = Path(self.train.ckpt_dir) / checkpoint.tag_for(step)
-        trainer.save_checkpoint(folder)  # collective: DeepSpeed writes folder/checkpoint/ on every rank
+        # collective: DeepSpeed writes folder/checkpoint/ on every rank; weights_only=False (callbacks and loop
+        # state too) is Lightning's default, said explicitly so it does not log that it defaulted at every save
+        trainer.save_checkpoint(folder, weights_only=False)
         checkpoint.commit(folder, step, trainer.global_rank, self.train, "lightning", trainer.strategy.barrier)
         self.timing.timer.start()  # the save is not a training step's time
         return folder

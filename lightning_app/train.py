@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-import warnings
 
 import pytorch_lightning as pl
 import torch
@@ -27,7 +26,7 @@ from shared import checkpoint
 from shared.cli import parse_train_config
 from shared.config import TrainConfig
 from shared.data import train_loader, val_loader
-from shared.distributed import check_precision, oom_message, run_cli
+from shared.distributed import check_before_start, check_precision, oom_message, run_cli
 from shared.ds_config import autotuning_enabled, build_ds_config, read_user_json
 from shared.preemption import EXIT_CODE
 from shared.results import RunResult
@@ -86,9 +85,10 @@ class DataModule(pl.LightningDataModule):
         cfg = self.train_cfg
         on = cfg.overheads
         start = self.trainer.global_step  # restored from the checkpoint before the loaders are built
+        # count_skipped: Lightning's restored batch counter starts at `start`; the epoch must end with the run.
         return train_loader(cfg, self.trainer.global_rank, start,
                             pin_memory=torch.cuda.is_available() and "no_pin_memory" not in on,
-                            num_workers=4 if "dataloader_workers" in on else 0)
+                            num_workers=4 if "dataloader_workers" in on else 0, count_skipped=True)
 
     def val_dataloader(self):
         return val_loader(self.train_cfg, self.trainer.global_rank, pin_memory=torch.cuda.is_available())
@@ -135,8 +135,12 @@ def main(train: TrainConfig) -> RunResult | None:
         raise ValueError("nan_policy skip is not available in the Lightning path: Lightning refuses a training_step "
                          "that returns None in distributed training, and DeepSpeed cannot drop a backward that has "
                          "already reduced NaN gradients; use nan_policy stop, or the raw path")
+    devices = default_devices(train)
+    world = int(os.environ["WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else devices
+    check_before_start(train, torch.device("cuda" if torch.cuda.is_available() else "cpu"), world, devices)
     resume_from = checkpoint.resolve_resume(train.resume, train.ckpt_dir)
     if resume_from is not None:
+        checkpoint.check_resumable(resume_from, "lightning", dataclasses.asdict(train.model()))
         checkpoint.check_safe_to_load(resume_from, train.trust_checkpoint)
         start = checkpoint.client_state_of(resume_from).get("global_step", 0)
         if start >= train.steps:
@@ -144,14 +148,11 @@ def main(train: TrainConfig) -> RunResult | None:
     timing = TimingCallback(train, resume_from)
     ckpt = CheckpointCallback(train, timing)
     trainer = build_trainer(train, [timing, ckpt])
-    with warnings.catch_warnings():
-        # Our loaders are already batched (batch_size=None); Lightning warns it cannot infer a batch size.
-        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-        try:
-            trainer.fit(GPTModule(train), datamodule=DataModule(train),
-                        ckpt_path=str(resume_from) if resume_from else None)
-        except torch.OutOfMemoryError as e:
-            raise ValueError(oom_message(train, trainer.strategy.root_device)) from e
+    try:  # the library warnings the project cannot fix are filtered in shared/distributed.quiet_library_noise
+        trainer.fit(GPTModule(train), datamodule=DataModule(train),
+                    ckpt_path=str(resume_from) if resume_from else None)
+    except torch.OutOfMemoryError as e:
+        raise ValueError(oom_message(train, trainer.strategy.root_device)) from e
     if ckpt.preempted:
         raise SystemExit(EXIT_CODE)
     return timing.result

@@ -18,11 +18,7 @@ from shared import checkpoint
 
 
 def export(folder: str | Path, out: str | Path, trust: bool = False) -> Path:
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise ValueError(f"checkpoint {str(folder)!r} does not exist")
-    if not checkpoint.is_complete(folder):
-        raise ValueError(f"checkpoint {str(folder)!r} is incomplete (no {checkpoint.MARKER} or a file is truncated)")
+    folder = checkpoint.resolve_resume(str(folder), None)  # a complete step folder whose checksums match
     checkpoint.check_safe_to_load(folder, trust)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from shared.data import train_loader, val_loader
 from shared.distributed import (
     apply_gc_policy,
     backend_for,
-    check_precision,
+    check_before_start,
     dropout_seed,
     ensure_env,
     oom_message,
@@ -71,10 +72,16 @@ def validate(engine, loader, device: torch.device) -> dict:
 def main(train: TrainConfig) -> RunResult:
     """Train `train.steps` steps; rank 0 writes the RunResult JSON to train.out and every rank returns it."""
     ensure_env()
+    local_world = int(os.environ["LOCAL_WORLD_SIZE"])
+    if train.devices is not None and train.devices != local_world:
+        raise ValueError(f"--devices {train.devices}: the raw loop does not start processes itself ({local_world} "
+                         f"here); launch it as `torchrun --nproc_per_node {train.devices} plain_deepspeed/train.py "
+                         f"...` or `deepspeed --num_gpus {train.devices} plain_deepspeed/train.py ...`")
     device = pick_device()
-    check_precision(device, train.precision)
+    check_before_start(train, device, int(os.environ["WORLD_SIZE"]), local_world)
     resume_from = checkpoint.resolve_resume(train.resume, train.ckpt_dir)
     if resume_from is not None:
+        checkpoint.check_resumable(resume_from, "deepspeed", dataclasses.asdict(train.model()))
         checkpoint.check_safe_to_load(resume_from, train.trust_checkpoint)
     import deepspeed  # after the device is set: DeepSpeed picks its accelerator at import
 

@@ -2,9 +2,12 @@
 
 A checkpoint is a folder `CKPT_DIR/stepNNNNNNNN/` holding DeepSpeed's sharded files (written by the path's
 engine), one `rng_rankR.pt` per rank, and, written last by rank 0 once every rank has finished, `COMPLETE.json`
-with the step and the size of every file. A folder without that marker, or whose files no longer match it (a
-save cut short, a copy cut short, a disk that filled up), is never picked for resume. Sizes, not hashes: a 1.5b
-checkpoint is ~20 GB of optimizer state, and hashing it would add tens of seconds to every save.
+with the step, the path that wrote it, the model's config, and the size and BLAKE2b checksum of every file. A
+folder without that marker, or whose files no longer match it (a save cut short, a copy cut short, a disk that
+filled up, flipped bytes), is never resumed from. Listing and pruning compare sizes only (cheap); the checkpoint a
+run is about to resume from is checksummed in full first (BLAKE2b, files in parallel threads: hashlib releases
+the GIL), which costs a read of the checkpoint at save and at resume, against a run that would otherwise train on
+corrupt optimizer state until it went NaN.
 
 DeepSpeed loads its own files with torch.load(weights_only=False), i.e. by unpickling arbitrary objects. Before
 handing a checkpoint to DeepSpeed we open every .pt file with weights_only=True (tensors, containers and a short
@@ -14,10 +17,14 @@ list of DeepSpeed/torch types): a file that needs anything else is refused unles
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
 import re
 import shutil
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -34,25 +41,62 @@ def _files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MARKER)
 
 
+def _digest(path: Path) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _digests(paths: list[Path]) -> list[str]:
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        return list(pool.map(_digest, paths))
+
+
 def write_marker(folder: Path, step: int, extra: dict | None = None) -> None:
-    """Rank 0, after a barrier: record every file of a finished checkpoint; written atomically, last."""
-    files = {str(p.relative_to(folder)): {"bytes": p.stat().st_size} for p in _files(folder)}
+    """Rank 0, after a barrier: record every file of a finished checkpoint (size, checksum); written atomically,
+    last."""
+    paths = _files(folder)
+    files = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "blake2b": d}
+             for p, d in zip(paths, _digests(paths))}
     tmp = folder / (MARKER + ".tmp")
     tmp.write_text(json.dumps({"step": step, "files": files, **(extra or {})}, indent=1))
     os.replace(tmp, folder / MARKER)
 
 
+def read_marker(folder: Path) -> dict | None:
+    """The completion marker of `folder`, or None when it is missing or unreadable."""
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return marker if isinstance(marker, dict) and isinstance(marker.get("files"), dict) else None
+
+
+def problem(folder: Path, checksums: bool = False) -> str | None:
+    """Why `folder` is not a complete checkpoint, or None. Sizes always; every file's checksum with `checksums`."""
+    marker = read_marker(folder)
+    if marker is None:
+        return f"no readable {MARKER} (a save that never finished)"
+    files = marker["files"]
+    for name, meta in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != meta["bytes"]:
+            return f"{name} has {path.stat().st_size} bytes where {meta['bytes']} were written (cut short?)"
+    if checksums:
+        names = [n for n, meta in files.items() if "blake2b" in meta]  # markers before checksums: sizes only
+        for name, digest in zip(names, _digests([folder / n for n in names])):
+            if digest != files[name]["blake2b"]:
+                return f"{name} does not match the checksum recorded at save (corrupted)"
+    return None
+
+
 def is_complete(folder: Path) -> bool:
     """The marker exists and every file it lists is there with its recorded size (sizes only: cheap)."""
-    marker = folder / MARKER
-    if not marker.is_file():
-        return False
-    try:
-        files = json.loads(marker.read_text())["files"]
-    except (json.JSONDecodeError, KeyError):
-        return False
-    return all((folder / name).is_file() and (folder / name).stat().st_size == meta["bytes"]
-               for name, meta in files.items())
+    return problem(folder) is None
 
 
 def list_checkpoints(ckpt_dir: str | Path) -> list[tuple[int, Path, bool]]:
@@ -73,21 +117,71 @@ def latest_complete(ckpt_dir: str | Path) -> Path | None:
     return complete[-1] if complete else None
 
 
+def _say(text: str) -> None:
+    if os.environ.get("RANK", "0") == "0":
+        print(text, file=sys.stderr, flush=True)
+
+
 def resolve_resume(resume: str, ckpt_dir: str | None) -> Path | None:
-    """`none` -> None; `auto` -> the newest complete checkpoint in ckpt_dir (None if there is none yet);
-    a path -> that checkpoint folder, which must be complete."""
+    """`none` -> None; `auto` -> the newest complete checkpoint in ckpt_dir whose checksums match (None if there is
+    none yet; each newer one skipped is named, with the reason); a path -> that checkpoint folder, which must be
+    complete and match its checksums."""
     if resume == "none":
         return None
     if resume == "auto":
         if not ckpt_dir:
             raise ValueError("--resume auto needs --ckpt_dir")
-        return latest_complete(ckpt_dir)
+        if Path(ckpt_dir).is_dir() and not list_checkpoints(ckpt_dir) and (Path(ckpt_dir) / MARKER).is_file():
+            raise ValueError(f"--ckpt_dir {ckpt_dir!r} is itself a checkpoint (it holds {MARKER}); pass the folder "
+                             f"that holds the stepNNNNNNNN folders, or --resume {ckpt_dir}")
+        skipped = []
+        for _, folder, _ok in reversed(list_checkpoints(ckpt_dir)):
+            why = problem(folder, checksums=True)
+            if why is None:
+                for other, reason in skipped:
+                    _say(f"[resume] skipped {other}: {reason}; resuming from {folder}")
+                return folder
+            skipped.append((folder, why))
+        for other, reason in skipped:
+            _say(f"[resume] skipped {other}: {reason}; no complete checkpoint left, starting from step 0")
+        return None
     folder = Path(resume)
     if not folder.is_dir():
         raise ValueError(f"checkpoint {resume!r} does not exist")
-    if not is_complete(folder):
-        raise ValueError(f"checkpoint {resume!r} is incomplete (no {MARKER}, or a file is missing or truncated)")
+    if not (folder / MARKER).is_file() and list_checkpoints(folder):
+        steps = ", ".join(p.name for _, p, _ in list_checkpoints(folder))
+        raise ValueError(f"checkpoint {resume!r} is not a step folder but holds step folders ({steps}): pass one "
+                         "of them")
+    why = problem(folder, checksums=True)
+    if why is not None:
+        raise ValueError(f"checkpoint {resume!r} is incomplete or corrupt: {why}")
     return folder
+
+
+# The GPTConfig fields that decide parameter shapes: a checkpoint resumes only into the same ones.
+SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "bias")
+SCRIPTS = {"deepspeed": "plain_deepspeed/train.py", "lightning": "lightning_app/train.py"}
+
+
+def check_resumable(folder: Path, path: str, model_config: dict) -> None:
+    """Refuse, before DeepSpeed loads anything, a checkpoint of the other path or of another model shape."""
+    marker = read_marker(folder) or {}
+    written_by = marker.get("path")
+    if written_by is not None and written_by != path:
+        raise ValueError(f"checkpoint {str(folder)!r} was written by the {written_by} path ({SCRIPTS[written_by]}), "
+                         f"whose checkpoint layout this {path} path ({SCRIPTS[path]}) cannot load; resume it with "
+                         f"{SCRIPTS[written_by]}, or use another --ckpt_dir")
+    saved = marker.get("model_config")
+    if saved is None:  # a marker written before model configs were recorded: the model-states file has it
+        state = client_state_of(folder)
+        saved = state.get("model_config")
+    if saved is None:
+        return
+    diff = {k: (saved.get(k), model_config.get(k)) for k in SHAPE_FIELDS if saved.get(k) != model_config.get(k)}
+    if diff:
+        shown = ", ".join(f"{k} {a} in the checkpoint vs {b} now" for k, (a, b) in diff.items())
+        raise ValueError(f"checkpoint {str(folder)!r} holds another model shape ({shown}); resume with the flags "
+                         "it was trained with (same --preset and overrides), or start a fresh --ckpt_dir")
 
 
 def prune(ckpt_dir: str | Path, keep_last: int) -> list[Path]:
@@ -114,7 +208,7 @@ def commit(folder: Path, step: int, rank: int, train, path: str, barrier) -> Non
     save_rng(folder, rank)
     barrier()
     if rank == 0:
-        write_marker(folder, step, {"path": path})
+        write_marker(folder, step, {"path": path, "model_config": dataclasses.asdict(train.model())})
         prune(train.ckpt_dir, train.keep_last)
         print(f"[{path}] saved checkpoint {folder}", flush=True)
     barrier()
@@ -203,8 +297,12 @@ def read_export_meta(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"exported weights {str(path)!r} do not exist")
-    with safe_open(str(path), framework="pt") as f:
-        meta = {k: json.loads(v) for k, v in (f.metadata() or {}).items()}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = {k: json.loads(v) for k, v in (f.metadata() or {}).items()}
+    except Exception as e:  # safetensors raises its own SafetensorError (header too large, incomplete, not JSON)
+        raise ValueError(f"{str(path)!r} is not a readable .safetensors file (truncated, or another format): "
+                         f"{type(e).__name__}: {str(e).splitlines()[0][:200]}") from e
     if "model_config" not in meta:
         raise ValueError(f"{str(path)!r} has no model_config metadata: not written by this project's export")
     return meta
@@ -226,7 +324,11 @@ def load_exported(path: str | Path, attention: str | None = None):
     if attention is not None:
         cfg_dict = {**cfg_dict, "attention": attention}
     model = GPT(GPTConfig(**cfg_dict))
-    state = load_file(str(path))
+    try:
+        state = load_file(str(path))
+    except Exception as e:  # a header that reads but tensors cut short
+        raise ValueError(f"{str(path)!r} is not a readable .safetensors file (truncated?): {type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:200]}") from e
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k not in TIED]
     if missing or unexpected:

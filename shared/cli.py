@@ -10,6 +10,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import re
 import textwrap
 import typing
 
@@ -41,6 +42,17 @@ def field_docs(cls) -> dict[str, str]:
     return docs
 
 
+def _named_values(doc: str) -> str:
+    """A field doc with the shared.config constants it names (`one of PRESETS`) spelled out for --help."""
+    from shared import config
+
+    def spell(m: re.Match) -> str:
+        value = getattr(config, m.group(0), None)
+        return " | ".join(value) if isinstance(value, tuple | dict) else m.group(0)
+
+    return re.sub(r"\b[A-Z][A-Z_]{3,}\b", spell, doc)
+
+
 def add_config_args(parser: argparse.ArgumentParser, cls=TrainConfig) -> None:
     """One flag per dataclass field, typed from the annotation, defaulting to None (= the field's default)."""
     hints = typing.get_type_hints(cls)
@@ -54,7 +66,7 @@ def add_config_args(parser: argparse.ArgumentParser, cls=TrainConfig) -> None:
         if "_" in f.name:
             names.append(f"--{f.name.replace('_', '-')}")
         names += ALIASES.get(f.name, [])
-        doc = f"{docs.get(f.name, '')} (default: {f.default})".replace("%", "%%")
+        doc = f"{_named_values(docs.get(f.name, ''))} (default: {f.default})".replace("%", "%%")
         if tp is bool:
             parser.add_argument(*names, dest=f.name, type=_parse_bool, nargs="?", const=True, default=None,
                                 help=doc)

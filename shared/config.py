@@ -293,6 +293,11 @@ class TrainConfig:
                 f"warmup_steps ({self.warmup_steps}) must be >= 0 and below steps ({self.steps}): "
                 "at least one step must be timed"
             )
+        if not self.lr > 0:  # also refuses NaN
+            raise ValueError(f"lr must be positive, got {self.lr!r}")
+        for name in ("min_lr", "weight_decay", "grad_clip", "lr_warmup_steps"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {self.optimizer!r}; choose one of {OPTIMIZERS}")
         if self.zero_profile not in ZERO_PROFILES:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 _MIX = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D)
 
@@ -51,28 +51,44 @@ def read_meta(prefix: str | Path) -> dict:
     return json.loads(meta_path.read_text())
 
 
+def check_token_file(prefix: str | Path, split: str, vocab_size: int, seq_len: int) -> dict:
+    """The metadata of PREFIX.SPLIT.bin, after checking that the files exist and fit the model (no data read)."""
+    meta = read_meta(prefix)
+    path = Path(f"{prefix}.{split}.bin")
+    if not path.is_file():
+        raise ValueError(f"token file {str(path)!r} not found")
+    if meta["vocab_size"] > vocab_size:
+        raise ValueError(
+            f"token file {str(path)!r} was made with vocab_size {meta['vocab_size']} but the model has "
+            f"vocab_size {vocab_size}: token ids would index past the embedding; pass --vocab_size "
+            f"{meta['vocab_size']}"
+        )
+    if meta.get("max_token", 0) >= vocab_size:
+        raise ValueError(f"token file {str(path)!r} holds token id {meta['max_token']}, outside the model's "
+                         f"vocabulary of {vocab_size}")
+    n_tokens = path.stat().st_size // np.dtype(meta["dtype"]).itemsize
+    if n_tokens < seq_len + 2:
+        raise ValueError(f"token file {str(path)!r} has {n_tokens} tokens, fewer than seq_len+2")
+    return meta
+
+
+def check_data(train) -> None:
+    """Refuse, before any process starts, token files a TrainConfig's run could not read (synthetic: nothing)."""
+    if train.data == "synthetic":
+        return
+    model = train.model()
+    for split in ("train", "val") if train.val_every else ("train",):
+        check_token_file(train.data, split, model.vocab_size, model.seq_len)
+
+
 class TokenFile(Dataset):
     """Item i: micro_batch random windows of seq_len+1 tokens from a memory-mapped token file."""
 
     def __init__(self, prefix: str | Path, split: str, vocab_size: int, seq_len: int, micro_batch: int,
                  seed: int, rank: int, length: int):
-        meta = read_meta(prefix)
-        path = Path(f"{prefix}.{split}.bin")
-        if not path.is_file():
-            raise ValueError(f"token file {str(path)!r} not found")
-        if meta["vocab_size"] > vocab_size:
-            raise ValueError(
-                f"token file {str(path)!r} was made with vocab_size {meta['vocab_size']} but the model has "
-                f"vocab_size {vocab_size}: token ids would index past the embedding; pass --vocab_size "
-                f"{meta['vocab_size']}"
-            )
-        if meta.get("max_token", 0) >= vocab_size:
-            raise ValueError(f"token file {str(path)!r} holds token id {meta['max_token']}, outside the model's "
-                             f"vocabulary of {vocab_size}")
+        meta = check_token_file(prefix, split, vocab_size, seq_len)
         self.vocab_size = vocab_size
-        self.tokens = np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r")
-        if len(self.tokens) < seq_len + 2:
-            raise ValueError(f"token file {str(path)!r} has {len(self.tokens)} tokens, fewer than seq_len+2")
+        self.tokens = np.memmap(f"{prefix}.{split}.bin", dtype=np.dtype(meta["dtype"]), mode="r")
         self.seq_len, self.micro_batch, self.seed, self.rank, self.length = seq_len, micro_batch, seed, rank, length
         self.split_salt = 0 if split == "train" else 1_000_003
 
@@ -103,6 +119,25 @@ class _FromStep(Dataset):
         return self.base[self.start + i]
 
 
+class _ResumedPositions(Sampler[int]):
+    """Micro-steps `start`..`total`-1, in order, with len() = `total`: the loader of a resumed Lightning run.
+
+    Lightning restores its in-epoch batch counter to the checkpoint's micro-step and ends the epoch when that
+    counter reaches len(loader). A loader of only the remaining micro-steps ended the epoch after total-start of
+    them counted from `start`, and the next epoch replayed the data from the resume point: a resume at step k
+    of n diverged from step n-k+1 on whenever k < n/2. Counting the skipped micro-steps in len() makes the
+    epoch end with the run."""
+
+    def __init__(self, start: int, total: int):
+        self.start, self.total = start, total
+
+    def __iter__(self):
+        return iter(range(self.start, self.total))
+
+    def __len__(self) -> int:
+        return self.total
+
+
 def make_dataset(data: str, split: str, vocab_size: int, seq_len: int, micro_batch: int, seed: int, rank: int,
                  length: int) -> Dataset:
     if data == "synthetic":
@@ -113,26 +148,32 @@ def make_dataset(data: str, split: str, vocab_size: int, seq_len: int, micro_bat
 
 def make_loader(data: str, vocab_size: int, seq_len: int, micro_batch: int, seed: int, rank: int,
                 micro_steps: int, start_micro_step: int = 0, split: str = "train", pin_memory: bool = False,
-                num_workers: int = 0) -> DataLoader:
+                num_workers: int = 0, count_skipped: bool = False) -> DataLoader:
     """The DataLoader both paths iterate: already-batched items, in order, no worker processes.
 
     Batches are tiny (B x s int64) and built in microseconds, so workers would only add IPC; pinning lets the
-    host-to-device copy run asynchronously.
+    host-to-device copy run asynchronously. count_skipped: len() includes the micro-steps before
+    `start_micro_step` (Lightning's resumed epoch, see _ResumedPositions); iteration starts at it either way.
     """
-    ds = make_dataset(data, split, vocab_size, seq_len, micro_batch, seed, rank, start_micro_step + micro_steps)
-    if start_micro_step:
+    total = start_micro_step + micro_steps
+    ds = make_dataset(data, split, vocab_size, seq_len, micro_batch, seed, rank, total)
+    sampler = None
+    if count_skipped:
+        sampler = _ResumedPositions(start_micro_step, total)
+    elif start_micro_step:
         ds = _FromStep(ds, start_micro_step)
     # An own generator: iterating a DataLoader otherwise draws its base seed from torch's global RNG.
-    return DataLoader(ds, batch_size=None, shuffle=False, num_workers=num_workers, pin_memory=pin_memory,
-                      generator=torch.Generator().manual_seed(seed))
+    return DataLoader(ds, batch_size=None, shuffle=False, sampler=sampler, num_workers=num_workers,
+                      pin_memory=pin_memory, generator=torch.Generator().manual_seed(seed))
 
 
-def train_loader(train, rank: int, start_step: int = 0, pin_memory: bool = False, num_workers: int = 0) -> DataLoader:
+def train_loader(train, rank: int, start_step: int = 0, pin_memory: bool = False, num_workers: int = 0,
+                 count_skipped: bool = False) -> DataLoader:
     """The training batches of a TrainConfig for `rank`, from optimizer step `start_step` (resume) to the end."""
     model = train.model()
     return make_loader(train.data, model.vocab_size, model.seq_len, train.micro_batch, train.seed, rank,
                        (train.steps - start_step) * train.grad_accum, start_micro_step=start_step * train.grad_accum,
-                       pin_memory=pin_memory, num_workers=num_workers)
+                       pin_memory=pin_memory, num_workers=num_workers, count_skipped=count_skipped)
 
 
 def val_loader(train, rank: int, pin_memory: bool = False) -> DataLoader:

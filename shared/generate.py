@@ -59,6 +59,12 @@ def main(argv: list[str] | None = None) -> str:
     if ns.tokens <= 0 or ns.temperature < 0:
         p.error("--tokens must be positive and --temperature >= 0")
     try:
+        device = torch.device(ns.device)
+    except RuntimeError as e:
+        p.error(f"--device {ns.device!r}: {e}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {ns.device}: this torch ({torch.__version__}) sees no CUDA device; use --device cpu")
+    try:
         # Dense causal models run with sdpa; sparse layouts with the reference (any length, any device).
         layout = read_export_meta(ns.weights)["model_config"]["layout"]
         model, meta = load_exported(ns.weights, attention="sdpa" if layout in ("causal", "dense") else "reference")

@@ -50,7 +50,12 @@ def gpt2_encoding():
 
 def train_bpe(texts: list[str], vocab_size: int):
     """A byte-level BPE (GPT-2 style pre-tokenization) trained on `texts` with Hugging Face tokenizers."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    except ImportError as e:
+        raise ValueError("tokenizer 'bpe' needs Hugging Face's tokenizers package, an optional dependency (it "
+                         "brings huggingface_hub): pip install 'zero3-bench[bpe]' or pip install tokenizers; "
+                         "or use --tokenizer byte") from e
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
+
+# DeepSpeed JIT-builds its ops under TORCH_EXTENSIONS_DIR, by default the user's ~/.cache/torch_extensions: a
+# build killed there (a test timing out) would leave a lock that hangs the user's own runs, and theirs ours. The
+# tests build into the project's own folder unless one is set.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".torch_extensions"))
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:

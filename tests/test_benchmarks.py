@@ -14,6 +14,7 @@ DS_AUTOTUNER = ROOT / "benchmarks" / "ds_autotuner.py"
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # above the sum of its subprocess timeouts (tests/test_timeouts.py)
 def test_ablation_runs_both_paths_per_configuration_and_sweeps_the_micro_batch(tmp_path):
     proc = run([sys.executable, ABLATION, "--configs", "naive,+bias_dropout_add,all", "--mb_sweep", "4",
                 "--out", tmp_path], timeout=900)
@@ -46,6 +47,7 @@ def test_plot_training_draws_the_committed_h200_runs(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # above the sum of its subprocess timeouts (tests/test_timeouts.py)
 def test_deepspeeds_autotuner_drives_the_raw_loop_and_meets_our_winner(tmp_path):
     # what compare.py --autotune writes, reduced to what --versus reads: its winner's knobs
     winner = {"micro_batch": 2, "activation_checkpointing": False, "prefetch_bucket_size": 50_000_000,

@@ -1,11 +1,21 @@
 """compare.py end to end on CPU, and its refusal of bad arguments."""
 
 import json
+import signal
+import subprocess
 import sys
+import time
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
+import torch
 
-from tests.helpers import ROOT, run
+import compare
+from shared.config import TrainConfig
+from shared.prepare_data import prepare
+from shared.results import RunResult
+from tests.helpers import ROOT, env, run
 
 COMPARE = ROOT / "compare.py"
 
@@ -28,9 +38,9 @@ def test_compare_end_to_end_on_cpu(tmp_path):
         assert set(p["phases_s"]) == {"data", "forward", "backward", "step"}
         assert p["tflops_spread"]["n"] == 2 and len(p["losses"]) == 6 and len(p["runs"]) == 2
         assert report["cross_check"][path]["ds_wall_clock_breakdown_ms"]["forward"] > 0
-    ratios = [pl["tflops_per_gpu"] / ds["tflops_per_gpu"]
-              for ds, pl in zip(report["paths"]["deepspeed"]["runs"], report["paths"]["lightning"]["runs"])]
-    assert report["ratio_lightning_over_deepspeed"] == pytest.approx(sorted(ratios)[0] / 2 + sorted(ratios)[1] / 2)
+    P = report["paths"]
+    assert report["ratio_lightning_over_deepspeed"] == pytest.approx(P["lightning"]["tflops_per_gpu"] /
+                                                                     P["deepspeed"]["tflops_per_gpu"])
     assert report["loss_parity"]["ok"] and report["loss_parity"]["max_abs_diff"] == 0.0
     assert report["same_ds_config"]
     # pairs alternate their order: raw first, then Lightning first
@@ -65,11 +75,92 @@ def test_model_overrides_are_validated_before_any_run(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 is refused on a CPU only")
+def test_what_a_run_would_refuse_is_refused_before_any_run_keeping_the_previous_logs(tmp_path):
+    previous = tmp_path / "logs" / "deepspeed_0.log"
+    previous.parent.mkdir()
+    previous.write_text("the previous report's log\n")
+    for args, message in [(["--ds_config", tmp_path / "nope.json"], "nope.json' does not exist"),
+                          (["--precision", "fp16"], "fp16 is not supported by DeepSpeed on CPU"),
+                          (["--data", tmp_path / "missing"], "missing.meta.json' not found")]:
+        proc = run([sys.executable, COMPARE, *args, "--out", tmp_path], check=False, timeout=60)
+        assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr[-2000:])
+    assert previous.read_text() == "the previous report's log\n" and not (tmp_path / "runs").exists()
+
+
 @pytest.mark.slow
 def test_a_failing_run_is_reported_with_its_log(tmp_path):
-    proc = run([sys.executable, COMPARE, "--data", tmp_path / "missing", "--out", tmp_path], check=False,
-               timeout=120)
+    # token ids edited after the metadata was written: valid before the run, refused by its first batch
+    src = tmp_path / "t.txt"
+    src.write_text("words and more words. " * 400)
+    prepare(src, tmp_path / "t", "byte")
+    np.full(2000, 300, dtype=np.uint16).tofile(tmp_path / "t.train.bin")
+    proc = run([sys.executable, COMPARE, "--data", tmp_path / "t", "--out", tmp_path], check=False, timeout=300)
     assert proc.returncode == 1
     assert "deepspeed run failed" in proc.stderr
-    assert "reason: error: token file metadata" in proc.stderr and "missing.meta.json" in proc.stderr
+    assert "reason: error: token id 300" in proc.stderr
     assert (tmp_path / "logs" / "deepspeed_0.log").is_file()
+
+
+@pytest.mark.slow
+def test_sigterm_to_compare_stops_every_process_it_started(tmp_path):
+    import psutil
+
+    out, log_path = tmp_path / "report", tmp_path / "compare.txt"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, COMPARE, "--steps", "100000", "--warmup_steps", "1",
+                                 "--log_every", "1", "--out", out], stdout=log, stderr=subprocess.STDOUT, env=env(),
+                                cwd=ROOT, start_new_session=True)
+    started = []
+    try:
+        run_log = out / "logs" / "deepspeed_0.log"
+        deadline = time.time() + 240
+        while "step 2/" not in (run_log.read_text() if run_log.is_file() else "") and time.time() < deadline:
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            time.sleep(0.5)
+        # torchrun and its training process (which torchrun puts in a session of its own)
+        started = psutil.Process(proc.pid).children(recursive=True)
+        assert any("train.py" in " ".join(p.cmdline()) for p in started), [p.cmdline() for p in started]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=compare.GRACE_S + 60) == 128 + signal.SIGTERM
+        assert "compare.py: stopped by SIGTERM" in log_path.read_text()
+        _, alive = psutil.wait_procs(started, timeout=5)
+        assert alive == []
+    finally:
+        for p in [psutil.Process(proc.pid), *started] if proc.poll() is None else started:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        proc.wait(timeout=60)
+
+
+def _run(tflops: float) -> RunResult:
+    """A synthetic RunResult: only its throughput differs from run to run."""
+    return RunResult(path="x", command="", preset="tiny", model={}, train={}, ds_config={}, versions={},
+                     device={"name": "cpu"}, world_size=1, attention="sdpa", fused={}, losses=[5.0, 4.9], steps=2,
+                     warmup_steps=1, flops_factor=3, phases_s={p: 0.1 for p in ("data", "forward", "backward", "step")},
+                     step_time_s={"median": 1 / tflops}, per_step_s=[1 / tflops], tokens_per_s_per_gpu=tflops * 1000,
+                     tflops_per_gpu=tflops, sparse_tflops_per_gpu=tflops, layout_density=1.0, mfu=None,
+                     peak_mem_gib=None, peak_rss_gib=1.0, n_params=1)
+
+
+def test_headline_ratio_is_the_ratio_of_the_tables_medians_and_unsteady_repeats_are_flagged():
+    # the loaded-CPU case: per-pair ratios 3.0, 0.5, 0.7 average 1.4 while Lightning's median is half raw's
+    ds = [_run(1.0), _run(4.0), _run(2.0)]
+    pl = [_run(3.0), _run(2.0), _run(1.0)]
+    train = TrainConfig(precision="fp32")
+    ns = SimpleNamespace(world=1, repeats=3)
+    report = compare.build_report(train, ns, {"deepspeed": ds, "lightning": pl}, {}, [])
+    P = report["paths"]
+    assert (P["deepspeed"]["tflops_per_gpu"], P["lightning"]["tflops_per_gpu"]) == (2.0, 2.0)
+    assert report["ratio_lightning_over_deepspeed"] == 1.0  # 2.0 / 2.0, not a statistic of the pairs
+    assert (report["ratio_spread"]["min"], report["ratio_spread"]["max"]) == (0.5, 3.0)
+    assert report["repeats_disagree"] == {"deepspeed": 4.0, "lightning": 3.0}
+    text = compare.format_table(report)
+    assert "Lightning / DeepSpeed throughput: 1.0000 (ratio of the medians above" in text
+    assert "WARNING: the deepspeed runs disagree: max/min TFLOPs/GPU 4.00 > 1.10" in text
+    steady = compare.build_report(train, ns, {"deepspeed": [_run(2.0), _run(2.1)], "lightning": [_run(1.0),
+                                                                                           _run(1.05)]}, {}, [])
+    assert steady["repeats_disagree"] == {} and "WARNING" not in compare.format_table(steady)
+    assert steady["ratio_lightning_over_deepspeed"] == pytest.approx(1.025 / 2.05)

@@ -42,6 +42,10 @@ def test_study_preset_shape():
         (dict(precision="fp8"), "unknown precision 'fp8'"),
         (dict(attention="nope"), "unknown attention backend"),
         (dict(optimizer="sgd"), "unknown optimizer"),
+        (dict(lr=-1.0), "lr must be positive, got -1.0"),
+        (dict(lr=float("nan")), "lr must be positive, got nan"),
+        (dict(min_lr=-1e-5), "min_lr must be >= 0"),
+        (dict(grad_clip=-1.0), "grad_clip must be >= 0"),
     ],
 )
 def test_train_config_errors(kwargs, message):

@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from shared.data import SyntheticTokens, TokenFile, make_loader
+from shared.config import TrainConfig
+from shared.data import SyntheticTokens, TokenFile, make_loader, train_loader
 from shared.prepare_data import byte_decode, prepare
 from shared.prepare_data import main as prepare_main
 
@@ -86,3 +87,16 @@ def test_prepare_folder_keeps_whole_documents_for_validation(tmp_path):
     prepare(folder, tmp_path / "e", val_fraction=0.2, seed=2)
     other = byte_decode(np.fromfile(tmp_path / "e.train.bin", dtype=np.uint16).tolist())
     assert other != train  # the document order follows the seed
+
+
+def test_lightning_resume_loader_counts_the_skipped_micro_steps():
+    # Lightning ends an epoch when its restored batch counter reaches len(loader): a resumed loader must have the
+    # whole run's length yet start at the resume point with the batch the uninterrupted run had there.
+    train = TrainConfig(preset="tiny", steps=8, warmup_steps=1, grad_accum=2)
+    full = list(train_loader(train, rank=0))
+    resumed = train_loader(train, rank=0, start_step=2, count_skipped=True)
+    assert len(resumed) == len(full) == 16
+    batches = list(resumed)
+    assert len(batches) == 12
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(batches, full[4:]))
+    assert len(train_loader(train, rank=0, start_step=2)) == 12  # the raw loop's loader: the remaining ones

@@ -122,6 +122,7 @@ def test_bad_compile_mode_is_refused():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # above the sum of its subprocess timeouts (tests/test_timeouts.py)
 def test_both_paths_run_the_fused_compiled_model_under_zero3_and_record_it(tmp_path):
     """Both paths, 2 CPU processes, ZeRO-3: same losses as each other and (no dropout) as the plain model; the
     compiled blocks are one graph with no break, recorded with every fused flag."""

@@ -44,6 +44,7 @@ def test_one_process_matches_raw_path_bit_for_bit(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # above the sum of its subprocess timeouts (tests/test_timeouts.py)
 def test_two_processes_lightning_launcher_and_torchrun(tmp_path):
     run([sys.executable, LIGHTNING, *FAST, "--devices", "2", "--grad_accum", "2", "--out", tmp_path / "a.json"])
     torchrun(LIGHTNING, 2, [*FAST, "--grad_accum", "2", "--out", tmp_path / "b.json"])

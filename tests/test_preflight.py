@@ -1,0 +1,124 @@
+"""What is refused before any process group or DeepSpeed starts: sizes that cannot fit, missing token files, a
+bad DeepSpeed JSON, a precision the device lacks, flags a launcher would silently ignore."""
+
+import json
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+from shared import distributed
+from shared.config import TrainConfig
+from shared.distributed import check_before_start, estimate_memory
+from shared.prepare_data import prepare
+from tests.helpers import LIGHTNING, RAW, ROOT, run
+
+CPU = torch.device("cpu")
+GiB = 2**30
+
+
+@pytest.fixture
+def ram_16gib(monkeypatch):
+    """A machine with 16 GiB of RAM per process, whatever this one has."""
+    monkeypatch.setattr(distributed, "memory_capacity", lambda device, local_world: (16.0 * GiB, "16 GiB of RAM"))
+
+
+def test_a_sequence_that_cannot_fit_is_refused_naming_it(ram_16gib):
+    # tiny with seq_len 100000: sdpa on a CPU with attention dropout keeps 2 x 4 x 100000^2 bf16 scores per block
+    with pytest.raises(ValueError, match=r"needs at least 298\.\d GiB per process.*seq_len 100000, micro_batch 2"):
+        check_before_start(TrainConfig(seq_len=100000), CPU, 1, 1)
+    check_before_start(TrainConfig(), CPU, 1, 1)  # the default tiny run fits
+    check_before_start(TrainConfig(seq_len=100000, dropout=0.0), CPU, 1, 1)  # torch's flash kernel: no scores
+
+
+def test_the_memory_bound_stays_below_measured_peaks():
+    # benchmarks/results/compare_1xh200 and compare_2xh200: 1.5b, micro-batch 8, ZeRO-3 bf16, peak 62.8 / 52.4 GiB
+    for world, peak in ((1, 62.77), (2, 52.35)):
+        report = json.loads((ROOT / "benchmarks" / "results" / f"compare_{world}xh200" / "report.json").read_text())
+        assert report["paths"]["deepspeed"]["peak_mem_gib"] == pytest.approx(peak, abs=0.01)
+        bound = sum(estimate_memory(TrainConfig(preset="1.5b", micro_batch=8), world, "cuda").values()) / GiB
+        assert 0.5 * peak < bound < peak
+
+
+def test_state_is_divided_as_the_zero_stage_partitions_it():
+    state = {s: estimate_memory(TrainConfig(preset="1.5b", stage=s), 4, "cuda")["model and optimizer state"]
+             for s in (0, 1, 2, 3)}
+    assert state[0] > state[1] > state[2] > state[3] and state[0] == pytest.approx(4 * state[3])
+
+
+def test_missing_or_mismatched_token_files_are_refused_before_any_process(tmp_path):
+    with pytest.raises(ValueError, match="missing.meta.json' not found"):
+        check_before_start(TrainConfig(data=str(tmp_path / "missing")), CPU, 1, 1)
+    src = tmp_path / "t.txt"
+    src.write_text("words and more words. " * 400)
+    prepare(src, tmp_path / "t", "byte")
+    check_before_start(TrainConfig(data=str(tmp_path / "t")), CPU, 1, 1)
+    with pytest.raises(ValueError, match="vocab_size 256 but the model has vocab_size 100"):
+        check_before_start(TrainConfig(data=str(tmp_path / "t"), vocab_size=100), CPU, 1, 1)
+    (tmp_path / "t.val.bin").unlink()
+    with pytest.raises(ValueError, match="t.val.bin' not found"):
+        check_before_start(TrainConfig(data=str(tmp_path / "t"), val_every=2), CPU, 1, 1)
+
+
+def test_a_bad_ds_config_or_precision_is_refused_before_any_process(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        check_before_start(TrainConfig(ds_config=str(tmp_path / "nope.json")), CPU, 1, 1)
+    with pytest.raises(ValueError, match="fp16 is not supported by DeepSpeed on CPU"):
+        check_before_start(TrainConfig(precision="fp16"), CPU, 1, 1)
+
+
+# 2 x 4 x 2^20 x 2^20 bf16 scores per block: too large for any machine, GPU or CPU
+HUGE = ["--attention", "reference", "--seq_len", "1048576"]
+
+
+@pytest.mark.parametrize("script", [RAW, LIGHTNING], ids=["raw", "lightning"])
+def test_the_training_scripts_refuse_before_deepspeed_starts(script, tmp_path):
+    cases = [
+        (HUGE, "seq_len 1048576"),
+        (["--lr", "-1"], "lr must be positive, got -1.0"),
+        (["--data", tmp_path / "missing"], "missing.meta.json' not found"),
+    ]
+    if script == RAW:
+        cases.append((["--devices", "2"], "torchrun --nproc_per_node 2"))
+    for args, message in cases:
+        # in-process up to the refusal, so the test can see that DeepSpeed was never imported
+        code = ("import sys\nfrom shared.cli import parse_train_config\n"
+                f"from {script.parent.name}.train import main\n"
+                "try:\n    main(parse_train_config(sys.argv[1:], ''))\nexcept (ValueError, SystemExit) as e:\n"
+                "    print('refused:', e)\nprint('deepspeed imported:', 'deepspeed' in sys.modules)\n")
+        proc = run([sys.executable, "-c", code, *args], timeout=120)
+        assert "refused:" in proc.stdout and message in proc.stdout + proc.stderr, (args, proc.stdout,
+                                                                                  proc.stderr[-2000:])
+        assert "deepspeed imported: False" in proc.stdout
+
+
+def _lock(root, age_s: float):
+    lock = root / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    os.utime(lock, (time.time() - age_s, time.time() - age_s))
+    return lock
+
+
+def test_a_stale_jit_build_lock_is_named_before_deepspeed_would_hang_on_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert distributed.extensions_root() == tmp_path
+    lock = _lock(tmp_path, age_s=120)
+    with pytest.raises(ValueError, match=f"stale JIT-build lock {lock} .*rm {lock}"):
+        distributed.check_build_locks()
+    with open(lock):  # a build in progress holds its lock open: wait for it, as torch does
+        distributed.check_build_locks()
+    os.utime(lock)  # just created: a build that is starting
+    distributed.check_build_locks()
+    os.utime(lock, (time.time() - 120, time.time() - 120))
+    proc = run([sys.executable, RAW, "--steps", "2", "--warmup_steps", "1"], check=False, timeout=120)
+    assert proc.returncode == 2 and f"rm {lock}" in proc.stderr
+
+
+def test_the_tests_build_extensions_outside_the_users_cache():
+    from torch.utils.cpp_extension import get_default_build_root
+
+    assert os.environ.get("TORCH_EXTENSIONS_DIR")
+    assert not str(distributed.extensions_root()).startswith(get_default_build_root())

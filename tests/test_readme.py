@@ -1,0 +1,76 @@
+"""README claims checked against the committed files they quote, and against what the code prints."""
+
+import json
+import re
+
+import pytest
+
+import compare
+from shared.config import PRESETS
+from tests.helpers import ROOT
+
+README = (ROOT / "README.md").read_text()
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _expand(path: str) -> list[str]:
+    """`a_{1,2}x` -> a_1x, a_2x (the README's shell-style brace lists)."""
+    m = re.search(r"\{([^}]*)\}", path)
+    if not m:
+        return [path]
+    return [q for alt in m.group(1).split(",") for q in _expand(path[:m.start()] + alt + path[m.end():])]
+
+
+def test_every_results_path_the_readme_names_exists():
+    mentions = set(re.findall(r"benchmarks/results/[A-Za-z0-9_.\-/*{},]*[A-Za-z0-9_*}/]", README))
+    paths = [p for m in sorted(mentions) for p in _expand(m)]
+    assert len(paths) > 10
+    assert [p for p in paths if not list(ROOT.glob(p.rstrip("/")))] == []
+
+
+def test_the_loss_parity_tolerance_quoted_is_the_one_the_reports_recorded():
+    quoted = re.search(r"Loss parity: max \|diff\| .*? tolerance ([0-9.e-]+)", README, re.S).group(1)
+    recorded = {json.loads((RESULTS / f"compare_{n}xh200" / "report.json").read_text())["loss_parity"]["tolerance"]
+                for n in (1, 2)}
+    assert recorded == {float(quoted)}
+
+
+def _tflops(folder):
+    found = []
+
+    def walk(o):
+        if isinstance(o, dict):
+            for k, v in o.items():
+                found.append(v) if k == "tflops_per_gpu" and isinstance(v, float) else walk(v)
+        elif isinstance(o, list):
+            for v in o:
+                walk(v)
+
+    for f in folder.rglob("*.json"):
+        walk(json.loads(f.read_text()))
+    return found
+
+
+def test_the_best_throughputs_quoted_are_the_best_in_the_tuning_results():
+    one, two = re.search(r"best\s+([0-9.]+) on one GPU.*?([0-9.]+) per GPU on\s+two", README, re.S).groups()
+    assert float(one) == round(max(_tflops(RESULTS / "tuning_1xh200")), 2)
+    winner = json.loads((RESULTS / "tuning_2xh200" / "winner" / "report.json").read_text())
+    assert float(two) == round(winner["paths"]["deepspeed"]["tflops_spread"]["max"], 2)
+
+
+def test_run_files_land_in_the_report_folder_as_the_readme_says(tmp_path, monkeypatch):
+    assert "(`OUT/runs/`)" in README and "(`OUT/logs/`)" in README
+    seen = []
+    monkeypatch.setattr(compare, "launch", lambda path, train, world, out, log, timeout: seen.append((out, log)) or
+                        (_ for _ in ()).throw(compare.CompareError("stop")))
+    with pytest.raises(compare.CompareError):
+        compare.main(["--out", str(tmp_path / "rep")])
+    out, log = seen[0]
+    assert out.parent == tmp_path / "rep" / "runs" and log.parent == tmp_path / "rep" / "logs"
+
+
+def test_compare_help_lists_the_presets_and_the_gpu_defaults():
+    text = " ".join(compare.build_parser().format_help().split())
+    assert "PRESETS" not in text and " | ".join(PRESETS) in text
+    assert "(default on GPUs: 1.5b; without a GPU: tiny)" in text
+    assert f"(default on GPUs: {compare.GPU_DEFAULTS['micro_batch']}; without a GPU: 2)" in text
