@@ -77,6 +77,10 @@ class CompareError(Exception):
         return next((ln for ln in lines if ln.startswith("reason:")), lines[0])
 
 
+# Process-group ids of the runs in progress (several at once with --parallel, each waited on in its own thread).
+RUNNING: set[int] = set()
+
+
 class Stopped(BaseException):
     """compare.py itself was told to stop (SIGTERM); its running run was stopped with it. A BaseException, as
     KeyboardInterrupt is, so that the searches' `except Exception` (a failed candidate) does not swallow it."""
@@ -243,6 +247,7 @@ def launch(path: str, train: TrainConfig, world: int, out: Path, log: Path, time
         # Its own session and process group: whatever stops compare.py (SIGTERM, Ctrl-C, an error, the timeout)
         # stops torchrun and every training process with it, instead of leaving them running orphaned.
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        RUNNING.add(proc.pid)
         try:
             returncode = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired as e:
@@ -253,6 +258,8 @@ def launch(path: str, train: TrainConfig, world: int, out: Path, log: Path, time
             stop_group(proc.pid)
             proc.wait()
             raise
+        finally:
+            RUNNING.discard(proc.pid)
     if returncode != 0 or not out.is_file():
         lines = log.read_text().splitlines()
         # The script's own message ("error: ...", or a Python exception line) says more than torchrun's summary.
@@ -535,8 +542,15 @@ def main(argv: list[str] | None = None) -> dict:
                         if ns.parallel or path == "ceiling" else (ns.world, None)
                     jobs[path] = pool.submit(launch, path, train, world, out_dir / "runs" / f"{path}_{i}.json",
                                              out_dir / "logs" / f"{path}_{i}.log", ns.timeout, env=env)
-                for path in group:
-                    results[path].append(jobs[path].result())
+                try:
+                    for path in group:
+                        results[path].append(jobs[path].result())
+                except BaseException:
+                    # A signal or a failed run reaches this thread, not the ones waiting on the other runs: stop
+                    # those too before leaving (the pool waits for its threads).
+                    for pid in list(RUNNING):
+                        stop_group(pid)
+                    raise
     cross = {}
     if ns.cross_check:
         diag = dataclasses.replace(train, wall_clock_breakdown=True)

@@ -103,14 +103,15 @@ def test_a_failing_run_is_reported_with_its_log(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_to_compare_stops_every_process_it_started(tmp_path):
+@pytest.mark.parametrize("mode", [[], ["--parallel"]], ids=["sequential", "parallel"])
+def test_sigterm_to_compare_stops_every_process_it_started(tmp_path, mode):
     import psutil
 
     out, log_path = tmp_path / "report", tmp_path / "compare.txt"
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, COMPARE, "--steps", "100000", "--warmup_steps", "1",
-                                 "--log_every", "1", "--out", out], stdout=log, stderr=subprocess.STDOUT, env=env(),
-                                cwd=ROOT, start_new_session=True)
+                                 "--log_every", "1", *mode, "--out", out], stdout=log, stderr=subprocess.STDOUT,
+                                env=env(), cwd=ROOT, start_new_session=True)
     started = []
     try:
         run_log = out / "logs" / "deepspeed_0.log"
