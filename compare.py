@@ -71,10 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one extra run per path with DeepSpeed's wall_clock_breakdown (synchronized timers)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds before a single run is killed")
     p.add_argument("--explain", action="store_true",
-                   help="run Lightning with one overhead switched on at a time, against raw (see explain.py)")
+                   help="Lightning with one overhead on at a time, against Lightning without it (explain.py)")
     p.add_argument("--factors", default=None, help="--explain: comma-separated factors (default: all)")
-    p.add_argument("--factor_repeats", "--factor-repeats", type=int, default=1,
-                   help="--explain: rounds that also run every factor (default 1)")
+    p.add_argument("--factor_repeats", "--factor-repeats", type=int, default=2,
+                   help="--explain: rounds that also run every factor (default 2: a spread, not one difference)")
     p.add_argument("--autotune", action="store_true",
                    help="search micro-batch, checkpointing and ZeRO knobs; write the winner (see autotune.py)")
     p.add_argument("--mb_grid", "--mb-grid", default=None,
