@@ -30,7 +30,7 @@ import autotune
 import explain
 from shared.cli import add_config_args, config_from_args, to_argv
 from shared.config import TrainConfig
-from shared.results import RunResult, versions
+from shared.results import RunResult, tflops_convention, versions
 from shared.timing import PHASES
 
 ROOT = Path(__file__).resolve().parent
@@ -192,6 +192,8 @@ def summarize_path(runs: list[RunResult]) -> dict:
         "tflops_per_gpu": statistics.median(tflops),
         "tflops_spread": spread(tflops),
         "sparse_tflops_per_gpu": statistics.median(r.sparse_tflops_per_gpu for r in runs),
+        "tflops_per_gpu_causal": (statistics.median(r.tflops_per_gpu_causal for r in runs)
+                                  if all(r.tflops_per_gpu_causal is not None for r in runs) else None),
         "mfu": statistics.median(mfus) if mfus else None,
         "tokens_per_s_per_gpu": statistics.median(r.tokens_per_s_per_gpu for r in runs),
         "step_time_s": spread([r.step_time_s["median"] for r in runs]),
@@ -266,7 +268,8 @@ def format_table(report: dict) -> str:
         s = p["tflops_spread"]
         return f"{p['tflops_per_gpu']:{spec}} [{s['min']:{spec}}, {s['max']:{spec}}]"
 
-    row(f"TFLOPs/GPU (k={report['flops_factor']})", tflops_cell)
+    row(f"TFLOPs/GPU ({tflops_convention(report['flops_factor'])})", tflops_cell)
+    row("TFLOPs/GPU (exact causal count)", lambda p: _fmt(p.get("tflops_per_gpu_causal"), spec))
     row("MFU", lambda p: _fmt(p["mfu"] and 100 * p["mfu"], ".1f") + ("%" if p["mfu"] else ""))
     row("tokens/s/GPU", lambda p: f"{p['tokens_per_s_per_gpu']:,.0f}")
     row("step time ms (median)", lambda p: f"{p['step_time_s']['median'] * 1e3:.1f}")

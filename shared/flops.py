@@ -1,27 +1,43 @@
 """FLOPs of a GPT training step, and the peak a device can do: the one place both are written.
 
-Megatron/BigScience formula (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
-Clusters", sec. 5.1; used by BigScience and by the original min-LLM study). For a batch of B sequences of s
-tokens, l layers, hidden size h and vocabulary V, one forward pass of one transformer layer costs
+Matmul FLOPs of shared.model.GPT, term by term. For a batch of B sequences of s tokens, l layers, hidden size h
+and vocabulary V, one forward pass of one transformer layer multiplies
   - QKV projection        2*B*s*h*3h   = 6  B s h^2
-  - attention scores QK^T  2*B*s*s*h    = 2  B s^2 h
+  - attention scores QK^T  2*B*s*s*h    = 2  B s^2 h   (dense: every query against every key)
   - scores x V            2*B*s*s*h    = 2  B s^2 h
   - output projection     2*B*s*h*h    = 2  B s h^2
   - MLP (h -> 4h -> h)    2*2*B*s*h*4h = 16 B s h^2
-  total 24 B s h^2 + 4 B s^2 h = 24 B s h^2 (1 + s/(6h)), and the LM head adds 2 B s h V once.
-Summed over l layers: 24 B s l h^2 (1 + s/(6h) + V/(16 l h)) per forward.
-Backward costs twice the forward, so a step costs k = 3 forwards; with activation recomputation the forward runs
-again in backward: k = 4. Hence
+  per layer 24 B s h^2 + 4 B s^2 h = 24 B s h^2 (1 + s/(6h)); the tied LM head adds 2 B s h V once.
+Summed over l layers, one forward is 24 B s l h^2 (1 + s/(6h) + V/(12 l h)) (the head: 2BshV / 24Bslh^2).
+Backward costs twice the forward (a gradient for the input and one for the weight of every matmul); with
+activation recomputation (--activation_checkpointing, which checkpoints the blocks, not the head) the blocks'
+forward runs again in backward. The exact matmul count of a step is therefore (`matmul_flops`)
+
+    F_exact = k * l * (24 B s h^2 + 4 d B s^2 h) + 6 B s h V,     k = 3 (4 with recomputation),
+
+with d the share of the s x s score grid the attention computes: 1 for dense, (s+1)/(2s) for the causal lower
+triangle with its diagonal (`causal_flops`), a layout's density for sparse layouts.
+
+The reported convention (`megatron_flops`) is the Megatron/BigScience formula (Narayanan et al. 2021, "Efficient
+Large-Scale Language Model Training on GPU Clusters", sec. 5.1), used by BigScience and by the original min-LLM
+study, kept so that every figure here compares with theirs and with each other:
 
     F = 24 * k * B * s * l * h^2 * (1 + s/(6h) + V/(16 l h)).
 
-Conventions, stated because they move the number:
-  - attention is counted as a *dense* s x s product, as Megatron does, even though causal attention only needs
-    the lower triangle: this is the figure the original study reported (its 124.49 / 129.24 / 119.65 TFLOPs).
-  - elementwise work (softmax, LayerNorm, GELU, dropout) is not counted.
-  - `sparse_model_flops` scales the attention term s/(6h) by the layout's density (the share of the s x s grid
-    the layout visits; ~0.5 for causal), giving the work a sparse-aware kernel must do at minimum.
-TFLOPs per GPU = F / (step time * n_gpus), with B the global batch of that step.
+What it counts, precisely: the blocks exactly as F_exact with dense attention (d = 1), and the head as
+24k * V/(16lh) * Bslh^2 = (3k/2) B s h V. The paper derives it for k = 4, where the head, never recomputed, is
+6 B s h V: exact. At k = 3 (no recomputation, every run here unless stated) the head counts 4.5 B s h V instead of
+6, an undercount of 1.5 B s h V (1.55% of the step at the 1.5b preset). Against the work a causal kernel does,
+the dense s x s attention term overcounts: at the 1.5b preset, k = 3, the formula gives 1.048x the exact causal
+count (F_exact with d = (s+1)/(2s)); both are reported, the formula as `tflops_per_gpu`, the exact causal count
+as `tflops_per_gpu_causal`.
+
+Not counted by any of them: elementwise work (softmax, LayerNorm, GELU, dropout, bias adds, the loss) and the
+embedding's gather/scatter. `sparse_model_flops` is the formula with its attention term s/(6h) scaled by the
+layout's density (the share of the s x s grid the layout's blocks visit): comparable with the dense formula, with
+the same head undercount at k = 3; `matmul_flops` with that density is the exact matmul count.
+tests/test_flops.py checks F_exact, the formula and the causal count against torch.utils.flop_counter on the
+model itself. TFLOPs per GPU = F / (median step time * n_gpus), with B the global batch of that step.
 """
 
 from __future__ import annotations
@@ -45,8 +61,35 @@ def sparse_model_flops(batch: int, seq: int, n_layer: int, hidden: int, vocab: i
     )
 
 
+def matmul_flops(batch: int, seq: int, n_layer: int, hidden: int, vocab: int, k: int = 3,
+                 density: float = 1.0) -> float:
+    """Exact matmul FLOPs of one training step of shared.model.GPT: k*l*(24Bsh^2 + 4*d*Bs^2h) + 6BshV, with d the
+    share of the s x s score grid the attention computes (1 dense, causal_density(s) causal)."""
+    if k not in (3, 4):
+        raise ValueError(f"k must be 3 (no recompute) or 4 (activation checkpointing), got {k}")
+    if not 0.0 < density <= 1.0:
+        raise ValueError(f"attention density must be in (0, 1], got {density}")
+    blocks = n_layer * (24.0 * batch * seq * hidden**2 + 4.0 * density * batch * seq**2 * hidden)
+    return k * blocks + 6.0 * batch * seq * hidden * vocab
+
+
+def causal_density(seq: int) -> float:
+    """Share of the s x s score grid a causal mask keeps: the lower triangle with its diagonal, s(s+1)/2 of s^2."""
+    return (seq + 1) / (2 * seq)
+
+
+def causal_flops(batch: int, seq: int, n_layer: int, hidden: int, vocab: int, k: int = 3) -> float:
+    """Exact matmul FLOPs of one training step with causal attention counted as the lower triangle only."""
+    return matmul_flops(batch, seq, n_layer, hidden, vocab, k, causal_density(seq))
+
+
+def step_flops_causal(cfg: GPTConfig, global_batch: int, k: int) -> float:
+    """Exact causal matmul FLOPs of one optimizer step over `global_batch` sequences of model `cfg`."""
+    return causal_flops(global_batch, cfg.seq_len, cfg.n_layer, cfg.n_embd, cfg.vocab_size, k)
+
+
 def step_flops(cfg: GPTConfig, global_batch: int, k: int) -> float:
-    """Megatron FLOPs of one optimizer step over `global_batch` sequences of model `cfg`."""
+    """Megatron-formula FLOPs (the reported convention) of one optimizer step over `global_batch` sequences."""
     return megatron_flops(global_batch, cfg.seq_len, cfg.n_layer, cfg.n_embd, cfg.vocab_size, k)
 
 

@@ -79,6 +79,8 @@ class RunResult:
     ds_breakdown_ms: dict | None = None
     extra: dict = field(default_factory=dict)
     version: int = RESULT_VERSION
+    # Fields added later carry a default, so results written before them still load (as None).
+    tflops_per_gpu_causal: float | None = None  # exact matmul count, causal attention (shared/flops.causal_flops)
 
     def to_json(self, path: str | Path) -> None:
         path = Path(path)
@@ -91,7 +93,9 @@ class RunResult:
     def from_json(cls, path: str | Path) -> RunResult:
         data = json.loads(Path(path).read_text())
         names = {f.name for f in dataclasses.fields(cls)}
-        missing = names - set(data) - {"ds_breakdown_ms", "extra", "version"}
+        optional = {f.name for f in dataclasses.fields(cls)
+                    if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
+        missing = names - set(data) - optional
         if missing:
             raise ValueError(f"result {str(path)!r} lacks field(s) {sorted(missing)}")
         return cls(**{k: v for k, v in data.items() if k in names})
@@ -118,6 +122,7 @@ def build_result(*, path: str, train: TrainConfig, model_cfg: GPTConfig, ds_conf
     sparse_flops = flops.sparse_model_flops(global_batch, model_cfg.seq_len, model_cfg.n_layer, model_cfg.n_embd,
                                             model_cfg.vocab_size, k, density)
     tflops = step_flops / step_time / world_size / 1e12
+    causal_flops = flops.step_flops_causal(model_cfg, global_batch, k)
     dev = device_info(device)
     return RunResult(
         path=path,
@@ -147,6 +152,7 @@ def build_result(*, path: str, train: TrainConfig, model_cfg: GPTConfig, ds_conf
         peak_rss_gib=_peak_rss_gib(),
         n_params=n_params,
         ds_breakdown_ms=ds_breakdown_ms,
+        tflops_per_gpu_causal=causal_flops / step_time / world_size / 1e12,
         extra={**(extra or {}), "allocator_cache_flushes": allocator_cache_flushes(device)},
     )
 
@@ -180,6 +186,11 @@ def _peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
 
 
+def tflops_convention(k: int) -> str:
+    """How a reported TFLOPs figure was counted (shared/flops.py): said wherever one is printed."""
+    return f"dense-attention formula, k={k}, median step"
+
+
 def format_summary(r: RunResult) -> str:
     """The end-of-run table both paths print."""
     ph = r.phases_s
@@ -193,8 +204,10 @@ def format_summary(r: RunResult) -> str:
         ("step time", f"{r.step_time_s['median'] * 1e3:.1f} ms median "
                       f"(min {r.step_time_s['min'] * 1e3:.1f}, max {r.step_time_s['max'] * 1e3:.1f})"),
         ("phases (median ms)", "  ".join(f"{p} {ph[p] * 1e3:.1f}" for p in ("data", "forward", "backward", "step"))),
-        ("throughput", f"{r.tflops_per_gpu:.2f} TFLOPs/GPU (k={r.flops_factor}), MFU {mfu}, "
+        ("throughput", f"{r.tflops_per_gpu:.2f} TFLOPs/GPU ({tflops_convention(r.flops_factor)}), MFU {mfu}, "
                        f"{r.tokens_per_s_per_gpu:,.0f} tokens/s/GPU"),
+        ("exact causal count", f"{r.tflops_per_gpu_causal:.2f} TFLOPs/GPU" if r.tflops_per_gpu_causal is not None
+         else "n/a (result written before it was recorded)"),
         ("peak memory", mem + (f", {r.extra['allocator_cache_flushes']} allocator cache flushes"
                                  if r.extra.get("allocator_cache_flushes") is not None else "")),
         ("loss", f"{r.losses[0]:.4f} -> {r.losses[-1]:.4f}"),
