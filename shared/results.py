@@ -81,6 +81,8 @@ class RunResult:
     version: int = RESULT_VERSION
     # Fields added later carry a default, so results written before them still load (as None).
     tflops_per_gpu_causal: float | None = None  # exact matmul count, causal attention (shared/flops.causal_flops)
+    grad_norms: list[float | None] | None = None  # DeepSpeed's global grad norm (before clipping), per step
+    param_checksum: dict | None = None  # sum / sum_sq / numel of all parameters at the end (ds_runtime)
 
     def to_json(self, path: str | Path) -> None:
         path = Path(path)
@@ -104,7 +106,8 @@ class RunResult:
 def build_result(*, path: str, train: TrainConfig, model_cfg: GPTConfig, ds_config: dict, world_size: int,
                  device: torch.device, attention: str, losses: list[float], timing: dict,
                  n_params: int, peak_mem_bytes: float | None, ds_breakdown_ms: dict | None = None,
-                 extra: dict | None = None, allow_nonfinite: bool = False) -> RunResult:
+                 extra: dict | None = None, allow_nonfinite: bool = False,
+                 grad_norms: list[float | None] | None = None, param_checksum: dict | None = None) -> RunResult:
     """Assemble a RunResult from a finished run's raw measurements.
 
     Non-finite losses are an error, except for steps nan_policy=skip skipped (allow_nonfinite): JSON has no NaN,
@@ -153,6 +156,8 @@ def build_result(*, path: str, train: TrainConfig, model_cfg: GPTConfig, ds_conf
         n_params=n_params,
         ds_breakdown_ms=ds_breakdown_ms,
         tflops_per_gpu_causal=causal_flops / step_time / world_size / 1e12,
+        grad_norms=[g if g is None or math.isfinite(g) else None for g in grad_norms] if grad_norms else None,
+        param_checksum=param_checksum,
         extra={**(extra or {}), "allocator_cache_flushes": allocator_cache_flushes(device)},
     )
 

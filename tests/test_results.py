@@ -63,3 +63,31 @@ def test_compare_table_and_report_label_the_convention(tmp_path):
         results["deepspeed"][0].tflops_per_gpu_causal)
     compare.write_markdown({**report, "versions": {}}, tmp_path / "report.md", "phases.png")
     assert "dense-attention formula, k=3, median step" in (tmp_path / "report.md").read_text()
+
+
+def test_grad_norms_are_kept_on_the_device_and_read_once_at_the_end():
+    from shared.ds_runtime import GradNormRecorder
+
+    engine = SimpleNamespace(norm=None)
+    engine.get_global_grad_norm = lambda: engine.norm
+    rec = GradNormRecorder(engine)
+    for norm in (torch.tensor(1.5), 0.25, None, torch.tensor([2.0])):
+        engine.norm = norm
+        rec.record()
+    assert all(a is b for a, b in zip(rec.norms, (rec.norms[0], 0.25, None, rec.norms[3])))  # no copy to host yet
+    assert rec.values() == [1.5, 0.25, None, 2.0]
+    assert make_result(grad_norms=[1.0, float("inf")]).grad_norms == [1.0, None]  # JSON has no inf
+
+
+def test_param_checksum_counts_a_tied_weight_once():
+    from shared.ds_runtime import param_checksum
+    from shared.model import GPT
+
+    torch.manual_seed(0)
+    model = GPT(TrainConfig(preset="tiny").model())
+    params = list({id(p): p for p in model.parameters()}.values())
+    flat = torch.cat([p.detach().double().reshape(-1) for p in params])
+    got = param_checksum(model)
+    assert got["numel"] == flat.numel() == sum(p.numel() for p in params)
+    assert got["sum"] == pytest.approx(flat.sum().item(), rel=1e-12)
+    assert got["sum_sq"] == pytest.approx((flat * flat).sum().item(), rel=1e-12)
