@@ -217,6 +217,7 @@ def summarize_path(runs: list[RunResult]) -> dict:
         "allocator_cache_flushes": [r.extra.get("allocator_cache_flushes") for r in runs],
         "losses": runs[0].losses,
         "attention": runs[0].attention,
+        "sdpa_kernel": sorted({r.sdpa_kernel for r in runs}, key=str),  # per kernel seen, one entry
         "fused": runs[0].fused,
         "ds_config": runs[0].ds_config,
         "runs": [{"tflops_per_gpu": r.tflops_per_gpu, "step_time_s": r.step_time_s["median"],
@@ -352,7 +353,8 @@ def format_table(report: dict) -> str:
         row(f"  {ph} ms", lambda p, ph=ph: f"{p['phases_s'][ph] * 1e3:.2f}")
     row("peak memory GiB", lambda p: _fmt(p["peak_mem_gib"]) if p["peak_mem_gib"] is not None
         else f"RSS {p['peak_rss_gib']:.2f}")
-    row("attention", lambda p: p["attention"])
+    row("attention", lambda p: p["attention"] + (f" ({', '.join(map(str, p['sdpa_kernel']))})"
+                                                  if any(p.get("sdpa_kernel") or []) else ""))
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)
     lines = [f"{a:<{w0}}  {b:>{w1}}  {c}" for a, b, c in rows]

@@ -42,6 +42,8 @@ model itself. TFLOPs per GPU = F / (median step time * n_gpus), with B the globa
 
 from __future__ import annotations
 
+import warnings
+
 from shared.config import GPTConfig
 
 
@@ -102,33 +104,52 @@ def megatron_params(n_layer: int, hidden: int, vocab: int, seq: int) -> float:
     return 12.0 * n_layer * hidden**2 * (1 + 13 / (12 * hidden) + (vocab + seq) / (12 * n_layer * hidden))
 
 
-# Dense (no 2:4 sparsity) peak tensor throughput in FLOP/s, from the vendors' datasheets, matched by a substring
-# of the name torch.cuda.get_device_name() reports; the first match wins, so specific names come first.
+# Dense (no 2:4 sparsity) peak tensor throughput in FLOP/s, from the vendors' datasheets, keyed by the exact name
+# torch.cuda.get_device_name() reports. Exact, not by substring: "NVIDIA L40" contains "L4" (a third of its
+# peak) and "NVIDIA H200 NVL" contains "H200" (the SXM part, 18% faster); a name not listed gets no MFU.
 # fp32 is the TF32 tensor-core rate where the chip has one (what PyTorch uses for fp32 matmuls when allowed).
-PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
-    ("H200", {"bf16": 989.4e12, "fp16": 989.4e12, "fp32": 494.7e12}),
-    ("H100 PCIe", {"bf16": 756.0e12, "fp16": 756.0e12, "fp32": 378.0e12}),
-    ("H100 NVL", {"bf16": 835.0e12, "fp16": 835.0e12, "fp32": 417.5e12}),
-    ("H100", {"bf16": 989.4e12, "fp16": 989.4e12, "fp32": 494.7e12}),  # SXM ("NVIDIA H100 80GB HBM3")
-    ("GH200", {"bf16": 989.4e12, "fp16": 989.4e12, "fp32": 494.7e12}),
-    ("B200", {"bf16": 2250e12, "fp16": 2250e12, "fp32": 1100e12}),
-    ("A100", {"bf16": 312e12, "fp16": 312e12, "fp32": 156e12}),
-    ("A10G", {"bf16": 70e12, "fp16": 70e12, "fp32": 35e12}),
-    ("L40S", {"bf16": 362e12, "fp16": 362e12, "fp32": 183e12}),
-    ("L4", {"bf16": 121e12, "fp16": 121e12, "fp32": 60e12}),
-    ("V100", {"fp16": 125e12, "fp32": 15.7e12}),
-    ("RTX 4090", {"bf16": 165.2e12, "fp16": 165.2e12, "fp32": 82.6e12}),
-]
+_H100_SXM = {"bf16": 989.4e12, "fp16": 989.4e12, "fp32": 494.7e12}
+_NVL = {"bf16": 835.0e12, "fp16": 835.0e12, "fp32": 417.5e12}  # H100 NVL and H200 NVL (per GPU, 1671 sparse)
+_A100 = {"bf16": 312e12, "fp16": 312e12, "fp32": 156e12}  # SXM and PCIe, 40 and 80 GB alike
+PEAK_FLOPS: dict[str, dict[str, float]] = {
+    "NVIDIA H100 80GB HBM3": _H100_SXM,
+    "NVIDIA H100 PCIe": {"bf16": 756.0e12, "fp16": 756.0e12, "fp32": 378.0e12},
+    "NVIDIA H100 NVL": _NVL,
+    "NVIDIA H200": _H100_SXM,  # the SXM part: H100's compute, more and faster memory
+    "NVIDIA H200 NVL": _NVL,
+    "NVIDIA GH200 480GB": _H100_SXM,
+    "NVIDIA GH200 144G HBM3e": _H100_SXM,
+    "NVIDIA B200": {"bf16": 2250e12, "fp16": 2250e12, "fp32": 1100e12},
+    "NVIDIA A100-SXM4-80GB": _A100,
+    "NVIDIA A100-SXM4-40GB": _A100,
+    "NVIDIA A100 80GB PCIe": _A100,
+    "NVIDIA A100-PCIE-40GB": _A100,
+    "NVIDIA A10G": {"bf16": 70e12, "fp16": 70e12, "fp32": 35e12},
+    "NVIDIA L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 183e12},
+    "NVIDIA L40": {"bf16": 181e12, "fp16": 181e12, "fp32": 90.5e12},
+    "NVIDIA L4": {"bf16": 121e12, "fp16": 121e12, "fp32": 60e12},
+    "Tesla V100-SXM2-16GB": {"fp16": 125e12, "fp32": 15.7e12},  # no bf16 on Volta
+    "Tesla V100-SXM2-32GB": {"fp16": 125e12, "fp32": 15.7e12},
+    "Tesla V100-PCIE-16GB": {"fp16": 112e12, "fp32": 14e12},
+    "Tesla V100-PCIE-32GB": {"fp16": 112e12, "fp32": 14e12},
+    "NVIDIA GeForce RTX 4090": {"bf16": 165.2e12, "fp16": 165.2e12, "fp32": 82.6e12},
+}
+_warned: set[str] = set()
 
 
 def peak_flops(device_name: str | None, precision: str = "bf16") -> float | None:
-    """Peak dense FLOP/s of `device_name` at `precision`, or None when the device is unknown (never guessed)."""
+    """Peak dense FLOP/s of `device_name` at `precision`; None when the device is not in PEAK_FLOPS by its exact name
+    (warned once per name: never guessed) or has no such precision."""
     if not device_name:
         return None
-    for key, table in PEAK_FLOPS:
-        if key.lower() in device_name.lower():
-            return table.get(precision)
-    return None
+    table = PEAK_FLOPS.get(device_name.strip())
+    if table is None:
+        if device_name not in _warned:
+            _warned.add(device_name)
+            warnings.warn(f"no peak FLOP/s known for device {device_name!r}: MFU is not reported (add its exact name "
+                          "and datasheet peaks to shared/flops.PEAK_FLOPS)", stacklevel=2)
+        return None
+    return table.get(precision)
 
 
 def mfu(tflops_per_gpu: float | None, device_name: str | None, precision: str) -> float | None:

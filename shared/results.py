@@ -19,10 +19,12 @@ from pathlib import Path
 import torch
 
 from shared import flops, layouts
+from shared.attention import sdpa_kernel
 from shared.config import GPTConfig, TrainConfig
 from shared.model import fused_paths
 
 RESULT_VERSION = 1
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # what attention sees
 
 
 def versions() -> dict[str, str | None]:
@@ -83,6 +85,7 @@ class RunResult:
     tflops_per_gpu_causal: float | None = None  # exact matmul count, causal attention (shared/flops.causal_flops)
     grad_norms: list[float | None] | None = None  # DeepSpeed's global grad norm (before clipping), per step
     param_checksum: dict | None = None  # sum / sum_sq / numel of all parameters at the end (ds_runtime)
+    sdpa_kernel: str | None = None  # the kernel torch's SDPA picked (attention.sdpa_kernel); null for other backends
 
     def to_json(self, path: str | Path) -> None:
         path = Path(path)
@@ -158,6 +161,7 @@ def build_result(*, path: str, train: TrainConfig, model_cfg: GPTConfig, ds_conf
         tflops_per_gpu_causal=causal_flops / step_time / world_size / 1e12,
         grad_norms=[g if g is None or math.isfinite(g) else None for g in grad_norms] if grad_norms else None,
         param_checksum=param_checksum,
+        sdpa_kernel=sdpa_kernel(model_cfg, train.micro_batch, COMPUTE_DTYPES[train.precision], device),
         extra={**(extra or {}), "allocator_cache_flushes": allocator_cache_flushes(device)},
     )
 
@@ -203,7 +207,8 @@ def format_summary(r: RunResult) -> str:
     mem = f"{r.peak_mem_gib:.2f} GiB" if r.peak_mem_gib is not None else f"host RSS {r.peak_rss_gib:.2f} GiB"
     rows = [
         ("path", f"{r.path}  ({r.world_size} x {r.device['name']})"),
-        ("model", f"{r.preset}, {r.n_params / 1e6:.1f}M params, attention={r.attention}"),
+        ("model", f"{r.preset}, {r.n_params / 1e6:.1f}M params, attention={r.attention}"
+                  + (f" ({r.sdpa_kernel})" if r.sdpa_kernel else "")),
         ("ZeRO / precision", f"stage {r.train['stage']}, {r.train['precision']}, micro-batch {r.train['micro_batch']}"),
         ("timed steps", f"{len(r.per_step_s)} (after {r.warmup_steps} warmup)"),
         ("step time", f"{r.step_time_s['median'] * 1e3:.1f} ms median "

@@ -52,8 +52,12 @@ def test_sparse_flops_scale_only_the_attention_term():
         ("NVIDIA H100 PCIe", "bf16", 756e12),
         ("NVIDIA A100-SXM4-80GB", "bf16", 312e12),
         ("NVIDIA A100-SXM4-40GB", "fp16", 312e12),
+        ("NVIDIA L40", "bf16", 181e12),  # not the L4's 121e12 although the name contains "L4"
+        ("NVIDIA L4", "bf16", 121e12),
+        ("NVIDIA L40S", "bf16", 362e12),
+        ("NVIDIA H200 NVL", "bf16", 835e12),  # not the SXM part's 989.4e12
+        ("NVIDIA H100 NVL", "bf16", 835e12),
         ("Tesla V100-SXM2-16GB", "bf16", None),  # no bf16 on Volta: unknown, not guessed
-        ("Some Future GPU", "bf16", None),
         (None, "bf16", None),
     ],
 )
@@ -61,8 +65,21 @@ def test_peak_lookup_by_device_name(name, precision, peak):
     assert flops.peak_flops(name, precision) == peak
 
 
+@pytest.mark.parametrize("name", ["Some Future GPU", "NVIDIA L4 Extreme", "H200"])  # not a name torch reports
+def test_an_unknown_device_gets_no_peak_and_one_warning_naming_it(name):
+    flops._warned.discard(name)
+    with pytest.warns(UserWarning, match=f"no peak FLOP/s known for device '{name}'"):
+        assert flops.peak_flops(name, "bf16") is None
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second lookup of the same name stays quiet
+        assert flops.peak_flops(name, "fp32") is None
+
+
 def test_mfu_is_null_for_unknown_devices():
-    assert flops.mfu(500.0, "Mystery Accelerator", "bf16") is None
+    with pytest.warns(UserWarning, match="Mystery Accelerator"):
+        assert flops.mfu(500.0, "Mystery Accelerator", "bf16") is None
     assert flops.mfu(494.7, "NVIDIA H200", "bf16") == pytest.approx(0.5)
 
 

@@ -91,3 +91,25 @@ def test_param_checksum_counts_a_tied_weight_once():
     assert got["numel"] == flat.numel() == sum(p.numel() for p in params)
     assert got["sum"] == pytest.approx(flat.sum().item(), rel=1e-12)
     assert got["sum_sq"] == pytest.approx((flat * flat).sum().item(), rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "overrides, kernel",
+    [
+        ({}, "MATH"),  # the tiny preset trains with attention dropout 0.1: torch's CPU flash kernel has no dropout
+        ({"dropout": 0.0}, "FLASH_ATTENTION"),  # without dropout torch picks its CPU flash kernel
+        ({"attention": "reference"}, None),  # not SDPA: `attention` names the backend
+    ],
+)
+def test_every_result_records_the_sdpa_kernel_torch_picked(overrides, kernel):
+    from torch.nn.attention import SDPBackend
+
+    train = TrainConfig(preset="tiny", steps=6, warmup_steps=2, **overrides)
+    r = make_result(train=train)
+    assert r.sdpa_kernel == kernel
+    if kernel is not None:
+        assert kernel in SDPBackend.__members__
+        assert f"attention=sdpa ({kernel})" in format_summary(r)
+        report = compare.build_report(train, SimpleNamespace(world=1, repeats=1),
+                                      {"deepspeed": [r], "lightning": [r]}, {}, [])
+        assert f"sdpa ({kernel})" in compare.format_table(report)
