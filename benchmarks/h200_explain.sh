@@ -10,6 +10,6 @@ W="$OUT/explain_${NG}gpu"
 mkdir -p "$W"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/nvidia-smi.txt"
 timeout 570 python3 compare.py --explain --gpus "$NG" --preset 1.5b --stage 3 --precision bf16 --micro_batch 8 \
-  --zero_profile tuned --fused_bias_dropout_add false --fused_bias_gelu false --steps 20 --warmup_steps 6 --repeats 2 --factor_repeats 1 --factors "$FACTORS" \
+  --zero_profile tuned --fused_bias_dropout_add false --fused_bias_gelu false --steps 20 --warmup_steps 6 --repeats 2 --factor_repeats 2 --factors "$FACTORS" \
   --out "$W"; echo "rc=$?"
 tar czf "$OUT/h200_explain_${NG}gpu.tar.gz" -C "$OUT" "explain_${NG}gpu" nvidia-smi.txt

@@ -23,7 +23,7 @@ from torchmetrics import MeanMetric
 from shared import checkpoint, flops
 from shared.config import TrainConfig
 from shared.distributed import apply_gc_policy, dropout_seed, seed_all
-from shared.ds_runtime import BreakdownCollector, progress_extras
+from shared.ds_runtime import BreakdownCollector, GradNormRecorder, param_checksum, progress_extras
 from shared.model import GPT, count_parameters
 from shared.optim import build_optimizer, build_scheduler
 from shared.preemption import Preemption
@@ -160,6 +160,7 @@ class TimingCallback(pl.Callback):
             extras=progress_extras(scheduler, engine, device))
         self._step_loss = torch.zeros((), device=device)
         self.breakdown = BreakdownCollector(engine)
+        self.grad_norms = GradNormRecorder(engine)
         apply_gc_policy("auto" if "python_gc_auto" in on else self.train.python_gc)
         self.timer.start()
 
@@ -188,6 +189,7 @@ class TimingCallback(pl.Callback):
         if self._micro % self.train.grad_accum == 0:
             step = self.start + self._micro // self.train.grad_accum - 1
             self.progress.record(step, self._step_loss / self.train.grad_accum)
+            self.grad_norms.record()
             self._step_loss = torch.zeros((), device=pl_module.device)
 
     def on_validation_end(self, trainer, pl_module):
@@ -214,6 +216,7 @@ class TimingCallback(pl.Callback):
             n_params=count_parameters(pl_module.gpt),
             ds_breakdown_ms=self.breakdown.summary(self.train.warmup_steps * self.train.grad_accum),
             peak_mem_bytes=peak.item() if device.type == "cuda" else None,
+            grad_norms=self.grad_norms.values(), param_checksum=param_checksum(pl_module.gpt),
             extra={"lightning": effective_settings(trainer, pl_module, self.sigterm), "start_step": self.start,
                    "resumed_from": str(self.resume_from) if self.resume_from else None,
                    "val": pl_module.val_history},

@@ -37,7 +37,7 @@ from shared.distributed import (
     seed_all,
 )
 from shared.ds_config import build_ds_config
-from shared.ds_runtime import BreakdownCollector, compile_engine, progress_extras
+from shared.ds_runtime import BreakdownCollector, GradNormRecorder, compile_engine, param_checksum, progress_extras
 from shared.model import GPT, count_parameters
 from shared.optim import build_optimizer, build_scheduler
 from shared.preemption import EXIT_CODE, Preemption
@@ -113,6 +113,7 @@ def main(train: TrainConfig) -> RunResult:
     val_batches = val_loader(train, rank, pin_memory=pin) if train.val_every else None
     timer = PhaseTimer(device, micro_steps=train.grad_accum)
     breakdown = BreakdownCollector(engine)
+    grad_norms = GradNormRecorder(engine)
     per_gpu_flops = flops.step_flops(model_cfg, train.micro_batch * train.grad_accum, train.flops_factor)
     peak = flops.peak_flops(torch.cuda.get_device_name(device), train.precision) if pin else None
     progress = Progress(train.steps, device, timer, per_gpu_flops, train.log_every, enabled=rank == 0,
@@ -153,6 +154,7 @@ def main(train: TrainConfig) -> RunResult:
                 breakdown.collect()
                 step_loss += loss.detach()
             progress.record(step, step_loss / train.grad_accum)
+            grad_norms.record()
             done = step + 1
             if val_batches is not None and done % train.val_every == 0:
                 history["val"].append({"step": done, **validate(engine, val_batches, device)})
@@ -193,6 +195,7 @@ def main(train: TrainConfig) -> RunResult:
         n_params=count_parameters(model),
         ds_breakdown_ms=breakdown.summary(train.warmup_steps * train.grad_accum),
         peak_mem_bytes=peak_mem.item() if pin else None,
+        grad_norms=grad_norms.values(), param_checksum=param_checksum(model),
         extra={"start_step": start, "resumed_from": str(resume_from) if resume_from else None,
                "skipped_steps": nan_guard.skipped, **history},
     )

@@ -77,6 +77,23 @@ class SDPAttention(Attention):
         return F.scaled_dot_product_attention(q, k, v, dropout_p=self._dropout(), is_causal=True)
 
 
+def sdpa_kernel(cfg: GPTConfig, batch: int, dtype: torch.dtype, device: torch.device) -> str | None:
+    """The kernel torch's SDPA dispatcher picks for this model's training call: q/k/v of shape (batch, n_head,
+    seq_len, head_dim) laid out as the model's (a transposed (B, T, H, D) view), `dtype`, its attention dropout,
+    causal. FLASH_ATTENTION / EFFICIENT_ATTENTION / CUDNN_ATTENTION / MATH, as torch names them (on CPU, MATH with
+    dropout, its flash CPU kernel without); None when cfg.attention is not sdpa. What torch reports, never a guess:
+    if the private dispatcher call fails, the reason is recorded instead."""
+    if cfg.attention != "sdpa":
+        return None
+    try:
+        from torch.nn.attention import SDPBackend
+
+        q = torch.empty(batch, cfg.seq_len, cfg.n_head, cfg.head_dim, dtype=dtype, device=device).transpose(1, 2)
+        return SDPBackend(torch._fused_sdp_choice(q, q, q, dropout_p=cfg.attn_dropout, is_causal=True)).name
+    except Exception as exc:  # a private API: say why it is unknown rather than fail the run
+        return f"unknown ({type(exc).__name__}: {exc})"
+
+
 def build_attention(cfg: GPTConfig) -> Attention:
     """The attention module for cfg.attention over cfg's layout (validated here, once)."""
     layout = layouts.make_layout(cfg)

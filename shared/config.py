@@ -211,10 +211,12 @@ class TrainConfig:
     fused_loss: bool = False
     """chunked linear + cross-entropy in the LM head (no full fp32 logits; shared/fused_loss.py)"""
     fused_bias_dropout_add: bool | None = None
-    """residual + dropout(x W^T + b) as one compiled kernel (shared/fused_ops.py); default: on with CUDA
-    (measured +4.1% raw on one H200, benchmarks/results/ablation_1xh200_first), off on CPU"""
+    """residual + dropout(x W^T + b) as one compiled kernel (shared/fused_ops.py); default: on with CUDA, off on
+    CPU. Chosen from a single run (+4.1% raw on one H200, one run per path, no repeat: inside single-run noise;
+    benchmarks/results/ablation_1xh200_first)"""
     fused_bias_gelu: bool | None = None
-    """gelu(x W^T + b) as one compiled kernel (shared/fused_ops.py); default: on with CUDA (+3.5%), off on CPU"""
+    """gelu(x W^T + b) as one compiled kernel (shared/fused_ops.py); default: on with CUDA, off on CPU. Chosen from a
+    single run (+3.5% raw, as fused_bias_dropout_add: inside single-run noise)"""
     fused_layernorm: bool = False
     """liger-kernel's Triton LayerNorm (CUDA only)"""
     compile: str = "none"
@@ -223,7 +225,8 @@ class TrainConfig:
     whole GPT forward and loss and schedules the gathers and reduce-scatters inside the graph; fastest mode measured
     (README), but its GPU tests are not all green yet and each run spends ~4-5 min warming up, so it is opt-in"""
     zero_profile: str = "tuned"
-    """DeepSpeed config rules: tuned (the default; see shared/ds_config.py: +8.5% per GPU on 2 H200s) |
+    """DeepSpeed config rules: tuned (the default; see shared/ds_config.py; chosen from a single pair of runs per
+    profile, raw first: +8.5% raw per GPU on 2 H200s, inside single-pair noise) |
     original (the 2022 study's bucket sizes and DeepSpeed's synchronized throughput timer)"""
     reduce_bucket_size: int | None = None
     """override the profile's ZeRO reduce bucket (elements)"""

@@ -94,3 +94,61 @@ def compile_engine(engine, mode: str, rank: int = 0) -> None:
         # DeepSpeed falls back to plain torch.compile when its pass cannot run (e.g. ZeRO stage 0): never report a
         # run as DeepCompile that is not one.
         raise RuntimeError("DeepSpeed did not activate DeepCompile (engine.is_deepcompile_active() is False)")
+
+
+class GradNormRecorder:
+    """The global gradient norm of every optimizer step, without a per-step host sync.
+
+    DeepSpeed computes the norm for clipping (before clipping) and keeps it as a device tensor under ZeRO; we keep
+    a reference to each step's tensor and read them all at once, after the timed region (`values`). A float (or
+    None, where DeepSpeed does not compute it) is kept as it is.
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.norms: list = []
+
+    def record(self) -> None:
+        """Call once per optimizer step, after its engine.step()."""
+        self.norms.append(self.engine.get_global_grad_norm())
+
+    def values(self) -> list[float | None]:
+        import torch
+
+        tensors = [n for n in self.norms if torch.is_tensor(n)]
+        host = iter(torch.stack([t.detach().reshape(()).double() for t in tensors]).cpu().tolist()) if tensors else None
+        return [next(host) if torch.is_tensor(n) else None if n is None else float(n) for n in self.norms]
+
+
+def param_checksum(model) -> dict[str, float]:
+    """Sum and sum of squares (fp64) of every parameter of `model`, counted once, across all ranks: a fingerprint
+    of the trained weights that both paths compute the same way. A collective: every rank must call it.
+
+    Under ZeRO-3 each rank sums the valid part of its own partition (`ds_tensor`, which the optimizer step writes
+    back; its tail past the parameter's end is padding), so nothing is gathered; an unpartitioned parameter is
+    counted by rank 0 only.
+    """
+    import torch
+    import torch.distributed as dist
+
+    params = list({id(p): p for p in model.parameters()}.values())
+    device = params[0].ds_tensor.device if hasattr(params[0], "ds_tensor") else params[0].device
+    acc = torch.zeros(2, dtype=torch.float64, device=device)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    for p in params:
+        if hasattr(p, "ds_tensor"):
+            shard = p.ds_tensor.detach().reshape(-1)
+            group = getattr(p, "ds_process_group", None)
+            start = shard.numel() * (dist.get_rank(group=group) if dist.is_initialized() else 0)
+            x = shard[: max(0, min(shard.numel(), p.ds_numel - start))]
+        elif rank == 0:
+            x = p.detach().reshape(-1)
+        else:
+            continue
+        for chunk in x.split(1 << 24):  # fp64 copies of 16M elements at most (128 MiB), not of the whole table
+            c = chunk.to(device=device, dtype=torch.float64)
+            acc += torch.stack([c.sum(), (c * c).sum()])
+    if dist.is_initialized():
+        dist.all_reduce(acc)
+    total, squares = acc.tolist()
+    return {"sum": total, "sum_sq": squares, "numel": sum(getattr(p, "ds_numel", p.numel()) for p in params)}

@@ -1,30 +1,48 @@
 """FLOPs of a GPT training step, and the peak a device can do: the one place both are written.
 
-Megatron/BigScience formula (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
-Clusters", sec. 5.1; used by BigScience and by the original min-LLM study). For a batch of B sequences of s
-tokens, l layers, hidden size h and vocabulary V, one forward pass of one transformer layer costs
+Matmul FLOPs of shared.model.GPT, term by term. For a batch of B sequences of s tokens, l layers, hidden size h
+and vocabulary V, one forward pass of one transformer layer multiplies
   - QKV projection        2*B*s*h*3h   = 6  B s h^2
-  - attention scores QK^T  2*B*s*s*h    = 2  B s^2 h
+  - attention scores QK^T  2*B*s*s*h    = 2  B s^2 h   (dense: every query against every key)
   - scores x V            2*B*s*s*h    = 2  B s^2 h
   - output projection     2*B*s*h*h    = 2  B s h^2
   - MLP (h -> 4h -> h)    2*2*B*s*h*4h = 16 B s h^2
-  total 24 B s h^2 + 4 B s^2 h = 24 B s h^2 (1 + s/(6h)), and the LM head adds 2 B s h V once.
-Summed over l layers: 24 B s l h^2 (1 + s/(6h) + V/(16 l h)) per forward.
-Backward costs twice the forward, so a step costs k = 3 forwards; with activation recomputation the forward runs
-again in backward: k = 4. Hence
+  per layer 24 B s h^2 + 4 B s^2 h = 24 B s h^2 (1 + s/(6h)); the tied LM head adds 2 B s h V once.
+Summed over l layers, one forward is 24 B s l h^2 (1 + s/(6h) + V/(12 l h)) (the head: 2BshV / 24Bslh^2).
+Backward costs twice the forward (a gradient for the input and one for the weight of every matmul); with
+activation recomputation (--activation_checkpointing, which checkpoints the blocks, not the head) the blocks'
+forward runs again in backward. The exact matmul count of a step is therefore (`matmul_flops`)
+
+    F_exact = k * l * (24 B s h^2 + 4 d B s^2 h) + 6 B s h V,     k = 3 (4 with recomputation),
+
+with d the share of the s x s score grid the attention computes: 1 for dense, (s+1)/(2s) for the causal lower
+triangle with its diagonal (`causal_flops`), a layout's density for sparse layouts.
+
+The reported convention (`megatron_flops`) is the Megatron/BigScience formula (Narayanan et al. 2021, "Efficient
+Large-Scale Language Model Training on GPU Clusters", sec. 5.1), used by BigScience and by the original min-LLM
+study, kept so that every figure here compares with theirs and with each other:
 
     F = 24 * k * B * s * l * h^2 * (1 + s/(6h) + V/(16 l h)).
 
-Conventions, stated because they move the number:
-  - attention is counted as a *dense* s x s product, as Megatron does, even though causal attention only needs
-    the lower triangle: this is the figure the original study reported (its 124.49 / 129.24 / 119.65 TFLOPs).
-  - elementwise work (softmax, LayerNorm, GELU, dropout) is not counted.
-  - `sparse_model_flops` scales the attention term s/(6h) by the layout's density (the share of the s x s grid
-    the layout visits; ~0.5 for causal), giving the work a sparse-aware kernel must do at minimum.
-TFLOPs per GPU = F / (step time * n_gpus), with B the global batch of that step.
+What it counts, precisely: the blocks exactly as F_exact with dense attention (d = 1), and the head as
+24k * V/(16lh) * Bslh^2 = (3k/2) B s h V. The paper derives it for k = 4, where the head, never recomputed, is
+6 B s h V: exact. At k = 3 (no recomputation, every run here unless stated) the head counts 4.5 B s h V instead of
+6, an undercount of 1.5 B s h V (1.55% of the step at the 1.5b preset). Against the work a causal kernel does,
+the dense s x s attention term overcounts: at the 1.5b preset, k = 3, the formula gives 1.048x the exact causal
+count (F_exact with d = (s+1)/(2s)); both are reported, the formula as `tflops_per_gpu`, the exact causal count
+as `tflops_per_gpu_causal`.
+
+Not counted by any of them: elementwise work (softmax, LayerNorm, GELU, dropout, bias adds, the loss) and the
+embedding's gather/scatter. `sparse_model_flops` is the formula with its attention term s/(6h) scaled by the
+layout's density (the share of the s x s grid the layout's blocks visit): comparable with the dense formula, with
+the same head undercount at k = 3; `matmul_flops` with that density is the exact matmul count.
+tests/test_flops.py checks F_exact, the formula and the causal count against torch.utils.flop_counter on the
+model itself. TFLOPs per GPU = F / (median step time * n_gpus), with B the global batch of that step.
 """
 
 from __future__ import annotations
+
+import warnings
 
 from shared.config import GPTConfig
 
@@ -45,8 +63,35 @@ def sparse_model_flops(batch: int, seq: int, n_layer: int, hidden: int, vocab: i
     )
 
 
+def matmul_flops(batch: int, seq: int, n_layer: int, hidden: int, vocab: int, k: int = 3,
+                 density: float = 1.0) -> float:
+    """Exact matmul FLOPs of one training step of shared.model.GPT: k*l*(24Bsh^2 + 4*d*Bs^2h) + 6BshV, with d the
+    share of the s x s score grid the attention computes (1 dense, causal_density(s) causal)."""
+    if k not in (3, 4):
+        raise ValueError(f"k must be 3 (no recompute) or 4 (activation checkpointing), got {k}")
+    if not 0.0 < density <= 1.0:
+        raise ValueError(f"attention density must be in (0, 1], got {density}")
+    blocks = n_layer * (24.0 * batch * seq * hidden**2 + 4.0 * density * batch * seq**2 * hidden)
+    return k * blocks + 6.0 * batch * seq * hidden * vocab
+
+
+def causal_density(seq: int) -> float:
+    """Share of the s x s score grid a causal mask keeps: the lower triangle with its diagonal, s(s+1)/2 of s^2."""
+    return (seq + 1) / (2 * seq)
+
+
+def causal_flops(batch: int, seq: int, n_layer: int, hidden: int, vocab: int, k: int = 3) -> float:
+    """Exact matmul FLOPs of one training step with causal attention counted as the lower triangle only."""
+    return matmul_flops(batch, seq, n_layer, hidden, vocab, k, causal_density(seq))
+
+
+def step_flops_causal(cfg: GPTConfig, global_batch: int, k: int) -> float:
+    """Exact causal matmul FLOPs of one optimizer step over `global_batch` sequences of model `cfg`."""
+    return causal_flops(global_batch, cfg.seq_len, cfg.n_layer, cfg.n_embd, cfg.vocab_size, k)
+
+
 def step_flops(cfg: GPTConfig, global_batch: int, k: int) -> float:
-    """Megatron FLOPs of one optimizer step over `global_batch` sequences of model `cfg`."""
+    """Megatron-formula FLOPs (the reported convention) of one optimizer step over `global_batch` sequences."""
     return megatron_flops(global_batch, cfg.seq_len, cfg.n_layer, cfg.n_embd, cfg.vocab_size, k)
 
 
@@ -59,33 +104,52 @@ def megatron_params(n_layer: int, hidden: int, vocab: int, seq: int) -> float:
     return 12.0 * n_layer * hidden**2 * (1 + 13 / (12 * hidden) + (vocab + seq) / (12 * n_layer * hidden))
 
 
-# Dense (no 2:4 sparsity) peak tensor throughput in FLOP/s, from the vendors' datasheets, matched by a substring
-# of the name torch.cuda.get_device_name() reports; the first match wins, so specific names come first.
+# Dense (no 2:4 sparsity) peak tensor throughput in FLOP/s, from the vendors' datasheets, keyed by the exact name
+# torch.cuda.get_device_name() reports. Exact, not by substring: "NVIDIA L40" contains "L4" (a third of its
+# peak) and "NVIDIA H200 NVL" contains "H200" (the SXM part, 18% faster); a name not listed gets no MFU.
 # fp32 is the TF32 tensor-core rate where the chip has one (what PyTorch uses for fp32 matmuls when allowed).
-PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
-    ("H200", {"bf16": 989.4e12, "fp16": 989.4e12, "fp32": 494.7e12}),
-    ("H100 PCIe", {"bf16": 756.0e12, "fp16": 756.0e12, "fp32": 378.0e12}),
-    ("H100 NVL", {"bf16": 835.0e12, "fp16": 835.0e12, "fp32": 417.5e12}),
-    ("H100", {"bf16": 989.4e12, "fp16": 989.4e12, "fp32": 494.7e12}),  # SXM ("NVIDIA H100 80GB HBM3")
-    ("GH200", {"bf16": 989.4e12, "fp16": 989.4e12, "fp32": 494.7e12}),
-    ("B200", {"bf16": 2250e12, "fp16": 2250e12, "fp32": 1100e12}),
-    ("A100", {"bf16": 312e12, "fp16": 312e12, "fp32": 156e12}),
-    ("A10G", {"bf16": 70e12, "fp16": 70e12, "fp32": 35e12}),
-    ("L40S", {"bf16": 362e12, "fp16": 362e12, "fp32": 183e12}),
-    ("L4", {"bf16": 121e12, "fp16": 121e12, "fp32": 60e12}),
-    ("V100", {"fp16": 125e12, "fp32": 15.7e12}),
-    ("RTX 4090", {"bf16": 165.2e12, "fp16": 165.2e12, "fp32": 82.6e12}),
-]
+_H100_SXM = {"bf16": 989.4e12, "fp16": 989.4e12, "fp32": 494.7e12}
+_NVL = {"bf16": 835.0e12, "fp16": 835.0e12, "fp32": 417.5e12}  # H100 NVL and H200 NVL (per GPU, 1671 sparse)
+_A100 = {"bf16": 312e12, "fp16": 312e12, "fp32": 156e12}  # SXM and PCIe, 40 and 80 GB alike
+PEAK_FLOPS: dict[str, dict[str, float]] = {
+    "NVIDIA H100 80GB HBM3": _H100_SXM,
+    "NVIDIA H100 PCIe": {"bf16": 756.0e12, "fp16": 756.0e12, "fp32": 378.0e12},
+    "NVIDIA H100 NVL": _NVL,
+    "NVIDIA H200": _H100_SXM,  # the SXM part: H100's compute, more and faster memory
+    "NVIDIA H200 NVL": _NVL,
+    "NVIDIA GH200 480GB": _H100_SXM,
+    "NVIDIA GH200 144G HBM3e": _H100_SXM,
+    "NVIDIA B200": {"bf16": 2250e12, "fp16": 2250e12, "fp32": 1100e12},
+    "NVIDIA A100-SXM4-80GB": _A100,
+    "NVIDIA A100-SXM4-40GB": _A100,
+    "NVIDIA A100 80GB PCIe": _A100,
+    "NVIDIA A100-PCIE-40GB": _A100,
+    "NVIDIA A10G": {"bf16": 70e12, "fp16": 70e12, "fp32": 35e12},
+    "NVIDIA L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 183e12},
+    "NVIDIA L40": {"bf16": 181e12, "fp16": 181e12, "fp32": 90.5e12},
+    "NVIDIA L4": {"bf16": 121e12, "fp16": 121e12, "fp32": 60e12},
+    "Tesla V100-SXM2-16GB": {"fp16": 125e12, "fp32": 15.7e12},  # no bf16 on Volta
+    "Tesla V100-SXM2-32GB": {"fp16": 125e12, "fp32": 15.7e12},
+    "Tesla V100-PCIE-16GB": {"fp16": 112e12, "fp32": 14e12},
+    "Tesla V100-PCIE-32GB": {"fp16": 112e12, "fp32": 14e12},
+    "NVIDIA GeForce RTX 4090": {"bf16": 165.2e12, "fp16": 165.2e12, "fp32": 82.6e12},
+}
+_warned: set[str] = set()
 
 
 def peak_flops(device_name: str | None, precision: str = "bf16") -> float | None:
-    """Peak dense FLOP/s of `device_name` at `precision`, or None when the device is unknown (never guessed)."""
+    """Peak dense FLOP/s of `device_name` at `precision`; None when the device is not in PEAK_FLOPS by its exact name
+    (warned once per name: never guessed) or has no such precision."""
     if not device_name:
         return None
-    for key, table in PEAK_FLOPS:
-        if key.lower() in device_name.lower():
-            return table.get(precision)
-    return None
+    table = PEAK_FLOPS.get(device_name.strip())
+    if table is None:
+        if device_name not in _warned:
+            _warned.add(device_name)
+            warnings.warn(f"no peak FLOP/s known for device {device_name!r}: MFU is not reported (add its exact name "
+                          "and datasheet peaks to shared/flops.PEAK_FLOPS)", stacklevel=2)
+        return None
+    return table.get(precision)
 
 
 def mfu(tflops_per_gpu: float | None, device_name: str | None, precision: str) -> float | None:

@@ -19,10 +19,12 @@ from pathlib import Path
 import torch
 
 from shared import flops, layouts
+from shared.attention import sdpa_kernel
 from shared.config import GPTConfig, TrainConfig
 from shared.model import fused_paths
 
 RESULT_VERSION = 1
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # what attention sees
 
 
 def versions() -> dict[str, str | None]:
@@ -79,6 +81,11 @@ class RunResult:
     ds_breakdown_ms: dict | None = None
     extra: dict = field(default_factory=dict)
     version: int = RESULT_VERSION
+    # Fields added later carry a default, so results written before them still load (as None).
+    tflops_per_gpu_causal: float | None = None  # exact matmul count, causal attention (shared/flops.causal_flops)
+    grad_norms: list[float | None] | None = None  # DeepSpeed's global grad norm (before clipping), per step
+    param_checksum: dict | None = None  # sum / sum_sq / numel of all parameters at the end (ds_runtime)
+    sdpa_kernel: str | None = None  # the kernel torch's SDPA picked (attention.sdpa_kernel); null for other backends
 
     def to_json(self, path: str | Path) -> None:
         path = Path(path)
@@ -91,7 +98,9 @@ class RunResult:
     def from_json(cls, path: str | Path) -> RunResult:
         data = json.loads(Path(path).read_text())
         names = {f.name for f in dataclasses.fields(cls)}
-        missing = names - set(data) - {"ds_breakdown_ms", "extra", "version"}
+        optional = {f.name for f in dataclasses.fields(cls)
+                    if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
+        missing = names - set(data) - optional
         if missing:
             raise ValueError(f"result {str(path)!r} lacks field(s) {sorted(missing)}")
         return cls(**{k: v for k, v in data.items() if k in names})
@@ -100,7 +109,8 @@ class RunResult:
 def build_result(*, path: str, train: TrainConfig, model_cfg: GPTConfig, ds_config: dict, world_size: int,
                  device: torch.device, attention: str, losses: list[float], timing: dict,
                  n_params: int, peak_mem_bytes: float | None, ds_breakdown_ms: dict | None = None,
-                 extra: dict | None = None, allow_nonfinite: bool = False) -> RunResult:
+                 extra: dict | None = None, allow_nonfinite: bool = False,
+                 grad_norms: list[float | None] | None = None, param_checksum: dict | None = None) -> RunResult:
     """Assemble a RunResult from a finished run's raw measurements.
 
     Non-finite losses are an error, except for steps nan_policy=skip skipped (allow_nonfinite): JSON has no NaN,
@@ -118,6 +128,7 @@ def build_result(*, path: str, train: TrainConfig, model_cfg: GPTConfig, ds_conf
     sparse_flops = flops.sparse_model_flops(global_batch, model_cfg.seq_len, model_cfg.n_layer, model_cfg.n_embd,
                                             model_cfg.vocab_size, k, density)
     tflops = step_flops / step_time / world_size / 1e12
+    causal_flops = flops.step_flops_causal(model_cfg, global_batch, k)
     dev = device_info(device)
     return RunResult(
         path=path,
@@ -147,6 +158,10 @@ def build_result(*, path: str, train: TrainConfig, model_cfg: GPTConfig, ds_conf
         peak_rss_gib=_peak_rss_gib(),
         n_params=n_params,
         ds_breakdown_ms=ds_breakdown_ms,
+        tflops_per_gpu_causal=causal_flops / step_time / world_size / 1e12,
+        grad_norms=[g if g is None or math.isfinite(g) else None for g in grad_norms] if grad_norms else None,
+        param_checksum=param_checksum,
+        sdpa_kernel=sdpa_kernel(model_cfg, train.micro_batch, COMPUTE_DTYPES[train.precision], device),
         extra={**(extra or {}), "allocator_cache_flushes": allocator_cache_flushes(device),
                "warmup_s": timing.get("warmup_s"), "compile_s": compile_seconds()},
     )
@@ -193,6 +208,11 @@ def _peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
 
 
+def tflops_convention(k: int) -> str:
+    """How a reported TFLOPs figure was counted (shared/flops.py): said wherever one is printed."""
+    return f"dense-attention formula, k={k}, median step"
+
+
 def format_summary(r: RunResult) -> str:
     """The end-of-run table both paths print."""
     ph = r.phases_s
@@ -200,14 +220,17 @@ def format_summary(r: RunResult) -> str:
     mem = f"{r.peak_mem_gib:.2f} GiB" if r.peak_mem_gib is not None else f"host RSS {r.peak_rss_gib:.2f} GiB"
     rows = [
         ("path", f"{r.path}  ({r.world_size} x {r.device['name']})"),
-        ("model", f"{r.preset}, {r.n_params / 1e6:.1f}M params, attention={r.attention}"),
+        ("model", f"{r.preset}, {r.n_params / 1e6:.1f}M params, attention={r.attention}"
+                  + (f" ({r.sdpa_kernel})" if r.sdpa_kernel else "")),
         ("ZeRO / precision", f"stage {r.train['stage']}, {r.train['precision']}, micro-batch {r.train['micro_batch']}"),
         ("timed steps", f"{len(r.per_step_s)} (after {r.warmup_steps} warmup)"),
         ("step time", f"{r.step_time_s['median'] * 1e3:.1f} ms median "
                       f"(min {r.step_time_s['min'] * 1e3:.1f}, max {r.step_time_s['max'] * 1e3:.1f})"),
         ("phases (median ms)", "  ".join(f"{p} {ph[p] * 1e3:.1f}" for p in ("data", "forward", "backward", "step"))),
-        ("throughput", f"{r.tflops_per_gpu:.2f} TFLOPs/GPU (k={r.flops_factor}), MFU {mfu}, "
+        ("throughput", f"{r.tflops_per_gpu:.2f} TFLOPs/GPU ({tflops_convention(r.flops_factor)}), MFU {mfu}, "
                        f"{r.tokens_per_s_per_gpu:,.0f} tokens/s/GPU"),
+        ("exact causal count", f"{r.tflops_per_gpu_causal:.2f} TFLOPs/GPU" if r.tflops_per_gpu_causal is not None
+         else "n/a (result written before it was recorded)"),
         ("peak memory", mem + (f", {r.extra['allocator_cache_flushes']} allocator cache flushes"
                                  if r.extra.get("allocator_cache_flushes") is not None else "")),
         ("loss", f"{r.losses[0]:.4f} -> {r.losses[-1]:.4f}"),

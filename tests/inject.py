@@ -1,11 +1,16 @@
-"""Fault injection for tests: run a training path with a fault planted in the model, as a subprocess.
+"""Fault injection for tests: run a training path with a fault planted in it, as a subprocess.
 
-    python tests/inject.py {raw,lightning} {nan@STEP,oom} -- TRAIN FLAGS...
+    python tests/inject.py {raw,lightning} FAULT -- TRAIN FLAGS...
 
-`nan@STEP` makes the training loss NaN on the STEP-th training forward (1-based) of every rank; `oom` raises
-torch.OutOfMemoryError on the first training forward, as a micro-batch that does not fit would.
+Faults in the model (either path): `nan@STEP` makes the training loss NaN on the STEP-th training forward
+(1-based) of every rank; `oom` raises torch.OutOfMemoryError on the first training forward, as a micro-batch that
+does not fit would. Faults of a path's training semantics (the Lightning path; loss parity must catch them):
+`noclip` drops gradient clipping from the DeepSpeed dict, `double_scale` lets DeepSpeed divide the loss by the
+accumulation steps again after Lightning did (the bug lightning_app/strategy.ZeroPrecision fixes), `lr2x` builds
+the optimizer with twice the learning rate.
 """
 
+import dataclasses
 import sys
 
 import torch
@@ -14,6 +19,9 @@ import shared.model as model_module
 
 path, fault = sys.argv[1], sys.argv[2]
 argv = sys.argv[sys.argv.index("--") + 1:]
+SEMANTIC_FAULTS = ("noclip", "double_scale", "lr2x")
+if fault in SEMANTIC_FAULTS and path != "lightning":
+    raise SystemExit(f"fault {fault!r} is planted in the Lightning path only")
 original = model_module.LMHead.forward
 calls = {"n": 0}
 
@@ -30,7 +38,31 @@ def faulty(self, x, targets=None):
     return out
 
 
-model_module.LMHead.forward = faulty
+if fault == "noclip":
+    import lightning_app.train as lightning_train
+
+    clipped = lightning_train.lightning_ds_config
+
+    def unclipped(train, world_size):
+        cfg = clipped(train, world_size)
+        cfg.pop("gradient_clipping")  # DeepSpeed's default: 0, no clipping
+        return cfg
+
+    lightning_train.lightning_ds_config = unclipped
+elif fault == "double_scale":
+    from pytorch_lightning.plugins.precision import DeepSpeedPrecision
+
+    import lightning_app.strategy as strategy
+
+    strategy.ZeroPrecision.backward = DeepSpeedPrecision.backward  # engine.backward scales by 1/gas again
+elif fault == "lr2x":
+    import lightning_app.module as module
+
+    build = module.build_optimizer
+    module.build_optimizer = lambda model, train, device: build(model, dataclasses.replace(train, lr=2 * train.lr),
+                                                                device)
+elif fault not in SEMANTIC_FAULTS:
+    model_module.LMHead.forward = faulty
 if path == "raw":
     from plain_deepspeed.train import cli
 else:

@@ -165,3 +165,26 @@ def test_ds_autotuner_reuse_of_a_run_without_an_optimal_config_exits_1(tmp_path)
                check=False, timeout=60)
     assert proc.returncode == 1 and "wrote no optimal config (exit 1)" in proc.stderr, proc.stderr
     assert "versus" not in load(tmp_path / "ds_autotuner.json")  # an earlier head-to-head is not passed on
+
+
+def test_scaling_model_states_that_its_inputs_mix_two_device_calls(tmp_path):
+    spec = importlib.util.spec_from_file_location("scaling_model", ROOT / "benchmarks" / "scaling_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    report = module.main(["--out", str(tmp_path / "s.json")])
+    assert "two device calls" in report["inputs_caveat"]
+    assert load(tmp_path / "s.json") == load(ROOT / "benchmarks" / "results" / "scaling_model.json")  # committed
+
+
+def test_readme_quotes_the_committed_ablation_ratios_and_targets_as_measured():
+    ratios = []
+    for call in ("ablation_1xh200_first", "ablation_1xh200"):
+        rows = load(ROOT / "benchmarks" / "results" / call / "ablation.json")["rows"]
+        by = {}
+        for r in rows:
+            by.setdefault(r["config"], {})[r["path"]] = r.get("tflops_per_gpu")
+        ratios += [v["lightning"] / v["deepspeed"] for v in by.values() if v.get("lightning") and v.get("deepspeed")]
+    readme = (ROOT / "README.md").read_text()
+    assert f"({min(ratios):.3f}-{max(ratios):.3f}, each one run" in readme  # 0.916-1.083
+    flex = load(ROOT / "benchmarks" / "results" / "attention_h200.json")
+    assert "1.2975" in json.dumps(flex) and "1.3x FlexAttention on causal at 2048 is missed" in readme

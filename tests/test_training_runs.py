@@ -74,6 +74,13 @@ def test_exported_weights_equal_the_live_weights(tmp_path, path):
     assert n_params == 39765 and n_params % 2 == 1
     for k in live:
         assert torch.equal(live[k], offline[k]), k
+    # the run's parameter checksum (each rank's valid part of its padded ZeRO-3 partition, all-reduced) is the
+    # checksum of the gathered weights
+    flat = torch.cat([v.double().reshape(-1) for v in live.values()])
+    checksum = load(tmp_path / "r.json")["param_checksum"]
+    assert checksum["numel"] == n_params
+    assert checksum["sum"] == pytest.approx(flat.sum().item(), rel=1e-12, abs=1e-9)
+    assert checksum["sum_sq"] == pytest.approx((flat * flat).sum().item(), rel=1e-12)
     model, meta = checkpoint.load_exported(tmp_path / "offline.st")
     assert model.cfg.n_embd == 33 and model.head.weight is model.wte.weight and meta["step"] == 4
     assert model(torch.zeros(1, 8, dtype=torch.long)).shape == (1, 8, 257)

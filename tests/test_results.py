@@ -1,0 +1,115 @@
+"""RunResult: what a run records, how it is labelled where it is reported, and that old results still load."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import compare
+from shared import flops
+from shared.config import TrainConfig
+from shared.results import RunResult, build_result, format_summary
+from tests.helpers import ROOT
+
+TIMING = {"step_time_s": {"median": 0.5, "min": 0.4, "max": 0.6},
+          "phases_s": {"data": 0.001, "forward": 0.2, "backward": 0.25, "step": 0.049}, "per_step_s": [0.5] * 4}
+
+
+def make_result(path: str = "deepspeed", train: TrainConfig | None = None, **measured) -> RunResult:
+    """A RunResult assembled by build_result from made-up measurements (no training run)."""
+    train = train or TrainConfig(preset="tiny", steps=6, warmup_steps=2)
+    kw = dict(losses=[5.5, 5.4, 5.3, 5.2, 5.1, 5.0], timing=TIMING)
+    kw.update(measured)
+    return build_result(path=path, train=train, model_cfg=train.model(), ds_config={}, world_size=1,
+                        device=torch.device("cpu"), attention="sdpa", n_params=1000, peak_mem_bytes=None, **kw)
+
+
+def test_every_result_states_its_flops_convention_and_the_exact_causal_count():
+    r = make_result(train=TrainConfig(preset="tiny", steps=6, warmup_steps=2, micro_batch=4))
+    cfg = r.model
+    dense = flops.megatron_flops(4, cfg["seq_len"], cfg["n_layer"], cfg["n_embd"], cfg["vocab_size"], 3)
+    causal = flops.causal_flops(4, cfg["seq_len"], cfg["n_layer"], cfg["n_embd"], cfg["vocab_size"], 3)
+    assert r.tflops_per_gpu == pytest.approx(dense / 0.5 / 1e12)
+    assert r.tflops_per_gpu_causal == pytest.approx(causal / 0.5 / 1e12)
+    summary = format_summary(r)
+    assert "dense-attention formula, k=3, median step" in summary
+    assert f"{r.tflops_per_gpu_causal:.2f} TFLOPs/GPU" in summary
+
+
+def test_results_written_before_new_fields_still_load(tmp_path):
+    old = RunResult.from_json(ROOT / "benchmarks" / "results" / "compare_1xh200" / "runs" / "deepspeed_0.json")
+    assert old.tflops_per_gpu_causal is None and old.tflops_per_gpu > 300
+    assert "n/a" in format_summary(old)
+    data = dataclasses.asdict(make_result())
+    del data["losses"]  # a field without a default is still required
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"lacks field\(s\) \['losses'\]"):
+        RunResult.from_json(tmp_path / "bad.json")
+
+
+def test_compare_table_and_report_label_the_convention(tmp_path):
+    train = TrainConfig(preset="tiny", steps=6, warmup_steps=2)
+    results = {"deepspeed": [make_result("deepspeed")], "lightning": [make_result("lightning")]}
+    ns = SimpleNamespace(world=1, repeats=1)
+    report = compare.build_report(train, ns, results, {}, [])
+    table = compare.format_table(report)
+    assert "TFLOPs/GPU (dense-attention formula, k=3, median step)" in table
+    assert "TFLOPs/GPU (exact causal count)" in table
+    assert report["paths"]["deepspeed"]["tflops_per_gpu_causal"] == pytest.approx(
+        results["deepspeed"][0].tflops_per_gpu_causal)
+    compare.write_markdown({**report, "versions": {}}, tmp_path / "report.md", "phases.png")
+    assert "dense-attention formula, k=3, median step" in (tmp_path / "report.md").read_text()
+
+
+def test_grad_norms_are_kept_on_the_device_and_read_once_at_the_end():
+    from shared.ds_runtime import GradNormRecorder
+
+    engine = SimpleNamespace(norm=None)
+    engine.get_global_grad_norm = lambda: engine.norm
+    rec = GradNormRecorder(engine)
+    for norm in (torch.tensor(1.5), 0.25, None, torch.tensor([2.0])):
+        engine.norm = norm
+        rec.record()
+    assert all(a is b for a, b in zip(rec.norms, (rec.norms[0], 0.25, None, rec.norms[3])))  # no copy to host yet
+    assert rec.values() == [1.5, 0.25, None, 2.0]
+    assert make_result(grad_norms=[1.0, float("inf")]).grad_norms == [1.0, None]  # JSON has no inf
+
+
+def test_param_checksum_counts_a_tied_weight_once():
+    from shared.ds_runtime import param_checksum
+    from shared.model import GPT
+
+    torch.manual_seed(0)
+    model = GPT(TrainConfig(preset="tiny").model())
+    params = list({id(p): p for p in model.parameters()}.values())
+    flat = torch.cat([p.detach().double().reshape(-1) for p in params])
+    got = param_checksum(model)
+    assert got["numel"] == flat.numel() == sum(p.numel() for p in params)
+    assert got["sum"] == pytest.approx(flat.sum().item(), rel=1e-12)
+    assert got["sum_sq"] == pytest.approx((flat * flat).sum().item(), rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "overrides, kernel",
+    [
+        ({}, "MATH"),  # the tiny preset trains with attention dropout 0.1: torch's CPU flash kernel has no dropout
+        ({"dropout": 0.0}, "FLASH_ATTENTION"),  # without dropout torch picks its CPU flash kernel
+        ({"attention": "reference"}, None),  # not SDPA: `attention` names the backend
+    ],
+)
+def test_every_result_records_the_sdpa_kernel_torch_picked(overrides, kernel):
+    from torch.nn.attention import SDPBackend
+
+    train = TrainConfig(preset="tiny", steps=6, warmup_steps=2, **overrides)
+    r = make_result(train=train)
+    assert r.sdpa_kernel == kernel
+    if kernel is not None:
+        assert kernel in SDPBackend.__members__
+        assert f"attention=sdpa ({kernel})" in format_summary(r)
+        report = compare.build_report(train, SimpleNamespace(world=1, repeats=1),
+                                      {"deepspeed": [r], "lightning": [r]}, {}, [])
+        assert f"sdpa ({kernel})" in compare.format_table(report)
