@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from shared import fused_ops
-from shared.config import FUSED_FLAGS, preset
+from shared.config import FUSED_FLAGS, TrainConfig, preset
 from shared.model import GPT
 from tests.helpers import FAST, LIGHTNING, RAW, load, run, torchrun
 
@@ -117,8 +117,10 @@ def test_fused_model_trains_with_dropout():
 
 
 def test_bad_compile_mode_is_refused():
-    with pytest.raises(ValueError, match="unknown compile mode 'graph'"):
+    with pytest.raises(ValueError, match="unknown model compile mode 'graph'"):
         preset("tiny", compile="graph")
+    with pytest.raises(ValueError, match="unknown compile mode 'graph'"):
+        TrainConfig(compile="graph")
 
 
 @pytest.mark.slow
