@@ -31,6 +31,7 @@ from shared.distributed import (
     check_before_start,
     dropout_seed,
     ensure_env,
+    local_world_size,
     oom_message,
     pick_device,
     run_cli,
@@ -72,7 +73,7 @@ def validate(engine, loader, device: torch.device) -> dict:
 def main(train: TrainConfig) -> RunResult:
     """Train `train.steps` steps; rank 0 writes the RunResult JSON to train.out and every rank returns it."""
     ensure_env()
-    local_world = int(os.environ["LOCAL_WORLD_SIZE"])
+    local_world = local_world_size()
     if train.devices is not None and train.devices != local_world:
         raise ValueError(f"--devices {train.devices}: the raw loop does not start processes itself ({local_world} "
                          f"here); launch it as `torchrun --nproc_per_node {train.devices} plain_deepspeed/train.py "

@@ -26,6 +26,14 @@ def ensure_env() -> None:
         os.environ.setdefault("MASTER_PORT", str(free_port()))
 
 
+def local_world_size() -> int:
+    """Processes on this node: torchrun sets LOCAL_WORLD_SIZE, DeepSpeed's launcher LOCAL_SIZE."""
+    for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        if os.environ.get(key):
+            return int(os.environ[key])
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
@@ -33,7 +41,7 @@ def local_rank() -> int:
 def pick_device(require_gpus: int | None = None) -> torch.device:
     """cuda:LOCAL_RANK when CUDA is present, else the CPU; fails clearly when asked-for GPUs are absent."""
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local_world = local_world_size()
     if require_gpus and require_gpus > n_gpus:
         raise ValueError(f"{require_gpus} GPU(s) asked for but {n_gpus} available")
     if n_gpus == 0:
