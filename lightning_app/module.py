@@ -20,16 +20,18 @@ import torch.distributed as dist
 from pytorch_lightning.trainer.states import TrainerFn
 from torchmetrics import MeanMetric
 
-from shared import checkpoint, flops
-from shared.config import TrainConfig
-from shared.distributed import apply_gc_policy, dropout_seed, seed_all
-from shared.ds_runtime import BreakdownCollector, GradNormRecorder, param_checksum, progress_extras
-from shared.model import GPT, count_parameters
-from shared.optim import build_optimizer, build_scheduler
-from shared.preemption import Preemption
-from shared.progress import Progress
-from shared.results import RunResult, build_result, format_summary
-from shared.timing import PhaseTimer
+from shared.model import flops
+from shared.model.gpt import GPT, count_parameters
+from shared.train import checkpoint
+from shared.train.compile import compile_blocks
+from shared.train.config import TrainConfig
+from shared.train.distributed import apply_gc_policy, dropout_seed, seed_all
+from shared.train.ds_runtime import BreakdownCollector, GradNormRecorder, param_checksum, progress_extras
+from shared.train.optim import build_optimizer, build_scheduler
+from shared.train.preemption import Preemption
+from shared.train.progress import Progress
+from shared.train.results import RunResult, build_result, format_summary
+from shared.train.timing import PhaseTimer
 
 
 class GPTModule(pl.LightningModule):
@@ -45,14 +47,17 @@ class GPTModule(pl.LightningModule):
         self.gpt: GPT | None = None
         self.built_in_init = "model_outside_configure_model" in on
         if self.built_in_init:  # the whole model on every rank until deepspeed.initialize partitions it
-            seed_all(train.seed)
-            self.gpt = GPT(self.model_cfg)
+            self.gpt = self.build_gpt()
+
+    def build_gpt(self) -> GPT:
+        seed_all(self.train_cfg.seed)  # the same RNG state the raw loop builds its model from
+        gpt = GPT(self.model_cfg)
+        return compile_blocks(gpt) if self.train_cfg.compile == "blocks" else gpt
 
     def configure_model(self) -> None:
         if self.gpt is not None:  # Lightning calls this hook again on every fit/validate
             return
-        seed_all(self.train_cfg.seed)  # the same RNG state the raw loop builds its model from
-        self.gpt = GPT(self.model_cfg)
+        self.gpt = self.build_gpt()
 
     def compile(self, *args, **kwargs) -> None:
         """What DeepSpeed's engine.compile() calls on its module (`self.module.compile(backend=...)`): compile the
@@ -107,7 +112,7 @@ class SigtermCheck:
     Since 2.5.2 Lightning broadcasts a SIGTERM flag from rank 0 at the start of every training step when there
     is more than one process, and reads it back with .item(): a collective and a host sync per step (Lightning
     issue #21487). every=1 keeps Lightning's behaviour (and still counts). Preemption itself is handled by
-    shared/preemption.py (CheckpointCallback), which replaces Lightning's SIGTERM handler at train start.
+    shared/train/preemption.py (CheckpointCallback), which replaces Lightning's SIGTERM handler at train start.
     """
 
     def __init__(self, trainer: pl.Trainer, every: int):
@@ -232,7 +237,8 @@ class TimingCallback(pl.Callback):
 
 class CheckpointCallback(pl.Callback):
     """Every save_every steps, at the end and on SIGTERM: Lightning's DeepSpeed checkpoint into
-    CKPT_DIR/stepNNNNNNNN/ plus every rank's RNG state, then the completion marker and pruning (shared/checkpoint)."""
+    CKPT_DIR/stepNNNNNNNN/ plus every rank's RNG state, then the completion marker and pruning
+    (shared/train/checkpoint.py)."""
 
     def __init__(self, train: TrainConfig, timing: TimingCallback):
         self.train, self.timing = train, timing

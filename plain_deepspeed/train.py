@@ -21,11 +21,14 @@ import torch
 import torch.distributed as dist
 from torchmetrics import MeanMetric
 
-from shared import checkpoint, flops
-from shared.cli import parse_train_config
-from shared.config import TrainConfig
-from shared.data import train_loader, val_loader
-from shared.distributed import (
+from shared.model import flops
+from shared.model.gpt import GPT, count_parameters
+from shared.train import checkpoint
+from shared.train.cli import parse_train_config
+from shared.train.compile import compile_blocks
+from shared.train.config import TrainConfig
+from shared.train.data import train_loader, val_loader
+from shared.train.distributed import (
     apply_gc_policy,
     backend_for,
     check_before_start,
@@ -36,14 +39,19 @@ from shared.distributed import (
     run_cli,
     seed_all,
 )
-from shared.ds_config import build_ds_config
-from shared.ds_runtime import BreakdownCollector, GradNormRecorder, compile_engine, param_checksum, progress_extras
-from shared.model import GPT, count_parameters
-from shared.optim import build_optimizer, build_scheduler
-from shared.preemption import EXIT_CODE, Preemption
-from shared.progress import NanGuard, Progress
-from shared.results import RunResult, build_result, format_summary
-from shared.timing import PhaseTimer
+from shared.train.ds_config import build_ds_config
+from shared.train.ds_runtime import (
+    BreakdownCollector,
+    GradNormRecorder,
+    compile_engine,
+    param_checksum,
+    progress_extras,
+)
+from shared.train.optim import build_optimizer, build_scheduler
+from shared.train.preemption import EXIT_CODE, Preemption
+from shared.train.progress import NanGuard, Progress
+from shared.train.results import RunResult, build_result, format_summary
+from shared.train.timing import PhaseTimer
 
 
 def save(engine, train: TrainConfig, step: int, progress: Progress, rank: int) -> Path:
@@ -88,12 +96,14 @@ def main(train: TrainConfig) -> RunResult:
     deepspeed.init_distributed(dist_backend=backend_for(device))
     rank, world = dist.get_rank(), dist.get_world_size()
     model_cfg = train.model()
-    ds_config = build_ds_config(train, model_cfg, world)
+    ds_config = build_ds_config(train)
 
     seed_all(train.seed)
     # ZeRO-3 partitions each parameter as its module is built, so the full model never sits on one GPU.
     with deepspeed.zero.Init(config_dict_or_path=ds_config, enabled=train.stage == 3):
         model = GPT(model_cfg)
+    if train.compile == "blocks":
+        compile_blocks(model)
     optimizer = build_optimizer(model, train, device)
     scheduler = build_scheduler(optimizer, train)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,

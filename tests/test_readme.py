@@ -6,7 +6,7 @@ import re
 import pytest
 
 import compare
-from shared.config import PRESETS
+from shared.model.config import PRESETS
 from tests.helpers import ROOT
 
 README = (ROOT / "README.md").read_text()
@@ -61,7 +61,8 @@ def test_the_best_throughputs_quoted_are_the_best_in_the_tuning_results():
 def test_run_files_land_in_the_report_folder_as_the_readme_says(tmp_path, monkeypatch):
     assert "(`OUT/runs/`)" in README and "(`OUT/logs/`)" in README
     seen = []
-    monkeypatch.setattr(compare, "launch", lambda path, train, world, out, log, timeout: seen.append((out, log)) or
+    monkeypatch.setattr(compare, "launch", lambda path, train, world, out, log, timeout, env=None:
+                        seen.append((out, log)) or
                         (_ for _ in ()).throw(compare.CompareError("stop")))
     with pytest.raises(compare.CompareError):
         compare.main(["--out", str(tmp_path / "rep")])
