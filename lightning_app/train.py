@@ -20,7 +20,8 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import TQDMProgressBar
 
-from lightning_app.module import CheckpointCallback, GPTModule, TimingCallback
+from lightning_app.callbacks import CheckpointCallback, RunCallback, TimingCallback
+from lightning_app.module import GPTModule
 from lightning_app.overheads import check_overheads
 from lightning_app.strategy import ZeroPrecision, ZeroStrategy
 from shared.train import checkpoint
@@ -147,9 +148,10 @@ def main(train: TrainConfig) -> RunResult | None:
         start = checkpoint.client_state_of(resume_from).get("global_step", 0)
         if start >= train.steps:
             raise ValueError(f"checkpoint {resume_from} is at step {start}, not before --steps {train.steps}")
-    timing = TimingCallback(train, resume_from)
+    timing = TimingCallback(train)
+    run = RunCallback(train, timing, resume_from)
     ckpt = CheckpointCallback(train, timing)
-    trainer = build_trainer(train, [timing, ckpt])
+    trainer = build_trainer(train, [run, timing, ckpt])
     try:  # the library warnings the project cannot fix are filtered in shared/train/distributed.quiet_library_noise
         trainer.fit(GPTModule(train), datamodule=DataModule(train),
                     ckpt_path=str(resume_from) if resume_from else None)
@@ -157,7 +159,7 @@ def main(train: TrainConfig) -> RunResult | None:
         raise ValueError(oom_message(train, trainer.strategy.root_device)) from e
     if ckpt.preempted:
         raise SystemExit(EXIT_CODE)
-    return timing.result
+    return run.result
 
 
 def cli(argv: list[str] | None = None) -> None:
