@@ -24,12 +24,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from compare import CompareError, launch, measured  # noqa: E402
-from shared.config import TrainConfig  # noqa: E402
-from shared.results import versions  # noqa: E402
+from harness.launch import CompareError, launch
+from harness.report import measured
+from shared.train.config import TrainConfig
+from shared.train.results import versions
 
 SWITCHES = {
     "native_linear": {"memory_efficient_linear": False},
@@ -40,14 +38,14 @@ SWITCHES = {
     "compile": {"compile": "blocks"},
 }
 PATHS = ("deepspeed", "lightning")
-# Every switch off, spelled out: the bias fusions default to on where CUDA is (shared/config.py).
+# Every switch off, spelled out: the bias fusions default to on where CUDA is (shared/model/config.py).
 NAIVE = {"fused_bias_dropout_add": False, "fused_bias_gelu": False}
 
 
 def configurations(cuda: bool) -> dict[str, dict]:
     switches = {k: v for k, v in SWITCHES.items() if cuda or k != "layernorm_liger"}  # liger is CUDA-only
     # naive, compile and all first: a run cut short by a time limit still has the main comparison
-    # all: every switch that combines with compile (liger's LayerNorm does not: see shared/config.py)
+    # all: every switch that combines with compile (liger's LayerNorm does not: see shared/train/config.py)
     configs = {"naive": {}, "+compile": switches["compile"],
                "all": {k: v for name, flags in switches.items() for k, v in flags.items()
                        if name != "layernorm_liger"}}

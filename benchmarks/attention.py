@@ -18,13 +18,13 @@ FLOPs conventions (both reported):
     forward (QK^T recomputed, then dV, dP, dQ, dK), so forward + backward = 3.5 x 2*B*H*T^2*D. The same
     yardstick for every layout: a sparse layout's figure is what dense causal attention would need to match.
   - sparse: 3.5 x 4*B*H*T^2*D x density, density = the layout's share of the T/128 x T/128 block grid
-    (shared/layouts.density): the block-granular work a block-sparse kernel does (diagonal blocks counted whole).
+    (shared/model/layouts.density): the block-granular work a block-sparse kernel does (diagonal blocks counted whole).
 Ratios: speedup_vs_flex = flex_ms / blocksparse_ms and speedup_vs_sdpa = sdpa_ms / blocksparse_ms (> 1: ours is
 faster); for sparse layouts time_vs_causal = ms(layout) / ms(causal) of the same backend, ideal_vs_causal =
 nnz(layout) / nnz(causal), efficiency = ideal / actual (1.0: time scales exactly with the non-zero blocks).
 
 Correctness: before timing, each backend's output and dq/dk/dv on the benchmark input are compared with the
-reference (shared.attention.ReferenceAttention in fp32, on batch 0 and the first CHECK_HEADS heads); the max
+reference (shared.model.attention.ReferenceAttention in fp32, on batch 0 and the first CHECK_HEADS heads); the max
 absolute errors are recorded.
 """
 
@@ -40,13 +40,11 @@ from pathlib import Path
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python benchmarks/attention.py` from anywhere
-
-from shared import layouts  # noqa: E402
-from shared.attention import ReferenceAttention, build_attention  # noqa: E402
-from shared.config import GPTConfig  # noqa: E402
-from shared.kernels import blocksparse_attention as bsa  # noqa: E402
-from shared.results import device_info, versions  # noqa: E402
+from shared import layouts
+from shared.kernels import blocksparse_attention as bsa
+from shared.model.attention import ReferenceAttention, build_attention
+from shared.model.config import GPTConfig
+from shared.train.results import device_info, versions
 
 CHECK_HEADS = 4
 N_INPUT_SETS = 3
@@ -181,7 +179,7 @@ def main(args) -> dict:
         torch.cuda.empty_cache()
     add_ratios(rows)
     try:
-        from shared.xformers_attention import xformers_state
+        from shared.model.attention.xformers import xformers_state
 
         xf = xformers_state()
     except Exception as exc:

@@ -49,15 +49,14 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from autotune import parse_grid  # noqa: E402
-from compare import CompareError, is_oom, launch, measured, run_env, spread  # noqa: E402
-from shared.cli import add_config_args, config_from_args, to_argv  # noqa: E402
-from shared.config import TrainConfig  # noqa: E402
-from shared.ds_config import build_ds_config  # noqa: E402
-from shared.results import device_info, versions  # noqa: E402
+from harness.autotune import parse_grid
+from harness.launch import ROOT, CompareError, is_oom, launch, run_env
+from harness.order import round_order
+from harness.report import measured, spread
+from shared.train.cli import add_config_args, config_from_args, to_argv
+from shared.train.config import TrainConfig
+from shared.train.ds_config import build_ds_config
+from shared.train.results import device_info, versions
 
 RAW = ROOT / "plain_deepspeed" / "train.py"
 # Flags the autotuner sets per experiment (arg_mappings) or that this script sets: not passed through.
@@ -120,7 +119,7 @@ def parse(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
         train = config_from_args(ns, out=None)
         if train.ds_config is not None:
             raise ValueError("--ds_config: this script writes the autotuner's config itself")
-        if train.model().compile != "none" and train.stage == 3:
+        if train.compile == "blocks" and train.stage == 3:
             raise ValueError("--compile blocks cannot be autotuned by DeepSpeed: its experiments replace "
                              "zero_optimization, which holds the leaf-module setting compiled blocks need")
     except ValueError as e:
@@ -130,7 +129,7 @@ def parse(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
 
 def autotuner_config(train: TrainConfig, ns) -> dict:
     """build_ds_config's dict for the run, as the autotuner's user config."""
-    cfg = build_ds_config(train, train.model(), ns.world)
+    cfg = build_ds_config(train)
     cfg["zero_optimization"] = {"stage": train.stage}  # what its micro-batch experiments run anyway
     cfg["train_micro_batch_size_per_gpu"] = ns.mbs
     cfg["gradient_accumulation_steps"] = train.grad_accum
@@ -154,8 +153,9 @@ def passthrough(train: TrainConfig) -> list[str]:
     return argv
 
 
-def stop_group(pgid: int) -> None:
-    """SIGTERM a process group, then SIGKILL what is left of it after GRACE_S."""
+def stop_process_group(pgid: int) -> None:
+    """SIGTERM a process group, then SIGKILL what is left of it after GRACE_S. The group, not the process tree
+    (harness.launch.stop_group): the launcher may be gone already, its experiments still running in its group."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(pgid, sig)
@@ -197,7 +197,7 @@ def run_tuner(train: TrainConfig, ns, config_path: Path) -> tuple[list[str], flo
         except subprocess.TimeoutExpired:
             print(f"ds_autotuner: stopped after --tuner_timeout {ns.tuner_timeout}s", flush=True)
         finally:
-            stop_group(proc.pid)
+            stop_process_group(proc.pid)
     return cmd, time.perf_counter() - t0, rc
 
 
@@ -255,7 +255,7 @@ def head_to_head(train: TrainConfig, ns, optimal: dict, optimal_path: Path) -> d
     runs = {"ours": [], "deepspeed_autotuner": []}
     pair = (("deepspeed_autotuner", theirs), ("ours", ours))
     for i in range(ns.repeats):
-        for name, cfg in pair if i % 2 == 0 else pair[::-1]:  # neither always first (see compare.py)
+        for name, cfg in round_order(pair, i):  # neither always first (harness/order.py)
             out, log = ns.out_dir / "versus" / f"{name}_{i}.json", ns.out_dir / "versus" / f"{name}_{i}.log"
             try:
                 r = launch("deepspeed", cfg, ns.world, out, log, ns.timeout)

@@ -26,7 +26,7 @@ BASE=(--preset 1.5b --stage 3 --precision bf16 --micro_batch "$MB" --steps "${ST
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv > "$W/gpus.txt" 2>&1
 # Build DeepCompile's op once, before any run races for it (the image's TORCH_CUDA_ARCH_LIST=9.0a is handled).
 python3 -c "
-from shared.ds_runtime import normalize_cuda_arch_list; print(normalize_cuda_arch_list())
+from shared.train.ds_runtime import normalize_cuda_arch_list; print(normalize_cuda_arch_list())
 from deepspeed.ops.op_builder.dc import DeepCompileBuilder; DeepCompileBuilder().load(); print('dc op built')
 " > "$W/op_build.log" 2>&1
 echo "op build: $(tail -1 "$W/op_build.log") at $((SECONDS - T0)) s"

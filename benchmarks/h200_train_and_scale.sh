@@ -9,7 +9,7 @@ set -uo pipefail
 OUT=${1:?usage: h200_train_and_scale.sh OUTDIR}
 W="$OUT/work"
 mkdir -p "$W"
-python3 -m shared.prepare_data data/kjv.txt --out /tmp/kjv > "$W/prepare.log" 2>&1 || { cat "$W/prepare.log"; exit 1; }
+python3 -m shared.tools.prepare_data data/kjv.txt --out /tmp/kjv > "$W/prepare.log" 2>&1 || { cat "$W/prepare.log"; exit 1; }
 TRAIN=(--preset 350m --data /tmp/kjv --vocab_size 256 --seq_len 512 --micro_batch 16 --steps ${KJV_STEPS:-1000} --warmup_steps 20
        --lr 6e-4 --min_lr 6e-5 --lr_warmup_steps 50 --val_every 50 --val_batches 16 --log_every 50
        --stage 3 --precision bf16 --zero_profile tuned

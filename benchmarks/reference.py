@@ -17,16 +17,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import sys
 
 import torch
 import torch.distributed as dist
 
-from shared.cli import add_config_args, config_from_args
-from shared.config import TrainConfig
-from shared.data import train_loader
-from shared.distributed import (
+from shared.model.gpt import GPT, count_parameters
+from shared.train.cli import add_config_args, config_from_args
+from shared.train.compile import compile_blocks
+from shared.train.config import TrainConfig
+from shared.train.data import train_loader
+from shared.train.distributed import (
     apply_gc_policy,
     backend_for,
     check_precision,
@@ -36,10 +37,9 @@ from shared.distributed import (
     run_cli,
     seed_all,
 )
-from shared.model import GPT, count_parameters
-from shared.optim import build_optimizer, build_scheduler
-from shared.results import RunResult, build_result, format_summary
-from shared.timing import PhaseTimer
+from shared.train.optim import build_optimizer, build_scheduler
+from shared.train.results import RunResult, build_result, format_summary
+from shared.train.timing import PhaseTimer
 
 MODES = ("ceiling", "fsdp2")
 
@@ -55,9 +55,11 @@ def build_model(mode: str, train: TrainConfig, device: torch.device) -> tuple[to
         return (torch.compile(gpt) if cuda else gpt), gpt, "whole_model" if cuda else "none"
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    # FSDP2's hooks sit on each block and its forward is compiled inside them (torchtitan's recipe): the model's
-    # own compiled blocks (shared/model.py Block).
-    gpt = GPT(dataclasses.replace(train.model(), compile="blocks" if cuda else "none")).to(device)
+    # FSDP2's hooks sit on each block and its forward is compiled inside them (torchtitan's recipe): the paths'
+    # own compiled blocks (shared/train/compile.py).
+    gpt = GPT(train.model()).to(device)
+    if cuda:
+        compile_blocks(gpt)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if train.precision == "bf16" else MixedPrecisionPolicy()
     for block in gpt.blocks:

@@ -28,8 +28,8 @@ import json
 import statistics
 from pathlib import Path
 
-from shared.config import preset
-from shared.flops import megatron_params
+from shared.model.config import preset
+from shared.model.flops import megatron_params
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"

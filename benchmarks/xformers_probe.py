@@ -5,8 +5,8 @@
 For a (B, T, H, D) = (8, 2048, 24, 96) bf16 causal input (LowerTriangularMask) it records, for every registered
 fmha operator: is_available() and not_supported_reasons(); the state that decides them (xFormers' extension
 load error, the torch it was built for, the flags derived from it); what xFormers' own dispatcher does with
-the input; and one forward + backward through shared.xformers_attention.XFormersAttention compared with SDPA.
-See shared/xformers_attention.py for why the "-pt" operators can run although xFormers reports them unsupported.
+the input; and one forward + backward through shared.model.attention.xformers.XFormersAttention compared with SDPA.
+See shared/model/attention/xformers.py for why the "-pt" operators can run although xFormers reports them unsupported.
 """
 
 from __future__ import annotations
@@ -20,10 +20,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python benchmarks/xformers_probe.py` from anywhere
-
-from shared.config import GPTConfig  # noqa: E402
-from shared.results import device_info, versions  # noqa: E402
+from shared.model.config import GPTConfig
+from shared.train.results import device_info, versions
 
 
 def error_text(exc: BaseException) -> str:
@@ -71,7 +69,7 @@ def probe_dispatcher(q, k, v) -> dict:
 
 
 def try_backend(B: int, T: int, H: int, D: int) -> dict:
-    from shared.attention import build_attention
+    from shared.model.attention import build_attention
 
     res = {}
     cfg = GPTConfig(n_head=H, n_embd=H * D, seq_len=T, sparse_block=128, attn_dropout=0.0, attention="xformers")
@@ -112,7 +110,7 @@ def main(args) -> dict:
     if torch.cuda.is_available():
         result["device"] = device_info(torch.device("cuda"))
     try:
-        from shared.xformers_attention import torch_kernel_op_pairs, xformers_state
+        from shared.model.attention.xformers import torch_kernel_op_pairs, xformers_state
 
         result["state"] = xformers_state()
         result["torch_kernel_op_pairs"] = [{"forward": fw.NAME, "backward": bw.NAME, "kernel": kernel}

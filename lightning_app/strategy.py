@@ -23,7 +23,7 @@ from lightning_fabric.utilities.seed import reset_seed
 from pytorch_lightning.plugins.precision import DeepSpeedPrecision
 from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy
 
-from shared.ds_runtime import compile_engine
+from shared.train.ds_runtime import compile_engine
 
 
 class ZeroStrategy(DeepSpeedStrategy):

@@ -20,16 +20,18 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import TQDMProgressBar
 
-from lightning_app.module import CheckpointCallback, GPTModule, TimingCallback
+from lightning_app.callbacks import CheckpointCallback, RunCallback, TimingCallback
+from lightning_app.module import GPTModule
+from lightning_app.overheads import check_overheads
 from lightning_app.strategy import ZeroPrecision, ZeroStrategy
-from shared import checkpoint
-from shared.cli import parse_train_config
-from shared.config import TrainConfig
-from shared.data import train_loader, val_loader
-from shared.distributed import check_before_start, check_precision, oom_message, run_cli
-from shared.ds_config import autotuning_enabled, build_ds_config, read_user_json
-from shared.preemption import EXIT_CODE
-from shared.results import RunResult
+from shared.train import checkpoint
+from shared.train.cli import parse_train_config
+from shared.train.config import TrainConfig
+from shared.train.data import train_loader, val_loader
+from shared.train.distributed import check_before_start, check_precision, oom_message, run_cli
+from shared.train.ds_config import autotuning_enabled, build_ds_config, read_user_json
+from shared.train.preemption import EXIT_CODE
+from shared.train.results import RunResult
 
 LIGHTNING_PRECISION = {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp32": "32-true"}
 
@@ -42,7 +44,7 @@ def default_devices(train: TrainConfig) -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 1
 
 
-def lightning_ds_config(train: TrainConfig, world_size: int) -> dict:
+def lightning_ds_config(train: TrainConfig) -> dict:
     """build_ds_config's dict, less gradient_accumulation_steps: Lightning refuses that key and writes it back
     itself from Trainer(accumulate_grad_batches=...), so deepspeed.initialize gets the same dict as the raw loop.
 
@@ -54,7 +56,7 @@ def lightning_ds_config(train: TrainConfig, world_size: int) -> dict:
     if train.ds_config and autotuning_enabled(read_user_json(train.ds_config)[0]):
         raise ValueError("DeepSpeed's autotuner drives the raw loop (deepspeed --autotuning tune "
                          "plain_deepspeed/train.py ...); remove the enabled autotuning section for Lightning")
-    cfg = build_ds_config(train, train.model(), world_size)
+    cfg = build_ds_config(train)
     cfg.pop("gradient_accumulation_steps", None)
     if "ds_throughput_timer" in on:
         cfg["timers"] = {"throughput": {"enabled": True, "synchronized": True}}
@@ -65,14 +67,14 @@ def lightning_ds_config(train: TrainConfig, world_size: int) -> dict:
     return cfg
 
 
-def build_strategy(train: TrainConfig, world_size: int) -> ZeroStrategy:
+def build_strategy(train: TrainConfig) -> ZeroStrategy:
     precision = ZeroPrecision(LIGHTNING_PRECISION[train.precision])
     if "pl_default_ds_config" in train.overheads:
         # What `Trainer(strategy="deepspeed_stage_3")` gives: Lightning's defaults (buckets of 2e8, DeepSpeed's
         # stage-3 defaults for prefetch and persistence, DeepSpeed's synchronized throughput timer).
         return ZeroStrategy(stage=train.stage, logging_batch_size_per_gpu=train.micro_batch,
                             precision_plugin=precision)
-    return ZeroStrategy(config=lightning_ds_config(train, world_size), precision_plugin=precision,
+    return ZeroStrategy(config=lightning_ds_config(train), precision_plugin=precision,
                         compile_mode=train.compile)
 
 
@@ -109,13 +111,13 @@ def build_trainer(train: TrainConfig, callbacks: list[pl.Callback]) -> pl.Traine
         accelerator="gpu" if on_gpu else "cpu",
         devices=devices,
         num_nodes=num_nodes,
-        strategy=build_strategy(train, devices * num_nodes),
+        strategy=build_strategy(train),
         max_steps=train.steps,
         gradient_clip_val=train.grad_clip if lightning_clips else None,
         accumulate_grad_batches=train.grad_accum,
         callbacks=callbacks,
         # Per-step host syncs the measurement does not need: the progress bar reads the loss every step, a logger
-        # flushes metrics; progress comes from shared/progress.py instead (async, once per log interval).
+        # flushes metrics; progress comes from shared/train/progress.py instead (async, once per log interval).
         enable_progress_bar="progress_bar" in on,
         logger=False,
         enable_checkpointing=False,
@@ -135,6 +137,7 @@ def main(train: TrainConfig) -> RunResult | None:
         raise ValueError("nan_policy skip is not available in the Lightning path: Lightning refuses a training_step "
                          "that returns None in distributed training, and DeepSpeed cannot drop a backward that has "
                          "already reduced NaN gradients; use nan_policy stop, or the raw path")
+    check_overheads(train)
     devices = default_devices(train)
     world = int(os.environ["WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else devices
     check_before_start(train, torch.device("cuda" if torch.cuda.is_available() else "cpu"), world, devices)
@@ -145,17 +148,18 @@ def main(train: TrainConfig) -> RunResult | None:
         start = checkpoint.client_state_of(resume_from).get("global_step", 0)
         if start >= train.steps:
             raise ValueError(f"checkpoint {resume_from} is at step {start}, not before --steps {train.steps}")
-    timing = TimingCallback(train, resume_from)
+    timing = TimingCallback(train)
+    run = RunCallback(train, timing, resume_from)
     ckpt = CheckpointCallback(train, timing)
-    trainer = build_trainer(train, [timing, ckpt])
-    try:  # the library warnings the project cannot fix are filtered in shared/distributed.quiet_library_noise
+    trainer = build_trainer(train, [run, timing, ckpt])
+    try:  # the library warnings the project cannot fix are filtered in shared/train/distributed.quiet_library_noise
         trainer.fit(GPTModule(train), datamodule=DataModule(train),
                     ckpt_path=str(resume_from) if resume_from else None)
     except torch.OutOfMemoryError as e:
         raise ValueError(oom_message(train, trainer.strategy.root_device)) from e
     if ckpt.preempted:
         raise SystemExit(EXIT_CODE)
-    return timing.result
+    return run.result
 
 
 def cli(argv: list[str] | None = None) -> None:

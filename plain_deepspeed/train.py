@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import sys
 from pathlib import Path
@@ -21,11 +20,13 @@ import torch
 import torch.distributed as dist
 from torchmetrics import MeanMetric
 
-from shared import checkpoint, flops
-from shared.cli import parse_train_config
-from shared.config import TrainConfig
-from shared.data import train_loader, val_loader
-from shared.distributed import (
+from shared.model.gpt import GPT, count_parameters
+from shared.train import checkpoint
+from shared.train.cli import parse_train_config
+from shared.train.compile import compile_blocks
+from shared.train.config import TrainConfig
+from shared.train.data import train_loader, val_loader
+from shared.train.distributed import (
     apply_gc_policy,
     backend_for,
     check_before_start,
@@ -37,14 +38,18 @@ from shared.distributed import (
     run_cli,
     seed_all,
 )
-from shared.ds_config import build_ds_config
-from shared.ds_runtime import BreakdownCollector, GradNormRecorder, compile_engine, param_checksum, progress_extras
-from shared.model import GPT, count_parameters
-from shared.optim import build_optimizer, build_scheduler
-from shared.preemption import EXIT_CODE, Preemption
-from shared.progress import NanGuard, Progress
-from shared.results import RunResult, build_result, format_summary
-from shared.timing import PhaseTimer
+from shared.train.ds_config import build_ds_config
+from shared.train.ds_runtime import (
+    BreakdownCollector,
+    GradNormRecorder,
+    compile_engine,
+    param_checksum,
+)
+from shared.train.loop import format_validation, peak_memory_bytes, start_progress, validation_figures
+from shared.train.optim import build_optimizer, build_scheduler
+from shared.train.preemption import EXIT_CODE, Preemption
+from shared.train.progress import NanGuard, Progress
+from shared.train.results import RunResult, build_result, format_summary
 
 
 def save(engine, train: TrainConfig, step: int, progress: Progress, rank: int) -> Path:
@@ -58,7 +63,7 @@ def save(engine, train: TrainConfig, step: int, progress: Progress, rank: int) -
     return folder
 
 
-def validate(engine, loader, device: torch.device) -> dict:
+def validate(engine, loader, device: torch.device, step: int) -> dict:
     """Mean loss and perplexity over the validation batches (torchmetrics MeanMetric: one sync, at the end)."""
     metric = MeanMetric(sync_on_compute=True).to(device)
     engine.eval()
@@ -66,8 +71,7 @@ def validate(engine, loader, device: torch.device) -> dict:
         for x, y in loader:
             metric.update(engine(x.to(device, non_blocking=True), y.to(device, non_blocking=True)))
     engine.train()
-    loss = float(metric.compute())
-    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
+    return validation_figures(step, float(metric.compute()))
 
 
 def main(train: TrainConfig) -> RunResult:
@@ -89,12 +93,14 @@ def main(train: TrainConfig) -> RunResult:
     deepspeed.init_distributed(dist_backend=backend_for(device))
     rank, world = dist.get_rank(), dist.get_world_size()
     model_cfg = train.model()
-    ds_config = build_ds_config(train, model_cfg, world)
+    ds_config = build_ds_config(train)
 
     seed_all(train.seed)
     # ZeRO-3 partitions each parameter as its module is built, so the full model never sits on one GPU.
     with deepspeed.zero.Init(config_dict_or_path=ds_config, enabled=train.stage == 3):
         model = GPT(model_cfg)
+    if train.compile == "blocks":
+        compile_blocks(model)
     optimizer = build_optimizer(model, train, device)
     scheduler = build_scheduler(optimizer, train)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
@@ -112,15 +118,9 @@ def main(train: TrainConfig) -> RunResult:
     pin = device.type == "cuda"
     loader = train_loader(train, rank, start, pin_memory=pin)
     val_batches = val_loader(train, rank, pin_memory=pin) if train.val_every else None
-    timer = PhaseTimer(device, micro_steps=train.grad_accum)
+    timer, progress = start_progress(train, device, rank, "[deepspeed] ", scheduler, engine, start)
     breakdown = BreakdownCollector(engine)
     grad_norms = GradNormRecorder(engine)
-    per_gpu_flops = flops.step_flops(model_cfg, train.micro_batch * train.grad_accum, train.flops_factor)
-    peak = flops.peak_flops(torch.cuda.get_device_name(device), train.precision) if pin else None
-    progress = Progress(train.steps, device, timer, per_gpu_flops, train.log_every, enabled=rank == 0,
-                        prefix="[deepspeed] ", peak_flops=peak, csv_path=train.log_csv, first_step=start,
-                        stop_on_nan=train.nan_policy == "stop",
-                        extras=progress_extras(scheduler, engine, device))
     preemption = Preemption(device, train.sigterm_check_every)
     nan_guard = NanGuard(train, device)
     history = {"val": []}
@@ -158,11 +158,9 @@ def main(train: TrainConfig) -> RunResult:
             grad_norms.record()
             done = step + 1
             if val_batches is not None and done % train.val_every == 0:
-                history["val"].append({"step": done, **validate(engine, val_batches, device)})
+                history["val"].append(validate(engine, val_batches, device, done))
                 if rank == 0:
-                    v = history["val"][-1]
-                    print(f"[deepspeed] validation at step {done}: loss {v['val_loss']:.4f}, "
-                          f"perplexity {v['val_ppl']:.2f}", flush=True)
+                    print(format_validation("[deepspeed] ", history["val"][-1]), flush=True)
                 timer.start()  # validation time is not a training step's
             saved = checkpoint.due(train, done)
             if saved:
@@ -186,8 +184,7 @@ def main(train: TrainConfig) -> RunResult:
     if train.export:
         checkpoint.export_live(model, dataclasses.asdict(model_cfg), train.export,
                                {"data": train.data, "step": train.steps}, rank, zero3=train.stage == 3)
-    peak_mem = torch.tensor(float(torch.cuda.max_memory_allocated(device)) if pin else 0.0, device=device)
-    dist.all_reduce(peak_mem, op=dist.ReduceOp.MAX)  # once, after the timed region
+    peak_mem = peak_memory_bytes(device)  # once, after the timed region
     result = build_result(
         path="deepspeed", train=train, model_cfg=model_cfg, world_size=world, device=device,
         ds_config=json.loads(json.dumps(engine.config)),  # what DeepSpeed received
@@ -195,7 +192,7 @@ def main(train: TrainConfig) -> RunResult:
         timing=timer.summary(min(train.warmup_steps, max(0, train.steps - start - 1))),
         n_params=count_parameters(model),
         ds_breakdown_ms=breakdown.summary(train.warmup_steps * train.grad_accum),
-        peak_mem_bytes=peak_mem.item() if pin else None,
+        peak_mem_bytes=peak_mem,
         grad_norms=grad_norms.values(), param_checksum=param_checksum(model),
         extra={"start_step": start, "resumed_from": str(resume_from) if resume_from else None,
                "skipped_steps": nan_guard.skipped, **history},

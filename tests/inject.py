@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-import shared.model as model_module
+import shared.model.gpt as model_module
 
 path, fault = sys.argv[1], sys.argv[2]
 argv = sys.argv[sys.argv.index("--") + 1:]
@@ -43,8 +43,8 @@ if fault == "noclip":
 
     clipped = lightning_train.lightning_ds_config
 
-    def unclipped(train, world_size):
-        cfg = clipped(train, world_size)
+    def unclipped(train):
+        cfg = clipped(train)
         cfg.pop("gradient_clipping")  # DeepSpeed's default: 0, no clipping
         return cfg
 

@@ -15,10 +15,10 @@ import torch.nn.functional as F
 # tests/ has no __init__.py: pytest puts it on sys.path, so the sibling module imports by its own name.
 from test_blocksparse import inputs, make_layout, masked_reference
 
-from shared import layouts
-from shared.attention import build_attention
-from shared.config import GPTConfig
-from shared.flex_attention import FlexAttention
+from shared.model import layouts
+from shared.model.attention import build_attention
+from shared.model.attention.flex import FlexAttention
+from shared.model.config import GPTConfig
 
 
 def flex_cfg(**overrides) -> GPTConfig:
@@ -65,7 +65,7 @@ def test_build_attention_picks_flex():
 # ------------------------------------------------------------------------------------------------ xformers, CPU
 
 
-xformers_attention = pytest.importorskip("shared.xformers_attention")
+xformers_attention = pytest.importorskip("shared.model.attention.xformers")
 
 
 def test_xformers_backend_records_a_torch_kernel_op_pair_or_says_why():

@@ -5,9 +5,9 @@ from types import SimpleNamespace
 
 import pytest
 
-import autotune
-from compare import CompareError
-from shared.config import TrainConfig
+from harness import autotune
+from harness.launch import CompareError
+from shared.train.config import TrainConfig
 from tests.helpers import FAST, LIGHTNING, RAW, ROOT, load, run
 
 

@@ -125,8 +125,8 @@ def test_ds_autotuner_reads_partial_and_failed_experiments(tmp_path):
 
 
 def test_ds_autotuner_head_to_head_when_one_side_fails(tmp_path, monkeypatch):
-    from compare import CompareError
-    from shared.results import RunResult
+    from harness.launch import CompareError
+    from shared.train.results import RunResult
 
     mod = _ds_autotuner()
     winner = {"micro_batch": 2, "activation_checkpointing": False, "prefetch_bucket_size": 50_000_000,

@@ -3,7 +3,7 @@
 On a CPU the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1), with tiles of half a sparse
 block so that the sub-tile loops and the partially masked diagonal tiles are exercised. bf16 runs only on a GPU
 (the interpreter's bf16 dot is wrong: numpy has no bf16). The reference is `masked_reference` in float64, which
-`test_reference_helper_is_the_project_reference` ties to shared.attention.ReferenceAttention.
+`test_reference_helper_is_the_project_reference` ties to shared.model.attention.ReferenceAttention.
 
 Tolerances (absolute, on outputs of O(1) and gradients of O(1) from unit-variance inputs), and why:
   fp32  1e-4: fp32 dots and exp2 in a different summation order (online softmax rescaling) than float64.
@@ -21,12 +21,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared import layouts
-from shared.attention import ReferenceAttention, build_attention
-from shared.config import GPTConfig, preset
 from shared.kernels import blocksparse_attention as bsa
-from shared.kernels.blocksparse_attention import BlockLUT, BlockSparseAttention, Tile, blocksparse_attention
-from shared.model import GPT
+from shared.kernels.blocksparse_attention import BlockLUT, Tile, blocksparse_attention
+from shared.model import layouts
+from shared.model.attention import ReferenceAttention, build_attention
+from shared.model.attention.blocksparse import BlockSparseAttention
+from shared.model.config import GPTConfig, preset
+from shared.model.gpt import GPT
 
 TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (4e-3, 1e-2), torch.bfloat16: (2e-2, 5e-2)}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -398,7 +399,7 @@ def test_gpu_all_ones_layout_equals_sdpa_bf16():
 def test_lookup_table_is_built_on_the_cpu_under_a_default_device_context():
     # deepspeed.zero.Init makes the accelerator the default device while the model is built; the layout and its
     # lookup table must stay CPU tensors (an H200 run once failed here: "found cuda:0 and cpu").
-    from shared.model import GPT
+    from shared.model.gpt import GPT
 
     with torch.device("meta"):
         model = GPT(preset("tiny", attention="blocksparse"))

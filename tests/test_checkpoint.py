@@ -6,12 +6,14 @@ import sys
 
 import pytest
 import torch
-
 from plain_deepspeed.export import export
-from shared import checkpoint, generate
-from shared.config import GPTConfig, TrainConfig
-from shared.model import GPT
-from shared.prepare_data import prepare
+
+from shared.model.config import GPTConfig
+from shared.model.gpt import GPT
+from shared.tools import generate
+from shared.tools.prepare_data import prepare
+from shared.train import checkpoint
+from shared.train.config import TrainConfig
 
 TINY = dataclasses.asdict(TrainConfig().model())
 

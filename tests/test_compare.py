@@ -12,9 +12,10 @@ import pytest
 import torch
 
 import compare
-from shared.config import TrainConfig
-from shared.prepare_data import prepare
-from shared.results import RunResult
+from harness import report as reports
+from shared.tools.prepare_data import prepare
+from shared.train.config import TrainConfig
+from shared.train.results import RunResult
 from tests.helpers import RAW, ROOT, env, run
 
 COMPARE = ROOT / "compare.py"
@@ -155,18 +156,18 @@ def test_headline_ratio_is_the_ratio_of_the_tables_medians_and_unsteady_repeats_
     pl = [_run(3.0), _run(2.0), _run(1.0)]
     train = TrainConfig(precision="fp32")
     ns = SimpleNamespace(world=1, repeats=3)
-    report = compare.build_report(train, ns, {"deepspeed": ds, "lightning": pl}, {}, [])
+    report = reports.build_report(train, ns, {"deepspeed": ds, "lightning": pl}, {}, [])
     P = report["paths"]
     assert (P["deepspeed"]["tflops_per_gpu"], P["lightning"]["tflops_per_gpu"]) == (2.0, 2.0)
     assert report["ratio_lightning_over_deepspeed"] == 1.0  # 2.0 / 2.0, not a statistic of the pairs
     assert (report["ratio_spread"]["min"], report["ratio_spread"]["max"]) == (0.5, 3.0)
     assert report["repeats_disagree"] == {"deepspeed": 4.0, "lightning": 3.0}
-    text = compare.format_table(report)
+    text = reports.format_table(report)
     assert "Lightning / DeepSpeed throughput: 1.0000 (ratio of the medians above" in text
     assert "WARNING: the deepspeed runs disagree: max/min TFLOPs/GPU 4.00 > 1.10" in text
-    steady = compare.build_report(train, ns, {"deepspeed": [_run(2.0), _run(2.1)], "lightning": [_run(1.0),
+    steady = reports.build_report(train, ns, {"deepspeed": [_run(2.0), _run(2.1)], "lightning": [_run(1.0),
                                                                                            _run(1.05)]}, {}, [])
-    assert steady["repeats_disagree"] == {} and "WARNING" not in compare.format_table(steady)
+    assert steady["repeats_disagree"] == {} and "WARNING" not in reports.format_table(steady)
     assert steady["ratio_lightning_over_deepspeed"] == pytest.approx(1.025 / 2.05)
 
 
@@ -182,15 +183,15 @@ CHECKSUM = {"sum": 12.0, "sum_sq": 400.0, "numel": 1000}
 
 def test_parity_compares_past_the_lr_warmup_in_every_pair():
     same = (series(LOSSES, NORMS, CHECKSUM), series(LOSSES, NORMS, CHECKSUM))
-    assert compare.parity([same], "bf16", 3)["ok"]
+    assert reports.parity([same], "bf16", 3)["ok"]
     warm = series([x + 0.1 if i < 3 else x for i, x in enumerate(LOSSES)], NORMS, CHECKSUM)
-    assert compare.parity([(same[0], warm)], "bf16", 3)["ok"]  # differences inside the warm-up are not judged
+    assert reports.parity([(same[0], warm)], "bf16", 3)["ok"]  # differences inside the warm-up are not judged
     late = series([x + 1e-3 if i == 6 else x for i, x in enumerate(LOSSES)], NORMS, CHECKSUM)
-    report = compare.parity([same, (same[0], late)], "bf16", 3)  # only the second pair differs
+    report = reports.parity([same, (same[0], late)], "bf16", 3)  # only the second pair differs
     assert report["failed"] == ["loss"] and report["max_abs_diff"] == pytest.approx(1e-3)
     assert report["pairs"][0]["loss_max_abs_diff"] == 0.0 and report["pairs"][1]["steps"] == [3, 8]
-    whole = compare.parity([(same[0], warm)], "bf16", 10)  # runs end inside the warm-up: compared whole
-    assert not whole["past_warmup"] and whole["failed"] == ["loss"] and "inside" in compare.format_parity(whole)
+    whole = reports.parity([(same[0], warm)], "bf16", 10)  # runs end inside the warm-up: compared whole
+    assert not whole["past_warmup"] and whole["failed"] == ["loss"] and "inside" in reports.format_parity(whole)
 
 
 @pytest.mark.parametrize(
@@ -204,17 +205,17 @@ def test_parity_compares_past_the_lr_warmup_in_every_pair():
     ],
 )
 def test_each_measure_fails_the_check_on_its_own(other, failed):
-    report = compare.parity([(series(LOSSES, NORMS, CHECKSUM), other)], "bf16", 3)
+    report = reports.parity([(series(LOSSES, NORMS, CHECKSUM), other)], "bf16", 3)
     assert report["failed"] == failed and not report["ok"]
-    assert "MISMATCH in " + ", ".join(failed) in compare.format_parity(report)
+    assert "MISMATCH in " + ", ".join(failed) in reports.format_parity(report)
 
 
 def test_fp32_bounds_are_tight_and_unrecorded_measures_are_not_judged():
     off = series([x + 1e-4 for x in LOSSES])  # results written before grad norms and checksums were recorded
-    assert compare.parity([(series(LOSSES), off)], "bf16", 3)["ok"]
-    fp32 = compare.parity([(series(LOSSES), off)], "fp32", 3)
+    assert reports.parity([(series(LOSSES), off)], "bf16", 3)["ok"]
+    fp32 = reports.parity([(series(LOSSES), off)], "fp32", 3)
     assert fp32["failed"] == ["loss"] and fp32["grad_norm_max_rel_diff"] is None
-    assert "grad norm max rel diff not recorded" in compare.format_parity(fp32)
+    assert "grad norm max rel diff not recorded" in reports.format_parity(fp32)
 
 
 # grad_accum 2 so the double scaling shows; a clip of 0.5 binds from step 0 on the tiny preset (its gradient norm
@@ -232,7 +233,7 @@ def test_parity_catches_a_missing_clip_double_scaled_gradients_and_a_doubled_lr_
     for fault in ("noclip", "double_scale", "lr2x"):
         run([sys.executable, ROOT / "tests" / "inject.py", "lightning", fault, "--", *FAULT_RUN,
              "--out", tmp_path / f"{fault}.json"])
-        report = compare.loss_parity([raw], [RunResult.from_json(tmp_path / f"{fault}.json")], "bf16", 3)
+        report = reports.loss_parity([raw], [RunResult.from_json(tmp_path / f"{fault}.json")], "bf16", 3)
         assert report["past_warmup"] and report["pairs"][0]["steps"] == [3, 8]
         caught[fault] = report["failed"]
     # Measured on CPU: no clip moves the checksum by 4e-4 (loss 7e-5, grad norm 3e-4 stay inside their bounds);

@@ -1,7 +1,8 @@
 import pytest
 
-from shared.cli import parse_train_config, to_argv
-from shared.config import GPTConfig, TrainConfig, normalize_precision, preset
+from shared.model.config import GPTConfig, preset
+from shared.train.cli import parse_train_config, to_argv
+from shared.train.config import TrainConfig, normalize_precision
 
 
 @pytest.mark.parametrize(
@@ -87,7 +88,7 @@ def test_run_cli_keeps_the_exit_code_of_a_system_exit(code, rc, stderr):
 
     from tests.helpers import ROOT, env
 
-    script = ("from shared.distributed import run_cli\n"
+    script = ("from shared.train.distributed import run_cli\n"
               "def main(train):\n"
               f"    raise SystemExit({code!r})\n"
               "run_cli(main, None, 'cpu')\n")

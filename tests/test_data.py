@@ -2,10 +2,10 @@ import numpy as np
 import pytest
 import torch
 
-from shared.config import TrainConfig
-from shared.data import SyntheticTokens, TokenFile, make_loader, train_loader
-from shared.prepare_data import byte_decode, prepare
-from shared.prepare_data import main as prepare_main
+from shared.tools.prepare_data import byte_decode, prepare
+from shared.tools.prepare_data import main as prepare_main
+from shared.train.config import TrainConfig
+from shared.train.data import SyntheticTokens, TokenFile, make_loader, train_loader
 
 
 def test_synthetic_batches_are_a_function_of_seed_rank_and_step():

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from shared.config import TrainConfig
-from shared.ds_config import build_ds_config
+from shared.train.config import TrainConfig
+from shared.train.ds_config import build_ds_config
 
 
 def test_original_profile_is_the_study_config():
@@ -117,7 +117,7 @@ def test_lightning_refuses_an_autotuning_config_before_anything_else():
     text = base64.urlsafe_b64encode(json.dumps(user).encode()).decode()
     # --steps 4 would also be refused for the raw loop; Lightning says first that it is the wrong path
     with pytest.raises(ValueError, match="DeepSpeed's autotuner drives the raw loop"):
-        lightning_ds_config(TrainConfig(ds_config=text, steps=4, warmup_steps=2), 1)
+        lightning_ds_config(TrainConfig(ds_config=text, steps=4, warmup_steps=2))
     user["autotuning"] = None  # no section: an ordinary user JSON
     text = base64.urlsafe_b64encode(json.dumps(user).encode()).decode()
-    assert lightning_ds_config(TrainConfig(ds_config=text), 1)["zero_optimization"] == {"stage": 3}
+    assert lightning_ds_config(TrainConfig(ds_config=text))["zero_optimization"] == {"stage": 3}

@@ -8,11 +8,12 @@ from types import SimpleNamespace
 import pytest
 from pytorch_lightning.callbacks import TQDMProgressBar
 
-import explain
+from harness import explain
 from lightning_app.module import GPTModule
+from lightning_app.overheads import LIGHTNING_OVERHEADS
 from lightning_app.train import DataModule, build_strategy, build_trainer, lightning_ds_config
-from shared.config import LIGHTNING_OVERHEADS, TrainConfig
-from shared.results import RunResult
+from shared.train.config import TrainConfig
+from shared.train.results import RunResult
 from tests.helpers import ROOT, run
 
 H = 64  # the tiny preset's n_embd
@@ -29,19 +30,19 @@ def test_every_overhead_has_a_description_and_unknown_factors_fail():
 
 
 def test_deepspeed_side_factors_change_the_lightning_dict_only():
-    assert lightning_ds_config(cfg("ds_throughput_timer"), 1)["timers"]["throughput"] == \
+    assert lightning_ds_config(cfg("ds_throughput_timer"))["timers"]["throughput"] == \
         {"enabled": True, "synchronized": True}
-    assert lightning_ds_config(cfg("ds_wall_clock_breakdown"), 1)["wall_clock_breakdown"] is True
-    tuned = lightning_ds_config(TrainConfig(zero_profile="tuned"), 1)["zero_optimization"]
-    original = lightning_ds_config(cfg("original_ds_config", zero_profile="tuned"), 1)["zero_optimization"]
+    assert lightning_ds_config(cfg("ds_wall_clock_breakdown"))["wall_clock_breakdown"] is True
+    tuned = lightning_ds_config(TrainConfig(zero_profile="tuned"))["zero_optimization"]
+    original = lightning_ds_config(cfg("original_ds_config", zero_profile="tuned"))["zero_optimization"]
     assert tuned["stage3_prefetch_bucket_size"] > original["stage3_prefetch_bucket_size"] == int(0.9 * H * H)
-    assert "gradient_clipping" not in lightning_ds_config(cfg("pl_grad_clip"), 1)
+    assert "gradient_clipping" not in lightning_ds_config(cfg("pl_grad_clip"))
     assert build_trainer(cfg("pl_grad_clip"), []).gradient_clip_val == 1.0
     assert build_trainer(TrainConfig(), []).gradient_clip_val is None
 
 
 def test_lightning_default_ds_config_factor_uses_lightnings_own_defaults():
-    strategy = build_strategy(cfg("pl_default_ds_config"), 1)
+    strategy = build_strategy(cfg("pl_default_ds_config"))
     zero = strategy.config["zero_optimization"]
     assert zero["reduce_bucket_size"] == 200_000_000 and zero["allgather_bucket_size"] == 200_000_000
     assert "stage3_prefetch_bucket_size" not in zero  # DeepSpeed's stage-3 default applies

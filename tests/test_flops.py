@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from shared import flops
-from shared.config import preset
-from shared.model import GPT, count_parameters
+from shared.model import flops
+from shared.model.config import preset
+from shared.model.gpt import GPT, count_parameters
 
 
 def test_study_model_has_1_65b_parameters_by_formula_and_by_count():

@@ -1,4 +1,4 @@
-"""Chunked linear + cross-entropy (shared/fused_loss.py) against the plain F.linear + F.cross_entropy."""
+"""Chunked linear + cross-entropy (shared/model/fused_loss.py) against the plain F.linear + F.cross_entropy."""
 
 import sys
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared.config import preset
-from shared.fused_loss import ChunkedLinearCrossEntropy, chunked_linear_cross_entropy
-from shared.model import GPT
+from shared.model.config import preset
+from shared.model.fused_loss import ChunkedLinearCrossEntropy, chunked_linear_cross_entropy
+from shared.model.gpt import GPT
 from tests.helpers import FAST, LIGHTNING, RAW, load, run
 
 

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from shared import layouts
-from shared.config import preset
+from shared.model import layouts
+from shared.model.config import preset
 
 
 def test_causal_is_lower_triangle():

@@ -9,9 +9,9 @@ from pytorch_lightning.strategies import DeepSpeedStrategy
 
 from lightning_app.strategy import ZeroStrategy
 from lightning_app.train import lightning_ds_config
-from shared.config import TrainConfig
-from shared.ds_config import build_ds_config
-from shared.results import RunResult
+from shared.train.config import TrainConfig
+from shared.train.ds_config import build_ds_config
+from shared.train.results import RunResult
 from tests.helpers import FAST, LIGHTNING, RAW, run, torchrun
 
 PARITY = ["--steps", "6", "--warmup_steps", "2", "--precision", "fp32"]
@@ -28,7 +28,7 @@ def test_private_hooks_we_override_still_exist_with_the_same_signature():
 def test_strategy_gets_the_shared_dict_less_only_grad_accum():
     train = TrainConfig(preset="tiny", grad_accum=4)
     raw = build_ds_config(train)
-    pl = lightning_ds_config(train, 1)
+    pl = lightning_ds_config(train)
     assert raw.pop("gradient_accumulation_steps") == 4
     assert pl == raw  # Lightning refuses the key and writes it back from accumulate_grad_batches=4
 
@@ -75,7 +75,7 @@ def test_validation_metric_moves_to_the_strategy_device():
     from types import SimpleNamespace
 
     from lightning_app.module import GPTModule
-    from shared.config import TrainConfig
+    from shared.train.config import TrainConfig
 
     module = GPTModule(TrainConfig())
     target = torch.device("meta")  # any device other than the CPU the metric starts on

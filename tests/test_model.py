@@ -3,10 +3,10 @@ import math
 import pytest
 import torch
 
-from shared import layouts
-from shared.attention import ReferenceAttention, SDPAttention, build_attention
-from shared.config import preset
-from shared.model import GPT
+from shared.model import layouts
+from shared.model.attention import ReferenceAttention, SDPAttention, build_attention
+from shared.model.config import preset
+from shared.model.gpt import GPT
 
 LAYOUT_KINDS = ["causal", "local", "strided"]
 

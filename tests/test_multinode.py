@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from shared.distributed import free_port
+from shared.train.distributed import free_port
 from tests.helpers import FAST, LIGHTNING, RAW, ROOT, env, load, torchrun
 
 pytestmark = pytest.mark.slow

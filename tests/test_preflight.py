@@ -9,10 +9,10 @@ import time
 import pytest
 import torch
 
-from shared import distributed
-from shared.config import TrainConfig
-from shared.distributed import check_before_start, estimate_memory
-from shared.prepare_data import prepare
+from shared.tools.prepare_data import prepare
+from shared.train import distributed
+from shared.train.config import TrainConfig
+from shared.train.distributed import check_before_start, estimate_memory
 from tests.helpers import LIGHTNING, RAW, ROOT, run
 
 CPU = torch.device("cpu")
@@ -84,7 +84,7 @@ def test_the_training_scripts_refuse_before_deepspeed_starts(script, tmp_path):
         cases.append((["--devices", "2"], "torchrun --nproc_per_node 2"))
     for args, message in cases:
         # in-process up to the refusal, so the test can see that DeepSpeed was never imported
-        code = ("import sys\nfrom shared.cli import parse_train_config\n"
+        code = ("import sys\nfrom shared.train.cli import parse_train_config\n"
                 f"from {script.parent.name}.train import main\n"
                 "try:\n    main(parse_train_config(sys.argv[1:], ''))\nexcept (ValueError, SystemExit) as e:\n"
                 "    print('refused:', e)\nprint('deepspeed imported:', 'deepspeed' in sys.modules)\n")

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from shared.results import RunResult
+from shared.train.results import RunResult
 from tests.helpers import FAST, RAW, load, run, torchrun
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,7 @@ import re
 import pytest
 
 import compare
-from shared.config import PRESETS
+from shared.model.config import PRESETS
 from tests.helpers import ROOT
 
 # The README and the docs/ pages it links: the claims below may sit in either.

@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import compare
-from shared import flops
-from shared.config import TrainConfig
-from shared.results import RunResult, build_result, format_summary
+from harness import report as reports
+from shared.model import flops
+from shared.train.config import TrainConfig
+from shared.train.results import RunResult, build_result, format_summary
 from tests.helpers import ROOT
 
 TIMING = {"step_time_s": {"median": 0.5, "min": 0.4, "max": 0.6},
@@ -55,18 +55,18 @@ def test_compare_table_and_report_label_the_convention(tmp_path):
     train = TrainConfig(preset="tiny", steps=6, warmup_steps=2)
     results = {"deepspeed": [make_result("deepspeed")], "lightning": [make_result("lightning")]}
     ns = SimpleNamespace(world=1, repeats=1)
-    report = compare.build_report(train, ns, results, {}, [])
-    table = compare.format_table(report)
+    report = reports.build_report(train, ns, results, {}, [])
+    table = reports.format_table(report)
     assert "TFLOPs/GPU (dense-attention formula, k=3, median step)" in table
     assert "TFLOPs/GPU (exact causal count)" in table
     assert report["paths"]["deepspeed"]["tflops_per_gpu_causal"] == pytest.approx(
         results["deepspeed"][0].tflops_per_gpu_causal)
-    compare.write_markdown({**report, "versions": {}}, tmp_path / "report.md", "phases.png")
+    reports.write_markdown({**report, "versions": {}}, tmp_path / "report.md", "phases.png")
     assert "dense-attention formula, k=3, median step" in (tmp_path / "report.md").read_text()
 
 
 def test_grad_norms_are_kept_on_the_device_and_read_once_at_the_end():
-    from shared.ds_runtime import GradNormRecorder
+    from shared.train.ds_runtime import GradNormRecorder
 
     engine = SimpleNamespace(norm=None)
     engine.get_global_grad_norm = lambda: engine.norm
@@ -80,8 +80,8 @@ def test_grad_norms_are_kept_on_the_device_and_read_once_at_the_end():
 
 
 def test_param_checksum_counts_a_tied_weight_once():
-    from shared.ds_runtime import param_checksum
-    from shared.model import GPT
+    from shared.model.gpt import GPT
+    from shared.train.ds_runtime import param_checksum
 
     torch.manual_seed(0)
     model = GPT(TrainConfig(preset="tiny").model())
@@ -110,6 +110,6 @@ def test_every_result_records_the_sdpa_kernel_torch_picked(overrides, kernel):
     if kernel is not None:
         assert kernel in SDPBackend.__members__
         assert f"attention=sdpa ({kernel})" in format_summary(r)
-        report = compare.build_report(train, SimpleNamespace(world=1, repeats=1),
+        report = reports.build_report(train, SimpleNamespace(world=1, repeats=1),
                                       {"deepspeed": [r], "lightning": [r]}, {}, [])
-        assert f"sdpa ({kernel})" in compare.format_table(report)
+        assert f"sdpa ({kernel})" in reports.format_table(report)

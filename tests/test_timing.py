@@ -3,7 +3,7 @@ import time
 import pytest
 import torch
 
-from shared.timing import PhaseTimer
+from shared.train.timing import PhaseTimer
 
 
 def test_phases_are_timed_per_step_with_accumulation():

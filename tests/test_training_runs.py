@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shared import checkpoint
-from shared.prepare_data import prepare
+from shared.tools.prepare_data import prepare
+from shared.train import checkpoint
 from tests.helpers import LIGHTNING, RAW, ROOT, env, load, run, torchrun
 
 pytestmark = pytest.mark.slow
@@ -26,7 +26,7 @@ BASE = ["--preset", "tiny", "--precision", "fp32", "--warmup_steps", "1", "--log
 
 @pytest.fixture(scope="module")
 def kjv(tmp_path_factory):
-    """The KJV text as byte-level token files (shared.prepare_data), once per module."""
+    """The KJV text as byte-level token files (shared.tools.prepare_data), once per module."""
     prefix = tmp_path_factory.mktemp("data") / "kjv"
     prepare(ROOT / "data" / "kjv.txt", prefix, "byte")
     return prefix
@@ -48,7 +48,7 @@ def test_resume_before_the_midpoint_gives_the_same_losses_as_an_uninterrupted_ru
     second = torchrun(SCRIPTS[path], 2, [*args, "--ckpt_dir", ck, "--save_every", "2", "--resume", "auto",
                                          "--out", tmp_path / "resumed.json"])
     resumed = load(tmp_path / "resumed.json")
-    # the library noise of every step, save and resume is filtered (shared/distributed.LIBRARY_NOISE)
+    # the library noise of every step, save and resume is filtered (shared/train/distributed.LIBRARY_NOISE)
     for proc in (first, second):
         output = proc.stdout + proc.stderr
         for noise in ("FutureWarning", "reduce_scatter_tensor", "LeafSpec", "Tip:", "weights_only` was not set",

@@ -1,8 +1,9 @@
 """Block-sparse causal attention: a fused FlashAttention-2 Triton kernel that visits only a layout's blocks.
 
-Numbers are defined by `shared.attention.ReferenceAttention`: softmax(q k^T / sqrt(D) + mask) v with the token mask
-`expand(layout) & causal` (shared/layouts.token_mask), dropout on the probabilities. tests/test_blocksparse.py holds
-the comparison.
+Numbers are defined by `shared.model.attention.ReferenceAttention`: softmax(q k^T / sqrt(D) + mask) v with the token
+mask `expand(layout) & causal` (shared/model/layouts.token_mask), dropout on the probabilities.
+tests/test_blocksparse.py holds the comparison. This module is the operation only and imports nothing of the
+project; the model's attention module around it is shared/model/attention/blocksparse.py.
 
 Design (Triton's fused-attention tutorial, tutorials/06-fused-attention.py, FA2 of Dao 2023, plus a lookup table):
   - Lookup table (`BlockLUT`), built once per layout on the CPU and copied once per device. A kernel program owns a
@@ -47,10 +48,6 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from shared import layouts
-from shared.attention import Attention
-from shared.config import GPTConfig
-
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 96, 128)
 SUPPORTED_BLOCKS = (16, 32, 64, 128)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -72,6 +69,30 @@ def _sorted_positions(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(1, int(counts.max()))
     ordered = ordered[:, :width]
     return torch.where(ordered < n, ordered, 0).to(torch.int32).contiguous(), counts.to(torch.int32).contiguous()
+
+
+def check_layout(layout: torch.Tensor) -> torch.Tensor:
+    """The layout as a contiguous CPU bool tensor (n_heads or 1, n_blocks, n_blocks), or a ValueError naming what the
+    kernels cannot run: another shape, non-0/1 values, a block above the diagonal, a row without any block."""
+    if not isinstance(layout, torch.Tensor) or layout.dim() != 3 or layout.shape[1] != layout.shape[2]:
+        shape = tuple(layout.shape) if isinstance(layout, torch.Tensor) else type(layout).__name__
+        raise ValueError(f"layout must be (n_heads or 1, n_blocks, n_blocks), got shape {shape}")
+    if layout.dtype != torch.bool:
+        if layout.is_floating_point() or not ((layout == 0) | (layout == 1)).all():
+            raise ValueError(f"layout must be bool or 0/1 integers, got dtype {layout.dtype}")
+        layout = layout.bool()
+    layout = layout.cpu()
+    nb = layout.shape[-1]
+    above = layout & ~torch.ones(nb, nb, dtype=torch.bool, device="cpu").tril()  # also under a default device
+    if above.any():
+        h, i, j = above.nonzero()[0].tolist()
+        raise ValueError(f"layout has a block above the diagonal (head {h}, query block {i}, key block {j}); "
+                         "the kernels compute causal attention only")
+    empty = ~layout.any(dim=-1)
+    if empty.any():
+        h, i = empty.nonzero()[0].tolist()
+        raise ValueError(f"layout row is empty (head {h}, query block {i}): those queries would attend to no key")
+    return layout.contiguous()
 
 
 @dataclass(frozen=True)
@@ -99,11 +120,9 @@ class BlockLUT:
 
     @staticmethod
     def from_layout(layout: torch.Tensor, block: int) -> BlockLUT:
-        """Tables of a bool layout (n_heads or 1, n_blocks, n_blocks), built on the CPU. The layout is validated
-        again (shared/layouts.validate): a block above the diagonal would otherwise be visited unmasked."""
-        if layout.dim() != 3:
-            raise ValueError(f"layout must be (n_heads or 1, n_blocks, n_blocks), got shape {tuple(layout.shape)}")
-        layout = layouts.validate(layout, layout.shape[0], layout.shape[-1])
+        """Tables of a bool layout (n_heads or 1, n_blocks, n_blocks), built on the CPU. The kernel's preconditions
+        are checked here (`check_layout`): a block above the diagonal would otherwise be visited unmasked."""
+        layout = check_layout(layout)
         n_heads, nb, _ = layout.shape
         off_diag = layout & ~torch.eye(nb, dtype=torch.bool, device=layout.device)  # [h, q, k]; none above diagonal
         row_idx, row_off = _sorted_positions(off_diag.reshape(n_heads * nb, nb))
@@ -741,30 +760,3 @@ def dropout_keep_mask(batch: int, heads: int, seq_len: int, dropout_p: float, se
 def draw_seed() -> int:
     """A dropout seed from torch's default CPU generator: reproducible under torch.manual_seed, no GPU sync."""
     return int(torch.randint(0, 2**31 - 1, (1,)).item())
-
-
-class BlockSparseAttention(Attention):
-    """The fused block-sparse kernel behind the Attention interface; the lookup table is built here, once."""
-
-    backend = "blocksparse"
-
-    def __init__(self, cfg: GPTConfig, layout: torch.Tensor):
-        super().__init__(cfg, layout)
-        check_block(cfg.sparse_block)
-        split_head_dim(cfg.head_dim)
-        self.lut = BlockLUT.from_layout(layout, cfg.sparse_block)
-        self._device_luts: dict[torch.device, BlockLUT] = {}
-
-    def lut_on(self, device: torch.device) -> BlockLUT:
-        if device not in self._device_luts:
-            self._device_luts[device] = self.lut.to(device)
-        return self._device_luts[device]
-
-    # Inside a compiled block (--compile blocks) the kernel runs as it is, between two compiled graphs: dynamo
-    # would otherwise trace into the Triton launcher and the seed's .item() (under TRITON_INTERPRET it cannot).
-    # The break is counted in the result's dynamo_graph_breaks.
-    @torch.compiler.disable
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        p = self._dropout()
-        seed = draw_seed() if p > 0 else 0
-        return blocksparse_attention(q, k, v, self.lut_on(q.device), p, seed)

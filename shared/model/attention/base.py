@@ -1,13 +1,7 @@
-"""Attention backends behind one call: `attn(q, k, v) -> y`, q/k/v/y of shape (B, n_head, T, head_dim).
+"""The attention interface and the two backends every build has: the base class, reference and sdpa.
 
-The backend is chosen once, at construction (`build_attention(cfg)`), from cfg.attention:
-  reference    plain masked attention over any block layout: the numerical definition every test compares to
-  sdpa         torch scaled_dot_product_attention, dense causal (only the causal layout)
-  blocksparse  our fused Triton kernel (shared/kernels/blocksparse_attention.py)
-  flex         PyTorch FlexAttention with a BlockMask built from the same layout
-  xformers     xformers.ops.memory_efficient_attention with the layout as an attention bias
-
-No backend falls back to another: one that cannot run raises with the reason, and `module.backend` names what runs.
+The other backends (shared/model/attention/blocksparse.py, flex.py, xformers.py) import only this module; the
+package's build_attention imports them on demand.
 """
 
 from __future__ import annotations
@@ -18,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared import layouts
-from shared.config import GPTConfig
+from shared.model import layouts
+from shared.model.config import GPTConfig
 
 
 class Attention(nn.Module):
@@ -92,25 +86,3 @@ def sdpa_kernel(cfg: GPTConfig, batch: int, dtype: torch.dtype, device: torch.de
         return SDPBackend(torch._fused_sdp_choice(q, q, q, dropout_p=cfg.attn_dropout, is_causal=True)).name
     except Exception as exc:  # a private API: say why it is unknown rather than fail the run
         return f"unknown ({type(exc).__name__}: {exc})"
-
-
-def build_attention(cfg: GPTConfig) -> Attention:
-    """The attention module for cfg.attention over cfg's layout (validated here, once)."""
-    layout = layouts.make_layout(cfg)
-    if cfg.attention == "reference":
-        return ReferenceAttention(cfg, layout)
-    if cfg.attention == "sdpa":
-        return SDPAttention(cfg, layout)
-    if cfg.attention == "blocksparse":
-        from shared.kernels.blocksparse_attention import BlockSparseAttention
-
-        return BlockSparseAttention(cfg, layout)
-    if cfg.attention == "flex":
-        from shared.flex_attention import FlexAttention
-
-        return FlexAttention(cfg, layout)
-    if cfg.attention == "xformers":
-        from shared.xformers_attention import XFormersAttention
-
-        return XFormersAttention(cfg, layout)
-    raise ValueError(f"unknown attention backend {cfg.attention!r}")

@@ -14,7 +14,7 @@ import re
 import textwrap
 import typing
 
-from shared.config import TrainConfig
+from shared.train.config import TrainConfig
 
 # The original min-LLM scripts' flags, mapped to our field names.
 ALIASES = {"micro_batch": ["--batch_size_per_gpu", "--batch-size-per-gpu"],
@@ -31,20 +31,22 @@ def _parse_bool(text: str) -> bool:
 
 
 def field_docs(cls) -> dict[str, str]:
-    """The docstring under each dataclass field (the config files document fields that way)."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
+    """The docstring under each dataclass field (the config files document fields that way), the base classes'
+    fields included (TrainConfig inherits the fused switches from shared/model/config.py FusedSwitches)."""
     docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
-            docs[node.target.id] = nxt.value.value.strip()
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        body = tree.body[0].body
+        for node, nxt in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
+                    and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+                docs[node.target.id] = nxt.value.value.strip()
     return docs
 
 
 def _named_values(doc: str) -> str:
-    """A field doc with the shared.config constants it names (`one of PRESETS`) spelled out for --help."""
-    from shared import config
+    """A field doc with the config constants it names (`one of PRESETS`) spelled out for --help."""
+    from shared.train import config
 
     def spell(m: re.Match) -> str:
         value = getattr(config, m.group(0), None)

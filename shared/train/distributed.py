@@ -94,7 +94,7 @@ def estimate_memory(train, world: int, device_type: str) -> dict[str, float]:
     (1 GPU) and 52.4 GiB (2 GPUs) where this gives 44.5 and 32.2: a bound, meant to refuse only what clearly
     cannot fit.
     """
-    from shared.flops import megatron_params
+    from shared.model.flops import megatron_params
 
     m = train.model()
     n = megatron_params(m.n_layer, m.n_embd, m.vocab_size, m.seq_len)
@@ -190,14 +190,14 @@ def check_build_locks(min_age_s: float = 10.0) -> None:
 def check_before_start(train, device: torch.device, world: int, local_world: int) -> None:
     """Everything that can be refused before a process group or DeepSpeed starts: the precision on this device,
     the token files, a user DeepSpeed JSON, a size that clearly cannot fit, a JIT-build lock left behind."""
-    from shared.data import check_data
-    from shared.ds_config import build_ds_config
+    from shared.train.data import check_data
+    from shared.train.ds_config import build_ds_config
 
     check_build_locks()
     check_precision(device, train.precision)
     check_data(train)
     if train.ds_config:
-        build_ds_config(train, train.model(), world)  # reads and checks the user's JSON
+        build_ds_config(train)  # reads and checks the user's JSON
     check_fits(train, device, world, local_world)
 
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from shared.attention import Attention
-from shared.config import GPTConfig
+from shared.model.attention.base import Attention
+from shared.model.config import GPTConfig
 
 _COMPILED = None
 

@@ -1,6 +1,6 @@
 """FLOPs of a GPT training step, and the peak a device can do: the one place both are written.
 
-Matmul FLOPs of shared.model.GPT, term by term. For a batch of B sequences of s tokens, l layers, hidden size h
+Matmul FLOPs of shared.model.gpt.GPT, term by term. For a batch of B sequences of s tokens, l layers, hidden size h
 and vocabulary V, one forward pass of one transformer layer multiplies
   - QKV projection        2*B*s*h*3h   = 6  B s h^2
   - attention scores QK^T  2*B*s*s*h    = 2  B s^2 h   (dense: every query against every key)
@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import warnings
 
-from shared.config import GPTConfig
+from shared.model.config import GPTConfig
 
 
 def megatron_flops(batch: int, seq: int, n_layer: int, hidden: int, vocab: int, k: int = 3) -> float:
@@ -65,7 +65,7 @@ def sparse_model_flops(batch: int, seq: int, n_layer: int, hidden: int, vocab: i
 
 def matmul_flops(batch: int, seq: int, n_layer: int, hidden: int, vocab: int, k: int = 3,
                  density: float = 1.0) -> float:
-    """Exact matmul FLOPs of one training step of shared.model.GPT: k*l*(24Bsh^2 + 4*d*Bs^2h) + 6BshV, with d the
+    """Exact matmul FLOPs of one training step of shared.model.gpt.GPT: k*l*(24Bsh^2 + 4*d*Bs^2h) + 6BshV, with d the
     share of the s x s score grid the attention computes (1 dense, causal_density(s) causal)."""
     if k not in (3, 4):
         raise ValueError(f"k must be 3 (no recompute) or 4 (activation checkpointing), got {k}")

@@ -1,20 +1,47 @@
 """Consolidate a DeepSpeed ZeRO checkpoint (either path's) into one fp32 .safetensors file.
 
-    python -m plain_deepspeed.export ckpt/step00000200 --out model.safetensors
-    python -m shared.generate model.safetensors --prompt "In the beginning"
+    python -m shared.tools.export ckpt/step00000200 --out model.safetensors
+    python -m shared.tools.generate model.safetensors --prompt "In the beginning"
 
 Uses DeepSpeed's own zero_to_fp32 (the fp32 master weights from the optimizer shards, so the result is exact
-whatever the training precision). Works for the raw loop's `CKPT_DIR/stepN/` folders and for the Lightning
-path's (`stepN/checkpoint/`, Lightning's DeepSpeed layout). ZeRO stages 1-3.
+whatever the training precision). Works for either path's stepNNNNNNNN folders (LAYOUTS says how each lays its
+checkpoint out). ZeRO stages 1-3.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-from shared import checkpoint
+from shared.train import checkpoint
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a path's DeepSpeed checkpoint lies in a stepNNNNNNNN folder, and how its parameters are named."""
+
+    in_subfolder: str | None
+    """None: DeepSpeed's tag is the step folder itself (CKPT_DIR/<tag>/...); else the subfolder that is the tag"""
+    prefix: str
+    """what the path's training module puts before the GPT's own parameter names"""
+
+
+# The one place that knows each path's checkpoint layout: the raw loop saves engine.save_checkpoint(CKPT_DIR,
+# tag=stepN); Lightning's DeepSpeedStrategy saves into stepN/checkpoint/ (tag "checkpoint"), and its
+# LightningModule (lightning_app/module.py) holds the GPT as `gpt`.
+LAYOUTS = {"deepspeed": Layout(in_subfolder=None, prefix=""),
+           "lightning": Layout(in_subfolder="checkpoint", prefix="gpt.")}
+
+
+def layout_of(folder: Path) -> Layout:
+    """The layout of a complete step folder: the path its completion marker names, else what lies in it (markers
+    written before they named the path)."""
+    written_by = (checkpoint.read_marker(folder) or {}).get("path")
+    if written_by in LAYOUTS:
+        return LAYOUTS[written_by]
+    return LAYOUTS["lightning"] if (folder / "checkpoint").is_dir() else LAYOUTS["deepspeed"]
 
 
 def export(folder: str | Path, out: str | Path, trust: bool = False) -> Path:
@@ -22,13 +49,13 @@ def export(folder: str | Path, out: str | Path, trust: bool = False) -> Path:
     checkpoint.check_safe_to_load(folder, trust)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    # The raw loop saves CKPT_DIR/<tag>/...; Lightning saves <folder>/checkpoint/... (tag "checkpoint").
-    ds_dir, tag = (folder, "checkpoint") if (folder / "checkpoint").is_dir() else (folder.parent, folder.name)
+    layout = layout_of(folder)
+    ds_dir, tag = (folder, layout.in_subfolder) if layout.in_subfolder else (folder.parent, folder.name)
     client = checkpoint.client_state_of(folder)
     if "model_config" not in client:
         raise ValueError(f"{str(folder)!r} was not written by this project (no model_config in its client state)")
     state = get_fp32_state_dict_from_zero_checkpoint(str(ds_dir), tag=tag)
-    state = {k.removeprefix("gpt."): v for k, v in state.items()}  # Lightning's module holds the GPT as `gpt`
+    state = {k.removeprefix(layout.prefix): v for k, v in state.items()}
     return checkpoint.save_exported(out, state, client["model_config"],
                                     {"data": client.get("data"), "step": client.get("step", client.get("global_step"))})
 

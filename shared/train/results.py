@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from shared import flops, layouts
-from shared.attention import sdpa_kernel
-from shared.config import GPTConfig, TrainConfig
-from shared.model import fused_paths
+from shared.model import flops, layouts
+from shared.model.attention import sdpa_kernel
+from shared.model.config import GPTConfig, fused_paths
+from shared.train.config import TrainConfig
 
 RESULT_VERSION = 1
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # what attention sees

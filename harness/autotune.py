@@ -24,8 +24,9 @@ import json
 import time
 from pathlib import Path
 
-from shared.config import TrainConfig
-from shared.ds_config import build_ds_config
+from harness.launch import CompareError
+from shared.train.config import TrainConfig
+from shared.train.ds_config import build_ds_config
 
 PREFETCH = (50_000_000, 200_000_000, 500_000_000, 1_000_000_000)
 REDUCE = (50_000_000, 200_000_000, 500_000_000)
@@ -79,8 +80,8 @@ class Search:
                             self.out_dir / "logs" / f"candidate_{i}.log")
             row.update(status="ok", tokens_per_s_per_gpu=r.tokens_per_s_per_gpu, tflops_per_gpu=r.tflops_per_gpu,
                        mfu=r.mfu, peak_mem_gib=r.peak_mem_gib, step_time_s=r.step_time_s["median"])
-        except Exception as e:  # compare.CompareError: the run failed; say why in the table
-            row.update(status="oom" if getattr(e, "oom", False) else "failed", error=str(e).splitlines()[0][:300])
+        except CompareError as e:  # the run failed: say why in the table
+            row.update(status="oom" if e.oom else "failed", error=str(e).splitlines()[0][:300])
         row["wall_s"] = time.perf_counter() - t
         self.slowest = max(self.slowest, row["wall_s"])
         self.tried.append(row)
@@ -143,7 +144,7 @@ def run_autotune(train: TrainConfig, ns, launch, out_dir: Path) -> dict:
     }
     if winner is not None:
         cfg = dataclasses.replace(base, **winner["knobs"])
-        (out_dir / "winner_ds_config.json").write_text(json.dumps(build_ds_config(cfg, cfg.model(), ns.world),
+        (out_dir / "winner_ds_config.json").write_text(json.dumps(build_ds_config(cfg),
                                                                   indent=1))
         flags = [f"--ds_config {out_dir / 'winner_ds_config.json'}", f"--micro_batch {cfg.micro_batch}"]
         if cfg.activation_checkpointing:

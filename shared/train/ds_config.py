@@ -17,7 +17,9 @@ import base64
 import json
 from pathlib import Path
 
-from shared.config import GPTConfig, TrainConfig
+from shared.model.config import GPTConfig
+from shared.train.compile import leaf_module_class
+from shared.train.config import TrainConfig
 
 # Top-level keys DeepSpeed 0.19 reads (deepspeed/runtime/config.py and the docs' config-json page). DeepSpeed
 # silently ignores any other top-level key, so a typo ("zero_optimisation") would run an unintended config.
@@ -35,17 +37,14 @@ KNOWN_TOP_LEVEL_KEYS = frozenset({
     "disable_python_gc", "load_universal", "use_node_local_storage",
 })
 
-# The transformer block's class as DeepSpeed's leaf_module config names it (module path + qualname).
-BLOCK_CLASS = "shared.model.Block"
-
 # Lightning's own loss-scale defaults: written out so that Lightning's precision formatting leaves the dict alone.
 FP16_DEFAULTS = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
                  "hysteresis": 2, "min_loss_scale": 1}
 
 
-def build_ds_config(train: TrainConfig, model: GPTConfig | None = None, world_size: int = 1) -> dict:
+def build_ds_config(train: TrainConfig) -> dict:
     """The DeepSpeed config for this run: the user's JSON if given (validated), else the chosen profile."""
-    model = model or train.model()
+    model = train.model()
     if train.ds_config:
         return load_user_ds_config(train.ds_config, train)
     h = model.n_embd
@@ -76,10 +75,10 @@ def build_ds_config(train: TrainConfig, model: GPTConfig | None = None, world_si
         cfg["bf16"] = {"enabled": True}
     elif train.precision == "fp16":
         cfg["fp16"] = dict(FP16_DEFAULTS)
-    if train.stage == 3 and model.compile == "blocks":
-        # A compiled block must hold no DeepSpeed hook (see shared/model.py Block): gather its parameters in one
+    if train.stage == 3 and train.compile == "blocks":
+        # A compiled block must hold no DeepSpeed hook (see shared/train/compile.py): gather its parameters in one
         # hook on the block itself.
-        zero["leaf_module"] = {"classes": [BLOCK_CLASS]}
+        zero["leaf_module"] = {"classes": [leaf_module_class()]}
         # zero.Init replaces F.linear by DeepSpeed's LinearFunctionForZeroStage3, whose code reads each weight's
         # ds_id: dynamo guards on it and compiles the block again for every layer until its recompile limit (8),
         # the rest running eager (measured on the H200: 8 graphs, 1 limit hit, 1.007x; benchmarks/results/
@@ -93,7 +92,7 @@ def build_ds_config(train: TrainConfig, model: GPTConfig | None = None, world_si
         # (deepspeed/compile/init_z3.py); it restores torch's own F.linear itself.
         cfg["compile"] = {"deepcompile": True}
     if train.zero_profile == "tuned":
-        _apply_tuned_rules(cfg, model, world_size)
+        _apply_tuned_rules(cfg, model)
     _apply_overrides(cfg["zero_optimization"], train)
     return cfg
 
@@ -119,7 +118,7 @@ def _apply_overrides(zero: dict, train: TrainConfig) -> None:
         zero[key] = int(value)
 
 
-def _apply_tuned_rules(cfg: dict, model: GPTConfig, world_size: int) -> None:
+def _apply_tuned_rules(cfg: dict, model: GPTConfig) -> None:
     """Throughput rules for ZeRO; each cites what it fixes and the measurement behind it.
 
     Measured together (benchmarks/results, 1.5b, ZeRO-3 bf16, micro-batch 8, H200): the raw loop ran at 357.2 /
@@ -215,14 +214,15 @@ def load_user_ds_config(source: str | Path, train: TrainConfig) -> dict:
     if stage == 3 and train.memory_efficient_linear is not None:
         raise ValueError(f"--memory_efficient_linear has no effect with --ds_config {name}: set "
                          "zero_optimization.memory_efficient_linear in the JSON instead")
-    if stage == 3 and train.model().compile == "blocks":
+    if stage == 3 and train.compile == "blocks":
         zero = cfg["zero_optimization"]
         leaf = zero.get("leaf_module", {}).get("classes", [])
         leaf = [leaf] if isinstance(leaf, str) else leaf
-        if BLOCK_CLASS not in leaf and BLOCK_CLASS.rsplit(".", 1)[1] not in leaf:  # DeepSpeed takes either
+        block = leaf_module_class()
+        if block not in leaf and block.rsplit(".", 1)[1] not in leaf:  # DeepSpeed takes either
             raise ValueError(
                 f"DeepSpeed config {name}: --compile blocks under ZeRO-3 needs zero_optimization.leaf_module."
-                f"classes to contain {BLOCK_CLASS!r} (else DeepSpeed's hooks break every compiled graph)"
+                f"classes to contain {block!r} (else DeepSpeed's hooks break every compiled graph)"
             )
         if zero.get("memory_efficient_linear", True):
             raise ValueError(

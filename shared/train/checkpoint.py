@@ -316,11 +316,12 @@ def load_exported(path: str | Path, attention: str | None = None):
     parameters, and generation's growing sequence lengths (and a CPU) suit the plain model."""
     from safetensors.torch import load_file
 
-    from shared.config import FUSED_FLAGS, GPTConfig
-    from shared.model import GPT
+    from shared.model.config import FUSED_FLAGS, GPTConfig
+    from shared.model.gpt import GPT
 
     meta = read_export_meta(path)
-    cfg_dict = {**meta["model_config"], **dict.fromkeys(FUSED_FLAGS, False), "compile": "none"}
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}  # older exports also recorded the compile mode
+    cfg_dict = {**{k: v for k, v in meta["model_config"].items() if k in fields}, **dict.fromkeys(FUSED_FLAGS, False)}
     if attention is not None:
         cfg_dict = {**cfg_dict, "attention": attention}
     model = GPT(GPTConfig(**cfg_dict))

@@ -17,6 +17,7 @@ Choices, and why:
   and both residual branches.
 
 No Lightning or DeepSpeed import: the LightningModule wraps this very object and the raw loop trains it directly.
+How it is compiled or sharded is applied from outside (shared/train/compile.py, shared/train/ds_config.py).
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from shared import fused_ops
-from shared.attention import build_attention
-from shared.config import GPTConfig
-from shared.fused_loss import chunked_linear_cross_entropy
+from shared.model import fused_ops
+from shared.model.attention import build_attention
+from shared.model.config import GPTConfig
+from shared.model.fused_loss import chunked_linear_cross_entropy
 
 INIT_STD = 0.02
 
@@ -129,15 +130,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LN transformer block. With cfg.compile == "blocks" its forward is torch.compile'd.
-
-    Under ZeRO-3 DeepSpeed hooks every module that owns parameters to gather them before its forward; those
-    hooks are torch.compiler.disable'd, so a compiled region that contains submodules breaks its graph at each
-    one, and DeepSpeed's release loop adds more breaks and recompiles (what DeepSpeed's engine.compile() hits on
-    this model: README, "Fused paths and torch.compile"). build_ds_config therefore makes Block a ZeRO-3 *leaf
-    module* when compiling: one hook on the block gathers all its parameters, none fire inside it, and the
-    compiled forward is one graph with no break, shared by every block (the parameters are graph inputs).
-    """
+    """Pre-LN transformer block. `--compile blocks` compiles its forward from outside (shared/train/compile.py),
+    where the reason it is the unit of compilation, and a ZeRO-3 leaf module, is written down."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -145,19 +139,10 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = LayerNorm(cfg)
         self.mlp = MLP(cfg)
-        self.compiled = cfg.compile == "blocks"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.compiled:
-            return _compiled_block_forward(self, x)
-        return self._forward(x)
-
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.attn(self.ln_1(x), residual=x)
         return self.mlp(self.ln_2(x), residual=x)
-
-
-_compiled_block_forward = torch.compile(Block._forward, dynamic=False)
 
 
 class LMHead(nn.Module):
@@ -213,14 +198,3 @@ def count_parameters(model: nn.Module) -> int:
         seen.add(id(p))
         total += getattr(p, "ds_numel", p.numel())
     return total
-
-
-def fused_paths(cfg: GPTConfig) -> dict[str, bool | str]:
-    """Every optional fused path and whether this model runs it (recorded in each result JSON)."""
-    return {
-        "chunked_linear_cross_entropy": cfg.fused_loss,
-        "bias_dropout_add": cfg.fused_bias_dropout_add,
-        "bias_gelu": cfg.fused_bias_gelu,
-        "layernorm_liger": cfg.fused_layernorm,
-        "compile": cfg.compile,
-    }

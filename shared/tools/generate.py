@@ -1,6 +1,6 @@
 """Sample text from exported weights (`plain_deepspeed/export.py` or a run's `--export`).
 
-    python -m shared.generate model.safetensors --prompt "In the beginning" --tokens 200 --temperature 0.8
+    python -m shared.tools.generate model.safetensors --prompt "In the beginning" --tokens 200 --temperature 0.8
 
 The tokenizer is the one the training data was made with (read from the data's metadata, recorded in the
 export); byte-level when the model was trained on synthetic tokens. Runs on CPU or one GPU, no DeepSpeed.
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from shared.checkpoint import load_exported, read_export_meta
-from shared.prepare_data import get_tokenizer
+from shared.tools.prepare_data import get_tokenizer
+from shared.train.checkpoint import load_exported, read_export_meta
 
 
 def tokenizer_for(meta: dict):

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from shared.config import TrainConfig
+from shared.train.config import TrainConfig
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

@@ -4,7 +4,7 @@ Every micro-batch is a pure function of (seed, rank, micro_step), so the raw loo
 batches, a resumed run continues with the batch it would have seen, and no global RNG is touched (a
 RandomSampler would draw from torch's global generator and shift every dropout mask after it).
 
-Token files (written by `python -m shared.prepare_data`): `PREFIX.train.bin` / `PREFIX.val.bin`, a flat array
+Token files (written by `python -m shared.tools.prepare_data`): `PREFIX.train.bin` / `PREFIX.val.bin`, a flat array
 of uint16 (vocab <= 65535) or uint32 token ids, and `PREFIX.meta.json` with the dtype, vocab size and tokenizer.
 """
 
@@ -46,7 +46,7 @@ def read_meta(prefix: str | Path) -> dict:
     if not meta_path.is_file():
         raise ValueError(
             f"token file metadata {str(meta_path)!r} not found; make it with "
-            f"`python -m shared.prepare_data TEXT --out {prefix}`"
+            f"`python -m shared.tools.prepare_data TEXT --out {prefix}`"
         )
     return json.loads(meta_path.read_text())
 

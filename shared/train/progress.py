@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shared.timing import PhaseTimer
+from shared.train.timing import PhaseTimer
 
 CSV_FIELDS = ("step", "loss", "lr", "grad_norm", "step_ms", "tflops_per_gpu", "mfu", "mem_gib", "elapsed_s")
 

@@ -1,8 +1,8 @@
-"""Tokenize local text once into memory-mapped token files for shared/data.py.
+"""Tokenize local text once into memory-mapped token files for shared/train/data.py.
 
-    python -m shared.prepare_data data/kjv.txt --out data/kjv                     # byte-level (vocab 256)
-    python -m shared.prepare_data data/kjv.txt --out data/kjv_bpe --tokenizer bpe  # BPE trained on the corpus
-    python -m shared.prepare_data books/ --out data/books --tokenizer gpt2         # GPT-2 BPE, if available offline
+    python -m shared.tools.prepare_data data/kjv.txt --out data/kjv                      # byte-level (vocab 256)
+    python -m shared.tools.prepare_data data/kjv.txt --out data/kjv_bpe --tokenizer bpe  # BPE trained on the text
+    python -m shared.tools.prepare_data books/ --out data/books --tokenizer gpt2         # GPT-2 BPE, offline only
 
 Writes PREFIX.train.bin and PREFIX.val.bin (flat uint16 or uint32 token ids) and PREFIX.meta.json (and, for
 `bpe`, PREFIX.tokenizer.json). A folder is read as its *.txt files, each file a document, in an order shuffled

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from shared.config import GPTConfig
+from shared.model.config import GPTConfig
 
 
 def causal(n_blocks: int) -> torch.Tensor:

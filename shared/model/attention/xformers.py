@@ -29,9 +29,9 @@ import functools
 
 import torch
 
-from shared import layouts
-from shared.attention import Attention
-from shared.config import GPTConfig
+from shared.model import layouts
+from shared.model.attention.base import Attention
+from shared.model.config import GPTConfig
 
 STALE_REASON = "xFormers wasn't build with CUDA support"  # xformers.ops.fmha.common, spelled as xFormers spells it
 

@@ -1,166 +1,42 @@
-"""The one source of every flag: GPTConfig (model shape, named presets) and TrainConfig (a run).
+"""The run's configuration: TrainConfig, every flag of a training or benchmark run.
 
-Both training paths, compare.py and the tests build these dataclasses; CLI flags are the field names
-(`--micro_batch` and `--micro-batch` both work, see shared/cli.py). Validation lives in __post_init__ and
-raises ValueError naming the offending value, so a bad flag fails before any process group or GPU is touched.
+Both training paths, compare.py and the tests build it; CLI flags are the field names (`--micro_batch` and
+`--micro-batch` both work, see shared/train/cli.py). The network's own fields (preset, shape overrides, the fused
+switches) come from shared/model/config.py. Validation lives in __post_init__ and raises ValueError naming the
+offending value, so a bad flag fails before any process group or GPU is touched.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
-ATTENTION_BACKENDS = ("sdpa", "reference", "blocksparse", "flex", "xformers")
-LAYOUTS = ("causal", "local", "strided", "dense")  # or a path to a saved bool tensor (see shared/layouts.py)
+from shared.model.config import (  # noqa: F401  (ATTENTION_BACKENDS, LAYOUTS: named in field docs, see cli.py)
+    ATTENTION_BACKENDS,
+    FUSED_FLAGS,
+    LAYOUTS,
+    PRESETS,
+    FusedSwitches,
+    GPTConfig,
+    preset,
+)
+
 PRECISIONS = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "fusedadam")
 ZERO_PROFILES = ("original", "tuned")
 GC_POLICIES = ("auto", "freeze")
-# How the model is compiled. none and blocks are applied by the model itself (GPTConfig.compile); deepcompile is
-# DeepSpeed's compiler pass for ZeRO (the engine compiles the whole GPT forward + loss; shared/ds_config.py).
+# How the model is compiled, applied from outside the model: blocks by shared/train/compile.py (each block's forward
+# compiled), deepcompile by DeepSpeed's compiler pass for ZeRO (the engine compiles the whole GPT forward + loss;
+# shared/train/ds_config.py).
 COMPILE_MODES = ("none", "blocks", "deepcompile")
-MODEL_COMPILE_MODES = ("none", "blocks")
 # DeepCompile profiles its first steps and recompiles with prefetching at this global step (deepspeed/compile/
 # init_z3.py WARMUP): a timed step must come after it.
 DEEPCOMPILE_WARMUP = 5
-# The model-level fused paths: one switch each, GPTConfig and TrainConfig fields of the same name.
-FUSED_FLAGS = ("fused_loss", "fused_bias_dropout_add", "fused_bias_gelu", "fused_layernorm")
 NAN_POLICIES = ("stop", "skip")
-# Overheads the Lightning path can switch on one at a time (compare.py --explain); lightning_app/ implements each.
-LIGHTNING_OVERHEADS = {
-    "pl_default_ds_config": "Lightning's own DeepSpeed defaults (DeepSpeedStrategy(stage=...), no config dict)",
-    "original_ds_config": "the study's original DS config in Lightning while raw runs the run's profile",
-    "progress_bar": "Lightning's TQDM progress bar, refreshed every step",
-    "log_loss": "self.log('train_loss', loss, prog_bar=True) every step",
-    "log_sync_dist": "self.log('train_loss', loss, prog_bar=True, sync_dist=True) every step",
-    "sigterm_check": "Lightning's per-step SIGTERM broadcast + .item() (Lightning >= 2.5.2, issue #21487)",
-    "ds_throughput_timer": "DeepSpeed's throughput timer, synchronized (its default: 2 device syncs a step)",
-    "ds_wall_clock_breakdown": "DeepSpeed's wall_clock_breakdown (synchronized fwd/bwd/step timers)",
-    "pl_grad_clip": "gradient clipping through Trainer(gradient_clip_val) instead of the DS dict",
-    "dataloader_workers": "DataLoader with 4 worker processes (the study's num_workers=4)",
-    "no_pin_memory": "DataLoader without pinned memory",
-    "model_outside_configure_model": "GPT built in __init__, outside zero.Init (partitioned only at initialize)",
-    "python_gc_auto": "Python's automatic GC scanning every object (no gc.freeze() after set-up)",
-}
 
 
 @dataclass
-class GPTConfig:
-    """Shape of the GPT and how its attention is computed."""
-
-    n_layer: int = 2
-    """number of transformer blocks (l in the FLOPs formula)"""
-    n_head: int = 4
-    """attention heads per block"""
-    n_embd: int = 64
-    """hidden size (h in the FLOPs formula)"""
-    seq_len: int = 128
-    """tokens per sample (s); also the size of the learned position table"""
-    vocab_size: int = 256
-    """vocabulary size (V); 50257 is GPT-2's BPE, 256 the byte-level tokenizer"""
-    dropout: float = 0.1
-    """dropout on embeddings and on both residual branches (the original study used 0.1)"""
-    attn_dropout: float = 0.1
-    """dropout on the attention probabilities"""
-    bias: bool = True
-    """biases in Linear and LayerNorm layers (GPT-2/Megatron style)"""
-    attention: str = "sdpa"
-    """attention backend: one of ATTENTION_BACKENDS"""
-    layout: str = "causal"
-    """block layout for sparse backends: causal | local | strided | dense | path to a .pt bool tensor"""
-    sparse_block: int = 128
-    """tokens per layout block (the original study used 128)"""
-    local_blocks: int = 4
-    """window of the `local` layout, in blocks (each query block sees itself and local_blocks-1 before it)"""
-    stride_blocks: int = 4
-    """segment length of the `strided` layout, in blocks (Sparse Transformer's fixed pattern)"""
-    activation_checkpointing: bool = False
-    """recompute each block in backward (torch.utils.checkpoint): FLOPs factor k=4 instead of 3"""
-    fused_loss: bool = False
-    """LM head + cross-entropy over row chunks, never the whole batch's fp32 logits (shared/fused_loss.py)"""
-    fused_bias_dropout_add: bool = False
-    """residual + dropout(x W^T + b) of both branch outputs as one compiled kernel (shared/fused_ops.py)"""
-    fused_bias_gelu: bool = False
-    """gelu(x W^T + b) of the MLP as one compiled kernel after the bias-free matmul (shared/fused_ops.py)"""
-    fused_layernorm: bool = False
-    """liger-kernel's Triton LayerNorm forward/backward (CUDA only; shared/fused_ops.py)"""
-    compile: str = "none"
-    """none | blocks: torch.compile each block's forward; under ZeRO-3 the block is a DeepSpeed leaf module,
-    so its parameters are gathered in one hook outside the compiled region (shared/model.py)"""
-
-    def __post_init__(self) -> None:
-        for name in ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "sparse_block",
-                     "local_blocks", "stride_blocks"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.n_embd % self.n_head != 0:
-            raise ValueError(
-                f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}): "
-                f"head_dim would be {self.n_embd / self.n_head:g}"
-            )
-        if self.attention not in ATTENTION_BACKENDS:
-            raise ValueError(f"unknown attention backend {self.attention!r}; choose one of {ATTENTION_BACKENDS}")
-        if self.seq_len % self.sparse_block != 0:
-            raise ValueError(
-                f"seq_len ({self.seq_len}) must be a multiple of sparse_block ({self.sparse_block}) "
-                "so that the block layout tiles the sequence"
-            )
-        for name in ("dropout", "attn_dropout"):
-            value = getattr(self, name)
-            if not 0.0 <= value < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {value!r}")
-        if self.layout not in LAYOUTS and not self.layout.endswith(".pt"):
-            raise ValueError(f"unknown layout {self.layout!r}; choose one of {LAYOUTS} or a path to a .pt file")
-        if self.compile not in MODEL_COMPILE_MODES:
-            raise ValueError(f"unknown model compile mode {self.compile!r}; choose one of {MODEL_COMPILE_MODES} "
-                             "(deepcompile is applied by the DeepSpeed engine, see TrainConfig.compile)")
-        if self.fused_layernorm and self.compile != "none":
-            raise ValueError(
-                "fused_layernorm does not combine with --compile blocks: liger-kernel's LayerNorm kernel fails to "
-                "compile when torch.compile traces it (Triton CompilationError on its eps argument, seen on the "
-                "H200), and the compiled block fuses its LayerNorms itself; drop one of the two"
-            )
-        if self.fused_layernorm and not self.bias:
-            raise ValueError("fused_layernorm (liger-kernel's LayerNorm) needs bias=True")
-
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
-
-    @property
-    def n_blocks(self) -> int:
-        return self.seq_len // self.sparse_block
-
-
-# Megatron/GPT-3-style sizes. `1.5b` is the original study's model (n_embd 2304, 24 layers, 24 heads, seq 2048,
-# vocab 50257), 1.65B parameters by the Megatron formula (shared/flops.py). `tiny` runs a CPU step in milliseconds.
-PRESETS: dict[str, dict] = {
-    "tiny": dict(n_layer=2, n_head=4, n_embd=64, seq_len=128, vocab_size=256, sparse_block=16,
-                 local_blocks=2, stride_blocks=4),
-    "125m": dict(n_layer=12, n_head=12, n_embd=768, seq_len=2048, vocab_size=50257),
-    "350m": dict(n_layer=24, n_head=16, n_embd=1024, seq_len=2048, vocab_size=50257),
-    "760m": dict(n_layer=24, n_head=16, n_embd=1536, seq_len=2048, vocab_size=50257),
-    "1.5b": dict(n_layer=24, n_head=24, n_embd=2304, seq_len=2048, vocab_size=50257),
-    "3b": dict(n_layer=26, n_head=24, n_embd=3072, seq_len=2048, vocab_size=50257),
-}
-
-
-def preset(name: str, **overrides) -> GPTConfig:
-    """GPTConfig of a named preset, with field overrides (None values are ignored)."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose one of {tuple(PRESETS)}")
-    fields = {f.name for f in dataclasses.fields(GPTConfig)}
-    unknown = set(overrides) - fields
-    if unknown:
-        raise ValueError(f"unknown GPTConfig field(s) {sorted(unknown)}")
-    kwargs = {**PRESETS[name], **{k: v for k, v in overrides.items() if v is not None}}
-    return GPTConfig(**kwargs)
-
-
-@dataclass
-class TrainConfig:
-    """One training or benchmark run; both paths read exactly these fields."""
+class TrainConfig(FusedSwitches):
+    """One training or benchmark run; both paths read exactly these fields (the fused switches: FusedSwitches)."""
 
     preset: str = "tiny"
     """model preset: one of PRESETS"""
@@ -208,24 +84,14 @@ class TrainConfig:
     """override both dropout rates of the preset"""
     activation_checkpointing: bool = False
     """recompute blocks in backward (FLOPs factor k=4)"""
-    fused_loss: bool = False
-    """chunked linear + cross-entropy in the LM head (no full fp32 logits; shared/fused_loss.py)"""
-    fused_bias_dropout_add: bool | None = None
-    """residual + dropout(x W^T + b) as one compiled kernel (shared/fused_ops.py); default: on with CUDA, off on
-    CPU. Chosen from a single run (+4.1% raw on one H200, one run per path, no repeat: inside single-run noise;
-    benchmarks/results/ablation_1xh200_first)"""
-    fused_bias_gelu: bool | None = None
-    """gelu(x W^T + b) as one compiled kernel (shared/fused_ops.py); default: on with CUDA, off on CPU. Chosen from a
-    single run (+3.5% raw, as fused_bias_dropout_add: inside single-run noise)"""
-    fused_layernorm: bool = False
-    """liger-kernel's Triton LayerNorm (CUDA only)"""
     compile: str = "none"
     """none | blocks | deepcompile. blocks: torch.compile each block (a DeepSpeed ZeRO-3 leaf module; see
-    shared/model.py). deepcompile: DeepSpeed's compiler pass for ZeRO 1-3 (CUDA only): engine.compile() compiles the
-    whole GPT forward and loss and schedules the gathers and reduce-scatters inside the graph; fastest mode measured
-    (README), but its GPU tests are not all green yet and each run spends ~4-5 min warming up, so it is opt-in"""
+    shared/train/compile.py). deepcompile: DeepSpeed's compiler pass for ZeRO 1-3 (CUDA only): engine.compile()
+    compiles the whole GPT forward and loss and schedules the gathers and reduce-scatters inside the graph; fastest
+    mode measured (README), but its GPU tests are not all green yet and each run spends ~4-5 min warming up,
+    so it is opt-in"""
     zero_profile: str = "tuned"
-    """DeepSpeed config rules: tuned (the default; see shared/ds_config.py; chosen from a single pair of runs per
+    """DeepSpeed config rules: tuned (the default; see shared/train/ds_config.py; chosen from a single pair of runs per
     profile, raw first: +8.5% raw per GPU on 2 H200s, inside single-pair noise) |
     original (the 2022 study's bucket sizes and DeepSpeed's synchronized throughput timer)"""
     reduce_bucket_size: int | None = None
@@ -246,11 +112,12 @@ class TrainConfig:
     python_gc: str = "freeze"
     """auto (Python's default) | freeze: gc.freeze() after set-up, so collections skip the model's objects"""
     lightning_overheads: str = ""
-    """comma-separated LIGHTNING_OVERHEADS to switch on in the Lightning path (compare.py --explain)"""
+    """comma-separated overheads to switch on in the Lightning path (names: lightning_app/overheads.py; compare.py
+    --explain runs each); the raw loop ignores them"""
     sigterm_check_every: int = 50
     """Lightning path: steps between Lightning's SIGTERM broadcast (it does one every step, a host sync)"""
     data: str = "synthetic"
-    """synthetic (seeded random tokens) or the prefix of a token file made by `python -m shared.prepare_data`"""
+    """synthetic (seeded random tokens) or the prefix of a token file made by `python -m shared.tools.prepare_data`"""
     log_every: int = 10
     """print a progress line every N steps (read asynchronously: no extra host sync)"""
     out: str = "runs/result.json"
@@ -307,10 +174,6 @@ class TrainConfig:
             raise ValueError(f"unknown zero_profile {self.zero_profile!r}; choose one of {ZERO_PROFILES}")
         if self.python_gc not in GC_POLICIES:
             raise ValueError(f"unknown python_gc {self.python_gc!r}; choose one of {GC_POLICIES}")
-        unknown = set(self.overheads) - set(LIGHTNING_OVERHEADS)
-        if unknown:
-            raise ValueError(f"unknown lightning_overheads {sorted(unknown)}; choose from "
-                             f"{sorted(LIGHTNING_OVERHEADS)}")
         if self.nan_policy not in NAN_POLICIES:
             raise ValueError(f"unknown nan_policy {self.nan_policy!r}; choose one of {NAN_POLICIES}")
         for name in ("save_every", "keep_last", "val_every", "max_nan_skips"):
@@ -335,16 +198,23 @@ class TrainConfig:
             _check_deepcompile(self)
         if self.memory_efficient_linear and self.compile == "blocks" and self.stage == 3:
             raise ValueError("--memory_efficient_linear true cannot be used with --compile blocks under ZeRO-3: "
-                             "DeepSpeed's linear makes dynamo recompile for every block (see shared/ds_config.py)")
-        if "pl_default_ds_config" in self.overheads and self.compile != "none" and self.stage == 3:
-            raise ValueError(f"lightning_overheads pl_default_ds_config cannot run with --compile {self.compile} "
-                             "under ZeRO-3: Lightning's own DeepSpeed dict has no compile section, leaf module or "
-                             "linear setting, so the Lightning path would compile differently from the raw one; "
-                             "pass --compile none")
-        self.model()  # validate the model overrides now, not after the process group is up
+                             "DeepSpeed's linear makes dynamo recompile for every block "
+                             "(see shared/train/ds_config.py)")
+        if self.fused_layernorm and self.compile == "blocks":
+            raise ValueError(
+                "fused_layernorm does not combine with --compile blocks: liger-kernel's LayerNorm kernel fails to "
+                "compile when torch.compile traces it (Triton CompilationError on its eps argument, seen on the "
+                "H200), and the compiled block fuses its LayerNorms itself; drop one of the two"
+            )
+        # Built once, here: the model overrides are validated now, not after the process group is up, and every
+        # caller reads the same object (dataclasses.replace runs __post_init__ again, so a copy gets its own).
+        self._model = self._build_model()
 
     def model(self) -> GPTConfig:
-        """The GPTConfig this run trains: the preset with this run's overrides."""
+        """The GPTConfig this run trains: the preset with this run's overrides (built once, in __post_init__)."""
+        return self._model
+
+    def _build_model(self) -> GPTConfig:
         drop = self.dropout
         return preset(
             self.preset,
@@ -358,8 +228,7 @@ class TrainConfig:
             dropout=drop,
             attn_dropout=drop,
             activation_checkpointing=self.activation_checkpointing,
-            compile="blocks" if self.compile == "blocks" else "none",
-            **{name: _on_gpu_by_default(getattr(self, name)) for name in FUSED_FLAGS},
+            **self.resolve_fused(),
         )
 
     @property
@@ -393,15 +262,6 @@ def _check_deepcompile(train: TrainConfig) -> None:
     if train.fused_layernorm:
         raise ValueError("fused_layernorm does not combine with --compile deepcompile: liger-kernel's LayerNorm "
                          "fails to compile under torch.compile (Triton CompilationError on its eps argument)")
-
-
-def _on_gpu_by_default(flag: bool | None) -> bool:
-    """None (not given): on where a CUDA device is, where it was measured to win; CPU runs stay eager."""
-    if flag is not None:
-        return flag
-    import torch
-
-    return torch.cuda.is_available()
 
 
 _PRECISION_ALIASES = {

@@ -1,0 +1,183 @@
+"""Launching runs: each path (or reference row) in its own process group, as compare.py, explain, autotune and the
+benchmarks start them, and stopping them again.
+
+A run is `python -m torch.distributed.run --standalone` of the path's script with the run's flags; the numbers come
+back in the RunResult JSON the run writes (shared/train/results.py). Whatever stops the caller (SIGTERM, Ctrl-C,
+an error, the timeout) stops the run's whole process tree with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from shared.train.cli import to_argv
+from shared.train.config import TrainConfig
+from shared.train.results import RunResult
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = {"deepspeed": ROOT / "plain_deepspeed" / "train.py", "lightning": ROOT / "lightning_app" / "train.py",
+           "ceiling": ROOT / "benchmarks" / "reference.py", "fsdp2": ROOT / "benchmarks" / "reference.py"}
+SCRIPT_ARGS = {"ceiling": ["--mode", "ceiling"], "fsdp2": ["--mode", "fsdp2"]}
+PATHS = ("deepspeed", "lightning")
+# Reference rows (--reference): the same model, seed and batches without DeepSpeed (benchmarks/reference.py).
+# ceiling: unsharded, whole model compiled, one GPU; fsdp2: torch FSDP2 + compiled blocks on the run's GPUs.
+REFERENCES = ("ceiling", "fsdp2")
+# After SIGTERM to a run's process group: seconds before what is left of it gets SIGKILL. A run stops at its
+# next agreed preemption check (--sigterm_check_every steps); a benchmark run keeps nothing worth waiting for.
+GRACE_S = 15
+
+
+class CompareError(Exception):
+    """A run failed; the message names it and where its log is."""
+
+    @property
+    def oom(self) -> bool:
+        """The run ran out of device memory (see is_oom)."""
+        return is_oom(str(self))
+
+    @property
+    def reason(self) -> str:
+        """The run's own error line if its log had one, else the first line of the message."""
+        lines = str(self).splitlines()
+        return next((ln for ln in lines if ln.startswith("reason:")), lines[0])
+
+
+# Process-group ids of the runs in progress (several at once with --parallel, each waited on in its own thread).
+RUNNING: set[int] = set()
+
+
+class Stopped(BaseException):
+    """compare.py itself was told to stop (SIGTERM); its running run was stopped with it. A BaseException, as
+    KeyboardInterrupt is, so that the searches' `except Exception` (a failed candidate) does not swallow it."""
+
+
+def raise_stopped(signum, frame) -> None:
+    """Signal handler: turn SIGTERM into Stopped (installed by compare.py's entry point)."""
+    raise Stopped(signal.Signals(signum).name)
+
+
+def stop_group(pid: int, grace_s: float = GRACE_S) -> None:
+    """Stop a run started with start_new_session=True: SIGTERM to its process group (torchrun passes it on to the
+    training processes), then SIGKILL to every process of its tree still alive after grace_s.
+
+    The tree is walked, not only the group, because torchrun starts each training process in a session of its own
+    (torch.distributed.elastic's subprocess handler): once torchrun is gone they would run on, orphaned. SIGTERM
+    and SIGINT to compare.py are held off meanwhile, so a second Ctrl-C cannot leave the run half-stopped.
+    """
+    import psutil  # a DeepSpeed dependency
+
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    try:
+        def tree() -> list:
+            try:
+                root = psutil.Process(pid)
+                return [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                return []
+
+        procs = tree()
+        try:
+            os.killpg(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        _, alive = psutil.wait_procs(procs, timeout=grace_s)
+        alive = {p.pid: p for p in alive + tree()}  # and what they started meanwhile
+        for p in alive.values():
+            try:
+                p.kill()  # psutil checks the process is still the one listed (pid reuse)
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(list(alive.values()), timeout=10)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+
+def run_env(extra: dict | None = None) -> dict:
+    """The environment a training process is started with: unbuffered output, this repo importable."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra or {}))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def is_oom(text: str) -> bool:
+    """A run's message says it ran out of device memory: both paths turn that into "micro_batch N does not fit
+    in ..." (shared/train/distributed.oom_message); an out-of-memory they did not catch still says "out of memory"."""
+    return "does not fit" in text or "out of memory" in text.lower()
+
+
+def launch(path: str, train: TrainConfig, world: int, out: Path, log: Path, timeout: int,
+           env: dict | None = None) -> RunResult:
+    """Run one path in its own processes (torchrun, one process per GPU) and read back its RunResult.
+
+    env: extra environment for the run (e.g. CUDA_VISIBLE_DEVICES to pin it to some of the GPUs)."""
+    run_cfg = dataclasses.replace(train, out=str(out))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+           str(SCRIPTS[path]), *SCRIPT_ARGS.get(path, []), *to_argv(run_cfg)]
+    log.parent.mkdir(parents=True, exist_ok=True)
+    env = run_env(env)
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        f.write(" ".join(cmd) + "\n")
+        f.flush()
+        # Its own session and process group: whatever stops compare.py (SIGTERM, Ctrl-C, an error, the timeout)
+        # stops torchrun and every training process with it, instead of leaving them running orphaned.
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        RUNNING.add(proc.pid)
+        try:
+            returncode = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            stop_group(proc.pid)
+            proc.wait()
+            raise CompareError(f"{path} run timed out after {timeout}s; log: {log}") from e
+        except BaseException:
+            stop_group(proc.pid)
+            proc.wait()
+            raise
+        finally:
+            RUNNING.discard(proc.pid)
+    if returncode != 0 or not out.is_file():
+        lines = log.read_text().splitlines()
+        # The script's own message ("error: ...", or a Python exception line) says more than torchrun's summary.
+        reasons = [ln for ln in lines if ln.startswith("error:") or ln.startswith("[rank0]: ") and "Error" in ln]
+        tail = "\n".join(lines[-15:])
+        reason = f"\nreason: {reasons[0]}" if reasons else ""
+        raise CompareError(f"{path} run failed (exit {returncode}); log: {log}{reason}\n"
+                           f"--- last lines of the log ---\n{tail}")
+    result = RunResult.from_json(out)
+    print(f"  {path:<9} {result.tflops_per_gpu:9.3f} TFLOPs/GPU  step {result.step_time_s['median'] * 1e3:8.1f} ms"
+          f"  ({time.perf_counter() - t0:.0f}s incl. start-up)", flush=True)
+    return result
+
+
+def visible_gpu(slot: int) -> str:
+    """The slot-th GPU this process may use, as CUDA_VISIBLE_DEVICES names it for a child ("" on a CPU machine)."""
+    if not torch.cuda.is_available():
+        return ""
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    return (visible or [str(i) for i in range(torch.cuda.device_count())])[slot]
+
+
+
+def run_group(group: list[str], launch_one) -> dict:
+    """Run the paths of `group` at the same time, `launch_one(slot, path)` each in a thread of its own, and return
+    {path: RunResult}. When one fails, or a signal arrives, every other run of the group is stopped before this
+    returns (the pool waits for its threads)."""
+    with ThreadPoolExecutor(len(group)) as pool:
+        jobs = {path: pool.submit(launch_one, slot, path) for slot, path in enumerate(group)}
+        try:
+            return {path: jobs[path].result() for path in group}
+        except BaseException:
+            # A signal or a failed run reaches this thread, not the ones waiting on the other runs: stop those too.
+            for pid in list(RUNNING):
+                stop_group(pid)
+            raise

@@ -1,0 +1,342 @@
+"""Reports of compare runs: per-path summaries, the parity of the two paths, the table, markdown and the plot.
+
+Pure functions of RunResults (shared/train/results.py) and of the report dict they build; nothing here starts a
+run (harness/launch.py does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+from pathlib import Path
+
+from harness.launch import PATHS, REFERENCES
+from shared.train.config import TrainConfig
+from shared.train.results import RunResult, tflops_convention, versions
+from shared.train.timing import PHASES
+
+# Parity of the two paths: per step, the loss and DeepSpeed's global gradient norm (before clipping), over a window
+# past the LR warm-up (lr_warmup_steps on), in every repeat pair; and a checksum of all parameters at the end
+# (sum and sum of squares; shared/train/ds_runtime.param_checksum). The warm-up is excluded because its small learning
+# rates hide what a wrong update does (a missing clip, a wrongly scaled gradient, a wrong LR all move the weights
+# by less there). Both paths run the same kernels on the same batches with the same seeds: on CPU they agree bit
+# for bit, hence the tight fp32 bounds. On GPUs, kernels with atomics (embedding backward, split-K matmuls, the
+# flash-attention backward) are not bitwise deterministic, so bf16 runs drift apart in the low bits:
+#   loss: the largest |diff| measured over all steps of the 13 committed bf16 H200 pairs (1.5b, 1 and 2 GPUs,
+#     14-25 steps; benchmarks/results/compare_*, tuning_*, blocksparse_*) is 1.40e-4 (compare_1xh200 repeat 1,
+#     step 8), 1.39e-4 past the warm-up; the bound is about twice that, 3e-4. In the tiny CPU fault runs of
+#     tests/test_compare.py a 2x learning rate moves the loss by 2.1e-3, but a missing clip (7e-5) and the
+#     accumulation double scaling (2.5e-5) stay inside any loss bound the drift allows, which is why the gradient
+#     norm and the checksum are compared too.
+#   gradient norm (relative) and checksum (relative: |d sum_sq| / sum_sq, |d sum| / sqrt(sum_sq)): the committed
+#     runs did not record them, so their bf16 bounds are provisional: 1e-3 and 1e-4, about 80x and 8x the
+#     measured relative loss drift (1.4e-4 of a loss of ~11.1 at that step), to be confirmed by the first GPU
+#     compare that records them. The accumulation double scaling halves the gradient norm (gas 2), far outside.
+PARITY_TOLERANCE = {
+    "fp32": {"loss": 1e-5, "grad_norm": 1e-5, "checksum": 1e-6},
+    "bf16": {"loss": 3e-4, "grad_norm": 1e-3, "checksum": 1e-4},
+    "fp16": {"loss": 3e-4, "grad_norm": 1e-3, "checksum": 1e-4},
+}
+# What compare.py runs on a machine with GPUs when these flags are not given (the study's model and a longer run)
+# A path whose runs' TFLOPs/GPU differ by more than this (max/min) ran on an unsteady machine (other load,
+# thermals): its median, and the ratio, are flagged in the report and printed with a WARNING line.
+REPEAT_SPREAD_BOUND = 1.10
+
+
+def measured(r: RunResult) -> dict:
+    """What a benchmark keeps of one run: throughput, step-time spread, phases, peak memory and its command."""
+    return {"tflops_per_gpu": r.tflops_per_gpu, "mfu": r.mfu, "tokens_per_s_per_gpu": r.tokens_per_s_per_gpu,
+            "step_time_s": r.step_time_s, "phases_s": r.phases_s, "peak_mem_gib": r.peak_mem_gib,
+            "command": r.command}
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "stdev": statistics.stdev(values) if len(values) > 1 else 0.0, "n": len(values)}
+
+
+def summarize_path(runs: list[RunResult]) -> dict:
+    tflops = [r.tflops_per_gpu for r in runs]
+    mfus = [r.mfu for r in runs if r.mfu is not None]
+    mems = [r.peak_mem_gib for r in runs if r.peak_mem_gib is not None]
+    return {
+        "tflops_per_gpu": statistics.median(tflops),
+        "tflops_spread": spread(tflops),
+        "sparse_tflops_per_gpu": statistics.median(r.sparse_tflops_per_gpu for r in runs),
+        "tflops_per_gpu_causal": (statistics.median(r.tflops_per_gpu_causal for r in runs)
+                                  if all(r.tflops_per_gpu_causal is not None for r in runs) else None),
+        "mfu": statistics.median(mfus) if mfus else None,
+        "tokens_per_s_per_gpu": statistics.median(r.tokens_per_s_per_gpu for r in runs),
+        "step_time_s": spread([r.step_time_s["median"] for r in runs]),
+        "phases_s": {p: statistics.median(r.phases_s[p] for r in runs) for p in PHASES},
+        "peak_mem_gib": max(mems) if mems else None,
+        "peak_rss_gib": max(r.peak_rss_gib for r in runs),
+        "allocator_cache_flushes": [r.extra.get("allocator_cache_flushes") for r in runs],
+        "losses": runs[0].losses,
+        "attention": runs[0].attention,
+        "compile": runs[0].fused.get("compile", "none"),
+        # Warm-up (excluded steps: compilation, DeepCompile's profiling) and torch.compile's own time, per run.
+        "warmup_s": [r.extra.get("warmup_s") for r in runs],
+        "compile_s": [r.extra.get("compile_s") for r in runs],
+        "sdpa_kernel": sorted({r.sdpa_kernel for r in runs}, key=str),  # per kernel seen, one entry
+        "fused": runs[0].fused,
+        "ds_config": runs[0].ds_config,
+        "runs": [{"tflops_per_gpu": r.tflops_per_gpu, "step_time_s": r.step_time_s["median"],
+                  "command": r.command} for r in runs],
+    }
+
+
+def _max_abs(a: list, b: list) -> float:
+    """Largest |a - b| over steps; a step that is null (a skipped non-finite loss) in one path only is inf."""
+    diffs = [abs(x - y) if x is not None and y is not None else 0.0 if x is y else float("inf") for x, y in zip(a, b)]
+    return max(diffs, default=0.0)
+
+
+def _max_rel(a: list, b: list) -> float:
+    diffs = [abs(x - y) / max(abs(x), abs(y), 1e-30) if x is not None and y is not None
+             else 0.0 if x is y else float("inf") for x, y in zip(a, b)]
+    return max(diffs, default=0.0)
+
+
+def checksum_rel_diff(a: dict, b: dict) -> float:
+    """Relative difference of two parameter checksums: |d sum_sq| / sum_sq and |d sum| / sqrt(sum_sq) (the sum's
+    typical size when the parameters' signs are mixed), the larger of the two."""
+    if a["numel"] != b["numel"]:
+        return float("inf")
+    scale = max(a["sum_sq"], b["sum_sq"], 1e-30)
+    return max(abs(a["sum_sq"] - b["sum_sq"]) / scale, abs(a["sum"] - b["sum"]) / scale**0.5)
+
+
+def pair_parity(a: dict, b: dict, first_step: int) -> dict:
+    """Differences of one pair of runs, each {"losses", "grad_norms", "param_checksum"} (either may lack the last
+    two: results written before they were recorded), over steps first_step.. of the shorter run."""
+    n = min(len(a["losses"]), len(b["losses"]))
+    start = first_step if first_step < n else 0  # a run that ends inside the warm-up is compared whole
+    out = {"steps": [start, n], "loss_max_abs_diff": _max_abs(a["losses"][start:n], b["losses"][start:n]),
+           "grad_norm_max_rel_diff": None, "checksum_rel_diff": None}
+    if a.get("grad_norms") and b.get("grad_norms"):
+        out["grad_norm_max_rel_diff"] = _max_rel(a["grad_norms"][start:n], b["grad_norms"][start:n])
+    if a.get("param_checksum") and b.get("param_checksum"):
+        out["checksum_rel_diff"] = checksum_rel_diff(a["param_checksum"], b["param_checksum"])
+    return out
+
+
+def parity(pairs: list[tuple[dict, dict]], precision: str, lr_warmup_steps: int) -> dict:
+    """Parity of every repeat pair past the LR warm-up: loss, gradient norm per step, parameter checksum at the end,
+    each against PARITY_TOLERANCE[precision]. A measure neither run recorded is null and not judged."""
+    tol = PARITY_TOLERANCE[precision]
+    per_pair = [pair_parity(a, b, lr_warmup_steps) for a, b in pairs]
+
+    def worst(key: str) -> float | None:
+        values = [p[key] for p in per_pair if p[key] is not None]
+        return max(values) if values else None
+
+    report = {
+        "pairs": per_pair, "lr_warmup_steps": lr_warmup_steps,
+        "past_warmup": all(p["steps"][0] == lr_warmup_steps for p in per_pair),
+        "max_abs_diff": worst("loss_max_abs_diff"),
+        "grad_norm_max_rel_diff": worst("grad_norm_max_rel_diff"),
+        "checksum_rel_diff": worst("checksum_rel_diff"),
+        "tolerance": tol,
+    }
+    checks = {"loss": report["max_abs_diff"], "grad_norm": report["grad_norm_max_rel_diff"],
+              "checksum": report["checksum_rel_diff"]}
+    report["failed"] = [k for k, v in checks.items() if v is not None and not v <= tol[k]]
+    report["ok"] = not report["failed"]
+    return report
+
+
+def loss_parity(ds: list[RunResult], pl: list[RunResult], precision: str, lr_warmup_steps: int) -> dict:
+    """parity() of the runs of both paths, pair by pair."""
+    def series(r: RunResult) -> dict:
+        return {"losses": r.losses, "grad_norms": r.grad_norms, "param_checksum": r.param_checksum}
+
+    return parity([(series(a), series(b)) for a, b in zip(ds, pl)], precision, lr_warmup_steps)
+
+
+def build_report(train: TrainConfig, ns: argparse.Namespace, results: dict[str, list[RunResult]],
+                 cross: dict[str, RunResult], argv: list[str]) -> dict:
+    ds, pl = results["deepspeed"], results["lightning"]
+    paths = {"deepspeed": summarize_path(ds), "lightning": summarize_path(pl)}
+    # One statistic for the headline and the table: the ratio of the table's per-path medians. The per-pair
+    # ratios (each Lightning run over the DeepSpeed run of its pair) give its spread only.
+    ratios = [b.tflops_per_gpu / a.tflops_per_gpu for a, b in zip(ds, pl)]
+    disagree = {}
+    for path, p in paths.items():
+        s = p["tflops_spread"]
+        if s["min"] > 0 and s["max"] / s["min"] > REPEAT_SPREAD_BOUND:
+            disagree[path] = s["max"] / s["min"]
+    first = ds[0]
+    report = {
+        "command": " ".join(["python", "compare.py", *argv]),
+        "preset": train.preset,
+        "world_size": ns.world,
+        "device": first.device,
+        "versions": versions(),
+        "train": dataclasses.asdict(train),
+        "repeats": ns.repeats,
+        "flops_factor": train.flops_factor,
+        "paths": paths,
+        "ratio_lightning_over_deepspeed": paths["lightning"]["tflops_per_gpu"] / paths["deepspeed"]["tflops_per_gpu"],
+        "ratio_definition": "median TFLOPs/GPU of the Lightning runs / median of the DeepSpeed runs (the table's "
+                            "medians); ratio_spread: the per-pair ratios",
+        "ratio_spread": spread(ratios),
+        "repeat_spread_bound": REPEAT_SPREAD_BOUND,
+        "repeats_disagree": disagree,
+        "loss_parity": loss_parity(ds, pl, train.precision, train.lr_warmup_steps),
+        "same_ds_config": all(r.ds_config == ds[0].ds_config for r in ds + pl),
+        "parallel": bool(getattr(ns, "parallel", False)),
+    }
+    refs = [r for r in REFERENCES if results.get(r)]
+    if refs:
+        report["reference"] = {r: summarize_path(results[r]) for r in refs}
+        for r in refs:
+            report["reference"][r]["world_size"] = results[r][0].world_size
+    if "ceiling" in refs:
+        ceiling = report["reference"]["ceiling"]["tflops_per_gpu"]
+        report["fraction_of_ceiling"] = {p: report["paths"][p]["tflops_per_gpu"] / ceiling for p in PATHS}
+        if "fsdp2" in refs:
+            report["fraction_of_ceiling"]["fsdp2"] = report["reference"]["fsdp2"]["tflops_per_gpu"] / ceiling
+    if cross:
+        report["cross_check"] = {
+            path: {"ds_wall_clock_breakdown_ms": r.ds_breakdown_ms,
+                   "phase_timer_ms": {p: r.phases_s[p] * 1e3 for p in PHASES},
+                   "tflops_per_gpu_with_syncs": r.tflops_per_gpu}
+            for path, r in cross.items()
+        }
+    return report
+
+
+def _fmt(x: float | None, spec: str = ".2f") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def tflops_spec(report: dict) -> str:
+    """Enough digits to tell the paths apart: TFLOPs on a CPU are in the thousandths."""
+    return ".2f" if report["paths"]["deepspeed"]["tflops_per_gpu"] >= 1 else ".5f"
+
+
+def format_table(report: dict) -> str:
+    spec = tflops_spec(report)
+    rows = [("", "deepspeed", "lightning")]
+    P = report["paths"]
+
+    def row(name, fn):
+        rows.append((name, fn(P["deepspeed"]), fn(P["lightning"])))
+
+    def tflops_cell(p):
+        s = p["tflops_spread"]
+        return f"{p['tflops_per_gpu']:{spec}} [{s['min']:{spec}}, {s['max']:{spec}}]"
+
+    row(f"TFLOPs/GPU ({tflops_convention(report['flops_factor'])})", tflops_cell)
+    row("TFLOPs/GPU (exact causal count)", lambda p: _fmt(p.get("tflops_per_gpu_causal"), spec))
+    row("MFU", lambda p: _fmt(p["mfu"] and 100 * p["mfu"], ".1f") + ("%" if p["mfu"] else ""))
+    row("tokens/s/GPU", lambda p: f"{p['tokens_per_s_per_gpu']:,.0f}")
+    row("step time ms (median)", lambda p: f"{p['step_time_s']['median'] * 1e3:.1f}")
+    for ph in PHASES:
+        row(f"  {ph} ms", lambda p, ph=ph: f"{p['phases_s'][ph] * 1e3:.2f}")
+    row("peak memory GiB", lambda p: _fmt(p["peak_mem_gib"]) if p["peak_mem_gib"] is not None
+        else f"RSS {p['peak_rss_gib']:.2f}")
+    row("attention", lambda p: p["attention"] + (f" ({', '.join(map(str, p['sdpa_kernel']))})"
+                                                  if any(p.get("sdpa_kernel") or []) else ""))
+    row("compile", lambda p: p.get("compile", "none"))
+    row("warm-up s (excluded)", lambda p: ", ".join(_fmt(w, ".1f") for w in p.get("warmup_s", [])) or "n/a")
+    w0 = max(len(r[0]) for r in rows)
+    w1 = max(len(r[1]) for r in rows)
+    lines = [f"{a:<{w0}}  {b:>{w1}}  {c}" for a, b, c in rows]
+    for name, ref in report.get("reference", {}).items():
+        s = ref["tflops_spread"]
+        frac = report.get("fraction_of_ceiling", {})
+        lines.append(f"reference {name} ({ref['world_size']} x, compile {ref['fused']['compile']}): "
+                     f"{ref['tflops_per_gpu']:{spec}} [{s['min']:{spec}}, {s['max']:{spec}}] TFLOPs/GPU, "
+                     f"step {ref['step_time_s']['median'] * 1e3:.1f} ms, peak "
+                     f"{_fmt(ref['peak_mem_gib'])} GiB" + (f", {frac['fsdp2']:.3f} of the ceiling"
+                                                          if name == "fsdp2" and "fsdp2" in frac else ""))
+    if "fraction_of_ceiling" in report:
+        f = report["fraction_of_ceiling"]
+        lines.append(f"fraction of the ceiling (median TFLOPs / ceiling median, same run): deepspeed "
+                     f"{f['deepspeed']:.3f}, lightning {f['lightning']:.3f}")
+    rs, lp = report["ratio_spread"], report["loss_parity"]
+    lines.append("")
+    lines.append(f"Lightning / DeepSpeed throughput: {report['ratio_lightning_over_deepspeed']:.4f} (ratio of the "
+                 f"medians above; per-pair ratios min {rs['min']:.4f}, max {rs['max']:.4f}, {rs['n']} interleaved "
+                 "pairs)")
+    for path, x in report.get("repeats_disagree", {}).items():
+        lines.append(f"WARNING: the {path} runs disagree: max/min TFLOPs/GPU {x:.2f} > "
+                     f"{report['repeat_spread_bound']:.2f}; the machine was not steady (other load?), so the "
+                     "medians and the ratio are unreliable: rerun on an idle machine or with more --repeats")
+    lines.append(format_parity(lp))
+    lines.append(f"same DeepSpeed config in every run: {report['same_ds_config']}")
+    if "cross_check" in report:
+        for path, c in report["cross_check"].items():
+            b = c["ds_wall_clock_breakdown_ms"] or {}
+            lines.append(f"cross-check {path}: DeepSpeed timers fwd {_fmt(b.get('forward'))} bwd "
+                         f"{_fmt(b.get('backward'))} step {_fmt(b.get('step'))} ms vs phase timer fwd "
+                         f"{c['phase_timer_ms']['forward']:.2f} bwd {c['phase_timer_ms']['backward']:.2f} step "
+                         f"{c['phase_timer_ms']['step']:.2f} ms")
+    return "\n".join(lines)
+
+
+def format_parity(lp: dict) -> str:
+    tol, (start, end) = lp["tolerance"], lp["pairs"][0]["steps"]
+    window = (f"steps {start}..{end - 1} (past the {lp['lr_warmup_steps']}-step LR warm-up)" if lp["past_warmup"]
+              else f"steps {start}..{end - 1} (the run ends inside the {lp['lr_warmup_steps']}-step LR warm-up)")
+
+    def cell(name: str, value: float | None, key: str) -> str:
+        return f"{name} {'not recorded' if value is None else f'{value:.2e}'} (tol {tol[key]:.0e})"
+
+    verdict = "OK" if lp["ok"] else "MISMATCH in " + ", ".join(lp["failed"])
+    return (f"parity over {window}, {len(lp['pairs'])} pair(s): "
+            f"{cell('loss max |diff|', lp['max_abs_diff'], 'loss')}, "
+            f"{cell('grad norm max rel diff', lp['grad_norm_max_rel_diff'], 'grad_norm')}, "
+            f"{cell('param checksum rel diff', lp['checksum_rel_diff'], 'checksum')} -> {verdict}")
+
+
+def write_markdown(report: dict, path: Path, chart: str) -> None:
+    d = report["device"]
+    md = [
+        f"# DeepSpeed vs Lightning: {report['preset']} on {report['world_size']} x {d['name']}",
+        "",
+        f"Command: `{report['command']}`",
+        "",
+        f"ZeRO stage {report['train']['stage']}, {report['train']['precision']}, micro-batch "
+        f"{report['train']['micro_batch']}, {report['train']['steps']} steps ({report['train']['warmup_steps']} "
+        f"warmup excluded), {report['repeats']} interleaved repeats per path"
+        + (" (--parallel: the two paths of each pair, and the reference rows, ran at the same time, one GPU each)."
+           if report.get("parallel") else "."),
+        "",
+        "```",
+        format_table(report),
+        "```",
+        "",
+        f"![per-phase time]({chart})",
+        "",
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v),
+        "",
+    ]
+    path.write_text("\n".join(md))
+
+
+def plot_phases(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 2.6))
+    colors = {"data": "#999999", "forward": "#4c72b0", "backward": "#dd8452", "step": "#55a868"}
+    for i, name in enumerate(PATHS):
+        left = 0.0
+        for ph in PHASES:
+            ms = report["paths"][name]["phases_s"][ph] * 1e3
+            ax.barh(i, ms, left=left, color=colors[ph], label=ph if i == 0 else None)
+            left += ms
+    ax.set_yticks(range(len(PATHS)), PATHS)
+    ax.set_xlabel("median time per step (ms)")
+    ax.set_title(f"{report['preset']}, {report['world_size']} x {report['device']['name']}, "
+                 f"ratio {report['ratio_lightning_over_deepspeed']:.3f}", fontsize=9)
+    ax.legend(ncol=4, fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,49 @@
+"""The pieces of a training run the raw loop and the Lightning callbacks must do identically, written once:
+the timer and progress set-up, the validation figures, and the peak memory reduced over ranks."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from shared.model import flops
+from shared.train.config import TrainConfig
+from shared.train.ds_runtime import progress_extras
+from shared.train.progress import Progress
+from shared.train.timing import PhaseTimer
+
+
+def start_progress(train: TrainConfig, device: torch.device, rank: int, prefix: str, scheduler, engine,
+                   first_step: int) -> tuple[PhaseTimer, Progress]:
+    """The run's PhaseTimer and the Progress that reads it: per-GPU FLOPs of a step, the device's peak (CUDA only),
+    progress lines on rank 0, the CSV log, LR / grad norm / memory extras."""
+    timer = PhaseTimer(device, micro_steps=train.grad_accum)
+    per_gpu_flops = flops.step_flops(train.model(), train.micro_batch * train.grad_accum, train.flops_factor)
+    cuda = device.type == "cuda"
+    peak = flops.peak_flops(torch.cuda.get_device_name(device), train.precision) if cuda else None
+    progress = Progress(train.steps, device, timer, per_gpu_flops, train.log_every, enabled=rank == 0,
+                        prefix=prefix, peak_flops=peak, csv_path=train.log_csv, first_step=first_step,
+                        stop_on_nan=train.nan_policy == "stop", extras=progress_extras(scheduler, engine, device))
+    return timer, progress
+
+
+def validation_figures(step: int, mean_loss: float) -> dict:
+    """One validation's record: the step, the mean loss and its perplexity (exp clamped: an early, diverged
+    model's loss must not overflow the JSON)."""
+    return {"step": step, "val_loss": mean_loss, "val_ppl": math.exp(min(mean_loss, 50.0))}
+
+
+def format_validation(prefix: str, v: dict) -> str:
+    return f"{prefix}validation at step {v['step']}: loss {v['val_loss']:.4f}, perplexity {v['val_ppl']:.2f}"
+
+
+def peak_memory_bytes(device: torch.device) -> float | None:
+    """The largest peak of allocated device memory over all ranks (collective: every rank calls it, once, after
+    the timed region); None off CUDA."""
+    cuda = device.type == "cuda"
+    peak = torch.tensor(float(torch.cuda.max_memory_allocated(device)) if cuda else 0.0, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return peak.item() if cuda else None
