@@ -38,7 +38,7 @@ from shared.train.distributed import (
     seed_all,
 )
 from shared.train.optim import build_optimizer, build_scheduler
-from shared.train.results import RunResult, build_result, format_summary
+from shared.train.results import RunResult, build_result, write_result
 from shared.train.timing import PhaseTimer
 
 MODES = ("ceiling", "fsdp2")
@@ -119,9 +119,7 @@ def main(train: TrainConfig, mode: str) -> RunResult:
         else None, extra={"reference_compile": compiled},
     )
     result.fused["compile"] = compiled  # what this row compiled, not the DeepSpeed paths' mode
-    if rank == 0:
-        result.to_json(train.out)
-        print(format_summary(result), flush=True)
+    write_result(result, train.out, rank)
     dist.barrier()
     dist.destroy_process_group()
     return result

@@ -6,7 +6,7 @@ Search, on the raw path (the faster one to start), each candidate a short run of
      checkpointing, stopping at the first that runs out of memory or is slower than the one before it (early
      stop); then, with checkpointing, the micro-batches above the largest that fitted without it.
   2. compiled blocks (`--compile blocks`) on the best so far: on the H200 it cut the forward phase by 30-70 ms
-     but added ~30 ms of backward (README, fused paths), so whether it pays depends on the setup: measure it.
+     but added ~30 ms of backward (docs/kernels.md, fused paths), so whether it pays depends on the setup: measure it.
   3. ZeRO-3 prefetch bucket, then reduce bucket, then parameter persistence threshold, one knob at a time
      (coordinate descent) from the best so far.
 Candidates are ranked by tokens/s per GPU, not TFLOPs: with activation checkpointing the formula counts the
@@ -14,7 +14,7 @@ recomputed forward (k=4) as work, which would flatter the slower configuration. 
 before a candidate that would not finish in it (estimated from the slowest run so far).
 
 DeepSpeed ships an autotuner of its own (`deepspeed --autotuning tune`); benchmarks/ds_autotuner.py runs it on
-the raw loop and measures its answer against this search's winner (README, "Tuning ZeRO-3").
+the raw loop and measures its answer against this search's winner (docs/tuning.md).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from shared.train.distributed import apply_gc_policy, dropout_seed
 from shared.train.ds_runtime import BreakdownCollector, GradNormRecorder, param_checksum
 from shared.train.loop import peak_memory_bytes, start_progress
 from shared.train.preemption import Preemption
-from shared.train.results import RunResult, build_result, format_summary
+from shared.train.results import RunResult, build_result, write_result
 
 
 class SigtermCheck:
@@ -154,9 +154,7 @@ class RunCallback(pl.Callback):
             checkpoint.export_live(pl_module.gpt, dataclasses.asdict(pl_module.model_cfg), self.train.export,
                                    {"data": self.train.data, "step": trainer.global_step}, trainer.global_rank,
                                    zero3=self.train.stage == 3)
-        if trainer.global_rank == 0:
-            self.result.to_json(self.train.out)
-            print(format_summary(self.result), flush=True)
+        write_result(self.result, self.train.out, trainer.global_rank)
 
 
 class CheckpointCallback(pl.Callback):

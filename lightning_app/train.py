@@ -7,7 +7,7 @@
 
 The original study launched with `lightning run model --devices 8 ...`; that CLI left Lightning in 2.5 and the
 Trainer never needed it: `python lightning_app/train.py --devices 8` starts the other ranks itself (Lightning's
-subprocess launcher), and torchrun works as well. See README "Launching".
+subprocess launcher), and torchrun works as well. See docs/paths.md.
 """
 
 from __future__ import annotations
@@ -19,6 +19,12 @@ import sys
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import TQDMProgressBar
+
+if __package__ in (None, ""):
+    # Run by path (`python lightning_app/train.py`, torchrun, `fabric run`): Python puts this folder, not the repo
+    # root, on sys.path. lightning_app is not installed as a package (the name belongs to the `lightning-app`
+    # distribution on PyPI), so the repo root goes first: this folder's modules win over any installed namesake.
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lightning_app.callbacks import CheckpointCallback, RunCallback, TimingCallback
 from lightning_app.module import GPTModule

@@ -49,7 +49,7 @@ from shared.train.loop import format_validation, peak_memory_bytes, start_progre
 from shared.train.optim import build_optimizer, build_scheduler
 from shared.train.preemption import EXIT_CODE, Preemption
 from shared.train.progress import NanGuard, Progress
-from shared.train.results import RunResult, build_result, format_summary
+from shared.train.results import RunResult, build_result, write_result
 
 
 def save(engine, train: TrainConfig, step: int, progress: Progress, rank: int) -> Path:
@@ -197,9 +197,7 @@ def main(train: TrainConfig) -> RunResult:
         extra={"start_step": start, "resumed_from": str(resume_from) if resume_from else None,
                "skipped_steps": nan_guard.skipped, **history},
     )
-    if rank == 0:
-        result.to_json(train.out)
-        print(format_summary(result), flush=True)
+    write_result(result, train.out, rank)
     dist.barrier()
     dist.destroy_process_group()
     return result

@@ -6,11 +6,11 @@ import sys
 
 import pytest
 import torch
-from plain_deepspeed.export import export
 
 from shared.model.config import GPTConfig
 from shared.model.gpt import GPT
 from shared.tools import generate
+from shared.tools.export import export
 from shared.tools.prepare_data import prepare
 from shared.train import checkpoint
 from shared.train.config import TrainConfig

@@ -144,3 +144,15 @@ def test_importing_the_cli_or_the_harness_does_not_load_dynamo(module):
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True,
                           timeout=120, check=True)
     assert proc.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("script", ["lightning_app/train.py", "plain_deepspeed/train.py", "compare.py"])
+def test_the_entry_points_run_by_path_from_anywhere(tmp_path, script):
+    """As a user runs them (`python lightning_app/train.py`, torchrun, `fabric run`): by path, with no PYTHONPATH.
+    lightning_app is not an installed package (its name belongs to PyPI's lightning-app), so the script itself must
+    put the repo root first. A refused flag ends before any process group starts: exit 2 and the message."""
+    clean = {k: v for k, v in env().items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, str(ROOT / script), "--stage", "4"], cwd=tmp_path, env=clean,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "ZeRO stage must be 0, 1, 2 or 3, got 4" in proc.stderr

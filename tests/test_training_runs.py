@@ -67,7 +67,7 @@ def test_exported_weights_equal_the_live_weights(tmp_path, path):
     ck = tmp_path / "ck"
     torchrun(SCRIPTS[path], 2, [*BASE, *odd, "--steps", "4", "--ckpt_dir", ck, "--export", tmp_path / "live.st",
                                 "--out", tmp_path / "r.json"])
-    run([sys.executable, "-m", "plain_deepspeed.export", ck / "step00000004", "--out", tmp_path / "offline.st"])
+    run([sys.executable, "-m", "shared.tools.export", ck / "step00000004", "--out", tmp_path / "offline.st"])
     live, offline = load_file(tmp_path / "live.st"), load_file(tmp_path / "offline.st")
     assert sorted(live) == sorted(offline) and "head.weight" not in live  # tied to wte.weight
     n_params = sum(v.numel() for v in live.values())

@@ -1,4 +1,4 @@
-"""Sample text from exported weights (`plain_deepspeed/export.py` or a run's `--export`).
+"""Sample text from exported weights (`python -m shared.tools.export` or a run's `--export`).
 
     python -m shared.tools.generate model.safetensors --prompt "In the beginning" --tokens 200 --temperature 0.8
 

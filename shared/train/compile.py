@@ -3,7 +3,7 @@
 Under ZeRO-3 DeepSpeed hooks every module that owns parameters to gather them before its forward; those hooks are
 torch.compiler.disable'd, so a compiled region that contains submodules breaks its graph at each one, and
 DeepSpeed's release loop adds more breaks and recompiles (what DeepSpeed's engine.compile() hits on this model:
-README, "Fused paths and torch.compile"). build_ds_config therefore makes the block a ZeRO-3 *leaf module* when
+docs/kernels.md, "Fused paths and torch.compile"). build_ds_config therefore makes the block a ZeRO-3 *leaf module* when
 compiling (`leaf_module_class`): one hook on the block gathers all its parameters, none fire inside it, and the
 compiled forward is one graph with no break, shared by every block (the parameters are graph inputs).
 

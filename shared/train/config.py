@@ -88,7 +88,7 @@ class TrainConfig(FusedSwitches):
     """none | blocks | deepcompile. blocks: torch.compile each block (a DeepSpeed ZeRO-3 leaf module; see
     shared/train/compile.py). deepcompile: DeepSpeed's compiler pass for ZeRO 1-3 (CUDA only): engine.compile()
     compiles the whole GPT forward and loss and schedules the gathers and reduce-scatters inside the graph; fastest
-    mode measured (README), but its GPU tests are not all green yet and each run spends ~4-5 min warming up,
+    mode measured (docs/results.md), but its GPU tests are not all green yet and each run spends ~4-5 min warming up,
     so it is opt-in"""
     zero_profile: str = "tuned"
     """DeepSpeed config rules: tuned (the default; see shared/train/ds_config.py; chosen from a single pair of runs per

@@ -213,6 +213,13 @@ def tflops_convention(k: int) -> str:
     return f"dense-attention formula, k={k}, median step"
 
 
+def write_result(result: RunResult, out: str | Path, rank: int) -> None:
+    """Rank 0 writes the run's JSON and prints its summary table (every entry point ends this way)."""
+    if rank == 0:
+        result.to_json(out)
+        print(format_summary(result), flush=True)
+
+
 def format_summary(r: RunResult) -> str:
     """The end-of-run table both paths print."""
     ph = r.phases_s
