@@ -241,3 +241,31 @@ def test_parity_catches_a_missing_clip_double_scaled_gradients_and_a_doubled_lr_
     assert "checksum" in caught["noclip"]
     assert "grad_norm" in caught["double_scale"]
     assert "loss" in caught["lr2x"]
+
+
+@pytest.mark.slow
+def test_reference_rows_train_the_same_model_on_the_same_batches(tmp_path):
+    """--reference: the ceiling (plain PyTorch, unsharded) and FSDP2 rows train the very model, seed, batches and
+    dropout stream of the DeepSpeed paths: in fp32 on a CPU their losses equal the raw loop's bit for bit.
+    --parallel runs each group side by side."""
+    out = tmp_path / "report"
+    run([sys.executable, COMPARE, "--repeats", "1", "--steps", "4", "--warmup_steps", "1", "--precision", "fp32",
+         "--reference", "--parallel", "--out", out], timeout=400)
+    report = json.loads((out / "report.json").read_text())
+    assert report["parallel"] and set(report["reference"]) == {"ceiling", "fsdp2"}
+    raw = report["paths"]["deepspeed"]["losses"]
+    for name, ref in report["reference"].items():
+        assert ref["losses"] == raw, name
+        assert ref["world_size"] == 1 and ref["compile"] == "none"  # nothing is compiled on a CPU, and it says so
+    frac = report["fraction_of_ceiling"]
+    ceiling = report["reference"]["ceiling"]["tflops_per_gpu"]
+    assert frac["deepspeed"] == pytest.approx(report["paths"]["deepspeed"]["tflops_per_gpu"] / ceiling)
+    assert set(frac) == {"deepspeed", "lightning", "fsdp2"}
+    assert (out / "runs" / "ceiling_0.json").is_file() and (out / "logs" / "fsdp2_0.log").is_file()
+
+
+def test_reference_and_parallel_flags_are_checked_before_any_run(tmp_path):
+    for args, match in [(["--reference", "ceiling,huge"], "unknown --reference row"),
+                        (["--parallel", "--explain"], "--parallel runs compare pairs side by side")]:
+        proc = run([sys.executable, COMPARE, *args, "--out", tmp_path], check=False, timeout=60)
+        assert proc.returncode == 2 and match in proc.stderr, proc.stderr[-1000:]
