@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The foundation and Lightning/compare measurements on H200s (issues 2 and 3), one device call:
+# The first Lightning vs DeepSpeed compare measurements on H200s, one device call:
 #   1. the raw path alone, launched as the original study did (deepspeed launcher), 1.5b, ZeRO-3 bf16, mb 8
 #   2. compare.py on 1 GPU (interleaved repeats, plus a DeepSpeed wall_clock_breakdown cross-check)
 #   3. compare.py on 2 GPUs

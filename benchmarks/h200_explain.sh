@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# "Why was Lightning slower?" on H200s (issue 8; also the tuned config of issue 6): compare.py --explain with the
+# "Why was Lightning slower?" on H200s: compare.py --explain with the
 # tuned ZeRO profile, 1.5b preset, ZeRO-3 bf16, micro-batch 8.
 # Usage on the device machine, from the repo root:  bash benchmarks/h200_explain.sh OUTDIR NGPUS FACTORS
 set -uo pipefail

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call on nvidia-h200-x2 for the real-training and tuning issues (7, 6, 8):
+# One device call on nvidia-h200-x2 for the real-training, tuning and explain measurements:
 #   1. the 350m preset trained on the shipped text (data/kjv.txt, byte-level) through both paths at once,
 #      raw DeepSpeed on GPU 0 and Lightning on GPU 1, with validation and CSV logs (plot: benchmarks/plot_training.py)
 #   2. compare.py on both GPUs, 1.5b ZeRO-3 bf16: the naive (original) config, the tuned profile, and the tuned

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The tuning issue's GPU runs (issue 6), one device call each, on nvidia-h200-x2:
+# The ZeRO-3 tuning GPU runs, one device call each, on nvidia-h200-x2:
 #   GPUS=1  one-GPU figures, two streams at once, one GPU each:
 #           GPU 1: compare.py --autotune, then compare.py with the naive (original) config, the tuned profile
 #                  and the autotune winner (both paths each);

@@ -14,7 +14,7 @@ exceeds the bandwidth bound several times over (the extra time is not the wire b
 host-side hooks): the overhead line sets the step. Across 2 nodes each GPU's traffic crosses the NIC (a ring
 over 16 GPUs runs at its slowest link), at the assumed per-GPU inter-node bandwidth, and the wire sets it.
 Inputs are the committed H200 runs; bandwidths are assumptions (stated below), not measured in this project:
-the device budget of the session that wrote this ran out before an NCCL bandwidth test.
+no NCCL bandwidth test was run on these machines.
 
 The inputs mix two device calls (INPUTS_CAVEAT): the original profile's step times come from the compare runs,
 the tuned profile's from the explain runs of a later call, and runs of one config differ between calls by as

@@ -133,7 +133,7 @@ def _apply_tuned_rules(cfg: dict, model: GPTConfig) -> None:
     biggest_matrix = 4 * h * h  # the MLP's fc/proj weights; the tied embedding (V*h) is fetched once per step
     if zero["stage"] >= 2:
         # The original reduce bucket (h^2 = 5.3M elements at h=2304) launches a reduce-scatter per 5.3M
-        # gradient elements: many small NCCL calls. The try on 2 H200s: buckets of 5e8 recovered the
+        # gradient elements: many small NCCL calls. A first try on 2 H200s: buckets of 5e8 recovered the
         # 15% per-GPU loss of 2 GPUs vs 1 (300 -> 359 TFLOPs/GPU).
         zero["reduce_bucket_size"] = int(max(5e8, 2 * biggest_matrix))
     if zero["stage"] == 3:
