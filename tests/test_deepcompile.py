@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-import shared.train.config as config_module
+import shared.model.config as model_config
 from shared.train.config import DEEPCOMPILE_WARMUP, TrainConfig
 from shared.train.ds_config import build_ds_config, load_user_ds_config
 from shared.train.ds_runtime import normalize_cuda_arch_list
@@ -26,8 +26,8 @@ HAS_CUDA = torch.cuda.is_available()
 
 @pytest.fixture
 def pretend_cuda(monkeypatch):
-    """TrainConfig's CUDA check answers yes: the dict and JSON checks are pure functions of the config."""
-    monkeypatch.setattr(config_module, "_cuda_available", lambda: True)
+    """The CUDA check answers yes: the dict and JSON checks are pure functions of the config."""
+    monkeypatch.setattr(model_config, "cuda_available", lambda: True)
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="the CPU refusal")

@@ -43,12 +43,15 @@ FUSED_RESULT_KEYS = {"fused_loss": "chunked_linear_cross_entropy", "fused_bias_d
 assert set(FUSED_RESULT_KEYS) == set(FUSED_FLAGS), "every fused switch needs its result key"
 
 
-def _on_cuda_by_default(flag: bool | None) -> bool:
-    if flag is not None:
-        return flag
+def cuda_available() -> bool:
+    """Whether this process sees a CUDA device (torch imported only when asked: config parsing stays light)."""
     import torch
 
     return torch.cuda.is_available()
+
+
+def _on_cuda_by_default(flag: bool | None) -> bool:
+    return cuda_available() if flag is None else flag
 
 
 @dataclass

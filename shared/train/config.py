@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.model import config as model_config
 from shared.model.config import (  # noqa: F401  (ATTENTION_BACKENDS, LAYOUTS: named in field docs, see cli.py)
     ATTENTION_BACKENDS,
     FUSED_FLAGS,
@@ -241,15 +242,9 @@ class TrainConfig(FusedSwitches):
         return 4 if self.activation_checkpointing else 3
 
 
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def _check_deepcompile(train: TrainConfig) -> None:
     """Refuse, before any process starts, what DeepCompile cannot run: never silently something else."""
-    if not _cuda_available():
+    if not model_config.cuda_available():
         raise ValueError("--compile deepcompile needs a CUDA GPU (DeepSpeed runs DeepCompile only on CUDA); on this "
                          "machine use --compile none (the default here) or --compile blocks")
     if train.stage == 0:
