@@ -7,7 +7,7 @@
 #               and FSDP2 rows likewise (a DeepCompile run of the 1.5b preset warms up for ~5 min)
 #   STAGE=tests GPU 0: the deepcompile GPU tests; GPU 1: compare.py --explain (eager, tuned, micro-batch 8)
 #   STAGE=two   2-GPU compare (both paths, deepcompile, ceiling on GPU 0 + FSDP2 on both)
-#   STAGE=explain  GPU 0: 1-GPU compare as in `one`; GPU 1: compare.py --explain (eager, tuned, micro-batch 8)
+#   STAGE=explain  GPU 0: 1-GPU compare as in `one`; GPU 1: compare.py --explain as in `tests`
 # Usage on the device machine, from the repo root: STAGE=one bash benchmarks/h200_deepcompile.sh OUTDIR
 set -uo pipefail
 OUT=${1:?usage: h200_deepcompile.sh OUTDIR}
@@ -30,31 +30,29 @@ from shared.train.ds_runtime import normalize_cuda_arch_list; print(normalize_cu
 from deepspeed.ops.op_builder.dc import DeepCompileBuilder; DeepCompileBuilder().load(); print('dc op built')
 " > "$W/op_build.log" 2>&1
 echo "op build: $(tail -1 "$W/op_build.log") at $((SECONDS - T0)) s"
+# The streams a stage is made of; each takes the GPU it runs on, every one bounded by what is left of the call.
+compare_one() {  # 1-GPU compare, both paths with DeepCompile, ceiling + FSDP2 rows
+  CUDA_VISIBLE_DEVICES=$1 timeout -k 10 "$(left)" python3 compare.py --gpus 1 "${BASE[@]}" \
+    --repeats "${REPEATS:-1}" --reference --timeout 400 --out "$W/compare_1xh200" > "$W/compare_1xh200.log" 2>&1
+}
+gpu_tests() {  # the deepcompile GPU tests; $2...: pytest flags
+  local gpu=$1; shift
+  CUDA_VISIBLE_DEVICES=$gpu timeout -k 10 "$(left)" python3 -m pytest -m gpu tests/test_deepcompile.py -q "$@" \
+    -p no:cacheprovider > "$W/gpu_tests_deepcompile.log" 2>&1
+}
+explain_one() {  # compare.py --explain, eager, tuned profile, micro-batch 8, 2 rounds per factor
+  CUDA_VISIBLE_DEVICES=$1 timeout -k 10 "$(left)" python3 compare.py --gpus 1 --explain --compile none \
+    --preset 1.5b --micro_batch 8 --steps 14 --warmup_steps 5 --factor_repeats 2 \
+    --factors "${FACTORS:-ds_throughput_timer,original_ds_config,progress_bar,log_loss,python_gc_auto}" \
+    --out "$W/explain_1xh200" > "$W/explain_1xh200.log" 2>&1
+}
 case "$STAGE" in
-  one|explain)
-    CUDA_VISIBLE_DEVICES=0 timeout -k 10 "$(left)" python3 compare.py --gpus 1 "${BASE[@]}" \
-      --repeats "${REPEATS:-1}" --reference --timeout 400 --out "$W/compare_1xh200" > "$W/compare_1xh200.log" 2>&1 &
-    if [ "$STAGE" = one ]; then
-      CUDA_VISIBLE_DEVICES=1 timeout -k 10 "$(left)" python3 -m pytest -m gpu tests/test_deepcompile.py -x -q \
-        -p no:cacheprovider > "$W/gpu_tests_deepcompile.log" 2>&1 &
-    else
-      CUDA_VISIBLE_DEVICES=1 timeout -k 10 "$(left)" python3 compare.py --gpus 1 --explain --compile none \
-        --preset 1.5b --micro_batch 8 --steps 16 --warmup_steps 6 --factor_repeats 2 \
-        --factors "${FACTORS:-ds_throughput_timer,original_ds_config,progress_bar,log_loss,pl_default_ds_config,python_gc_auto}" \
-        --out "$W/explain_1xh200" > "$W/explain_1xh200.log" 2>&1 &
-    fi
-    wait ;;
+  one) compare_one 0 & gpu_tests 1 -x & wait ;;
+  explain) compare_one 0 & explain_one 1 & wait ;;
+  tests) gpu_tests 0 -rA & explain_one 1 & wait ;;
   pair)
     timeout -k 10 "$(left)" python3 compare.py --gpus 1 --parallel "${BASE[@]}" --repeats "${REPEATS:-1}" \
       --reference --timeout 500 --out "$W/compare_1xh200" > "$W/compare_1xh200.log" 2>&1 ;;
-  tests)
-    CUDA_VISIBLE_DEVICES=0 timeout -k 10 "$(left)" python3 -m pytest -m gpu tests/test_deepcompile.py -q -rA \
-      -p no:cacheprovider > "$W/gpu_tests_deepcompile.log" 2>&1 &
-    CUDA_VISIBLE_DEVICES=1 timeout -k 10 "$(left)" python3 compare.py --gpus 1 --explain --compile none \
-      --preset 1.5b --micro_batch 8 --steps 14 --warmup_steps 5 --factor_repeats 2 \
-      --factors "${FACTORS:-ds_throughput_timer,original_ds_config,progress_bar,log_loss,python_gc_auto}" \
-      --out "$W/explain_1xh200" > "$W/explain_1xh200.log" 2>&1 &
-    wait ;;
   two)
     timeout -k 10 "$(left)" python3 compare.py --gpus 2 "${BASE[@]}" --repeats "${REPEATS:-2}" --reference \
       --timeout 400 --out "$W/compare_2xh200" > "$W/compare_2xh200.log" 2>&1 ;;
