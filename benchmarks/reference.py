@@ -37,6 +37,7 @@ from shared.train.distributed import (
     run_cli,
     seed_all,
 )
+from shared.train.loop import peak_memory_bytes
 from shared.train.optim import build_optimizer, build_scheduler
 from shared.train.results import RunResult, build_result, write_result
 from shared.train.timing import PhaseTimer
@@ -110,13 +111,11 @@ def main(train: TrainConfig, mode: str) -> RunResult:
         timer.mark("step")
         losses.append(loss.detach().float())
     timer.finish()
-    peak = torch.tensor(float(torch.cuda.max_memory_allocated(device)) if pin else 0.0, device=device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     result = build_result(
         path=mode, train=train, model_cfg=train.model(), ds_config={}, world_size=world, device=device,
         attention=gpt.attention_backend, losses=torch.stack(losses).tolist(),
-        timing=timer.summary(train.warmup_steps), n_params=count_parameters(gpt), peak_mem_bytes=peak.item() if pin
-        else None, extra={"reference_compile": compiled},
+        timing=timer.summary(train.warmup_steps), n_params=count_parameters(gpt),
+        peak_mem_bytes=peak_memory_bytes(device),
     )
     result.fused["compile"] = compiled  # what this row compiled, not the DeepSpeed paths' mode
     write_result(result, train.out, rank)
