@@ -76,6 +76,14 @@ def normalize_cuda_arch_list(environ=os.environ) -> str | None:
             "(it cannot parse arch-specific suffixes such as '9.0a')")
 
 
+def prepare_op_build(rank: int = 0) -> None:
+    """Call before anything that makes DeepSpeed JIT-build a CUDA op (DeepCompile, FusedAdam): the arch list fix
+    above, announced once (rank 0)."""
+    note = normalize_cuda_arch_list()
+    if note and rank == 0:
+        print(f"note: {note}", flush=True)
+
+
 def compile_engine(engine, mode: str, rank: int = 0) -> None:
     """Apply a TrainConfig.compile mode that lives in the engine: deepcompile calls engine.compile() (inductor).
 
@@ -86,9 +94,7 @@ def compile_engine(engine, mode: str, rank: int = 0) -> None:
     """
     if mode != "deepcompile":
         return
-    note = normalize_cuda_arch_list()
-    if note and rank == 0:
-        print(f"note: {note}", flush=True)
+    prepare_op_build(rank)  # DeepCompile builds its `dc` op here
     engine.compile(backend="inductor")
     if not engine.is_deepcompile_active():
         # DeepSpeed falls back to plain torch.compile when its pass cannot run (e.g. ZeRO stage 0): never report a

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch import nn
@@ -38,6 +39,10 @@ def build_optimizer(model: nn.Module, train: TrainConfig, device: torch.device) 
         if device.type != "cuda":
             raise ValueError("optimizer 'fusedadam' (DeepSpeed FusedAdam) needs a CUDA device; use 'adamw' on CPU")
         from deepspeed.ops.adam import FusedAdam
+
+        from shared.train.ds_runtime import prepare_op_build
+
+        prepare_op_build(int(os.environ.get("RANK", "0")))  # FusedAdam builds its op on first use
 
         return FusedAdam(groups, adam_w_mode=True, **kwargs)
     return torch.optim.AdamW(groups, fused=device.type == "cuda", **kwargs)
