@@ -8,6 +8,10 @@
 #   STAGE=tests GPU 0: the deepcompile GPU tests; GPU 1: compare.py --explain (eager, tuned, micro-batch 8)
 #   STAGE=two   2-GPU compare (both paths, deepcompile, ceiling on GPU 0 + FSDP2 on both)
 #   STAGE=explain  GPU 0: 1-GPU compare as in `one`; GPU 1: compare.py --explain as in `tests`
+#   STAGE=eachtest  the deepcompile GPU tests one pytest each, two streams (GPU 0 and 1)
+#   STAGE=profile  GPU 0: one raw DeepCompile run with SCHED, then the ZeRO-3 optimizer step's
+#               profile (benchmarks/optimizer_step.py, torch AdamW and DeepSpeed FusedAdam); GPU 1: explain
+# SCHED picks --deepcompile_schedule (deepspeed | once); FACTORS the explain factors.
 # Usage on the device machine, from the repo root: STAGE=one bash benchmarks/h200_deepcompile.sh OUTDIR
 set -uo pipefail
 OUT=${1:?usage: h200_deepcompile.sh OUTDIR}
@@ -22,7 +26,7 @@ DEADLINE=${DEADLINE_S:-565}
 left() { echo $(( DEADLINE - (SECONDS - T0) - 8 )); }
 MB=${MB:-16}
 BASE=(--preset 1.5b --stage 3 --precision bf16 --micro_batch "$MB" --steps "${STEPS:-20}" --warmup_steps 10
-      --compile deepcompile)
+      --compile deepcompile --deepcompile_schedule "${SCHED:-deepspeed}")
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv > "$W/gpus.txt" 2>&1
 # Build DeepCompile's op once, before any run races for it (the image's TORCH_CUDA_ARCH_LIST=9.0a is handled).
 python3 -c "
@@ -46,7 +50,34 @@ explain_one() {  # compare.py --explain, eager, tuned profile, micro-batch 8, 2 
     --factors "${FACTORS:-ds_throughput_timer,original_ds_config,progress_bar,log_loss,python_gc_auto}" \
     --out "$W/explain_1xh200" > "$W/explain_1xh200.log" 2>&1
 }
+raw_dc() {  # one raw DeepCompile run of BASE on GPU $1
+  CUDA_VISIBLE_DEVICES=$1 timeout -k 10 "$(left)" python3 -m torch.distributed.run --standalone --nproc_per_node 1 \
+    plain_deepspeed/train.py "${BASE[@]}" --out "$W/raw_dc_${SCHED:-deepspeed}.json" > "$W/raw_dc.log" 2>&1
+}
+optimizer_profile() {  # where the ZeRO-3 optimizer step's time goes, torch AdamW then DeepSpeed FusedAdam
+  for opt in adamw fusedadam; do
+    CUDA_VISIBLE_DEVICES=$1 timeout -k 10 "$(left)" python3 benchmarks/optimizer_step.py --preset 1.5b --stage 3 \
+      --precision bf16 --micro_batch 4 --steps 11 --warmup_steps 3 --optimizer $opt \
+      --out "$W/optimizer_step_$opt.json" > "$W/optimizer_step_$opt.log" 2>&1
+  done
+}
+gpu_test_each() {  # GPU $1: each named deepcompile GPU test in its own pytest, so every one reports even if cut
+  local gpu=$1; shift
+  for t in "$@"; do
+    CUDA_VISIBLE_DEVICES=$gpu timeout -k 10 "$(left)" python3 -m pytest -m gpu "tests/test_deepcompile.py::$t" -q -s \
+      --tb=short -p no:cacheprovider >> "$W/gpu_tests_deepcompile_$gpu.log" 2>&1
+  done
+}
 case "$STAGE" in
+  resume)
+    gpu_test_each 0 "test_deepcompile_checkpoints_resume_export_and_validate[raw]" &
+    gpu_test_each 1 "test_deepcompile_checkpoints_resume_export_and_validate[lightning]" & wait ;;
+  eachtest)
+    gpu_test_each 0 test_both_paths_train_with_deepcompile_and_compile_the_same_graphs \
+      test_the_once_schedule_trains_like_deepspeeds_schedule &
+    gpu_test_each 1 test_deepcompile_applies_dropout_like_the_eager_model \
+      "test_deepcompile_checkpoints_resume_export_and_validate[raw]" & wait ;;
+  profile) (raw_dc 0; optimizer_profile 0) & explain_one 1 & wait ;;
   one) compare_one 0 & gpu_tests 1 -x & wait ;;
   explain) compare_one 0 & explain_one 1 & wait ;;
   tests) gpu_tests 0 -rA & explain_one 1 & wait ;;

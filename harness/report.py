@@ -79,6 +79,7 @@ def summarize_path(runs: list[RunResult]) -> dict:
         # Warm-up (excluded steps: compilation, DeepCompile's profiling) and torch.compile's own time, per run.
         "warmup_s": [r.extra.get("warmup_s") for r in runs],
         "compile_s": [r.extra.get("compile_s") for r in runs],
+        "deepcompile_passes_s": [r.extra.get("deepcompile_passes_s") for r in runs],
         "sdpa_kernel": sorted({r.sdpa_kernel for r in runs}, key=str),  # per kernel seen, one entry
         "fused": runs[0].fused,
         "ds_config": runs[0].ds_config,
@@ -242,6 +243,9 @@ def format_table(report: dict) -> str:
                                                   if any(p.get("sdpa_kernel") or []) else ""))
     row("compile", lambda p: p.get("compile", "none"))
     row("warm-up s (excluded)", lambda p: ", ".join(_fmt(w, ".1f") for w in p.get("warmup_s", [])) or "n/a")
+    row("  of it compiling s", lambda p: ", ".join(_fmt(w, ".1f") for w in p.get("compile_s", [])) or "n/a")
+    if any(any(v is not None for v in p.get("deepcompile_passes_s", [])) for p in report["paths"].values()):
+        row("  DeepCompile passes s", lambda p: ", ".join(_fmt(w, ".1f") for w in p.get("deepcompile_passes_s", [])))
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)
     lines = [f"{a:<{w0}}  {b:>{w1}}  {c}" for a, b, c in rows]

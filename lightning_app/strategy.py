@@ -29,9 +29,10 @@ from shared.train.ds_runtime import compile_engine
 class ZeroStrategy(DeepSpeedStrategy):
     strategy_name = "zero3bench_deepspeed"
 
-    def __init__(self, *args, compile_mode: str = "none", **kwargs):
+    def __init__(self, *args, compile_mode: str = "none", deepcompile_schedule: str = "deepspeed", **kwargs):
         super().__init__(*args, **kwargs)
         self.compile_mode = compile_mode
+        self.deepcompile_schedule = deepcompile_schedule
 
     @property
     def _on_cpu(self) -> bool:
@@ -55,7 +56,8 @@ class ZeroStrategy(DeepSpeedStrategy):
         engine, ds_optimizer = self._initialize(model, optimizer, lr_scheduler)
         # Lightning 2.6 only calls deepspeed.initialize; a compile mode that lives in the engine (DeepCompile) is
         # applied right after it, as the raw loop does (the engine's module hands compile() to the GPT).
-        compile_engine(engine, self.compile_mode, self.global_rank)
+        stage = self.config["zero_optimization"]["stage"]
+        compile_engine(engine, self.compile_mode, self.global_rank, self.deepcompile_schedule, stage)
         return engine, ds_optimizer
 
     def _initialize(self, model, optimizer, lr_scheduler):

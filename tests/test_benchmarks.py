@@ -188,3 +188,25 @@ def test_readme_quotes_the_committed_ablation_ratios_and_targets_as_measured():
     assert f"({min(ratios):.3f}-{max(ratios):.3f}, each one run" in readme  # 0.916-1.083
     flex = load(ROOT / "benchmarks" / "results" / "attention_h200.json")
     assert "1.2975" in json.dumps(flex) and "1.3x FlexAttention on causal at 2048 is missed" in readme
+
+
+OPTIMIZER_STEP = ROOT / "benchmarks" / "optimizer_step.py"
+
+
+def test_optimizer_step_profile_times_every_part_of_deepspeeds_zero3_step(tmp_path):
+    out = tmp_path / "step.json"
+    proc = run([sys.executable, OPTIMIZER_STEP, "--preset", "tiny", "--steps", "6", "--warmup_steps", "2",
+                "--out", out], timeout=300)
+    r = load(out)
+    assert r["step_ms"]["n"] == 2 and r["step_ms"]["median"] > 0  # steps 2 and 4 plain, 3 and 5 profiled
+    parts = r["parts_ms_per_step"]
+    for name in ("_get_norm_groups", "_optimizer_step", "_prepare_sub_group", "_partition_all_parameters"):
+        assert parts[name] > 0, name
+    # once per sub-group in one step
+    assert r["parts_calls_per_step"]["_optimizer_step"] == r["n_sub_groups"] >= 1
+    assert r["top_kernels"] and "optimizer step:" in proc.stdout
+
+
+def test_optimizer_step_profile_refuses_what_it_cannot_time(tmp_path):
+    proc = run([sys.executable, OPTIMIZER_STEP, "--preset", "tiny", "--stage", "2"], check=False, timeout=60)
+    assert proc.returncode != 0 and "use --stage 3" in proc.stderr

@@ -32,6 +32,10 @@ COMPILE_MODES = ("none", "blocks", "deepcompile")
 # DeepCompile profiles its first steps and recompiles with prefetching at this global step (deepspeed/compile/
 # init_z3.py WARMUP): a timed step must come after it.
 DEEPCOMPILE_WARMUP = 5
+# When DeepCompile runs its ZeRO-3 passes (shared/train/ds_runtime.deepcompile_schedule): deepspeed = its own
+# schedule (gather/release at step 0, then a second whole compile at step 5 with prefetching and selective
+# gathering); once = all three passes at step 0 from the first step's profile, one compile instead of two.
+DEEPCOMPILE_SCHEDULES = ("deepspeed", "once")
 NAN_POLICIES = ("stop", "skip")
 
 
@@ -91,6 +95,11 @@ class TrainConfig(FusedSwitches):
     compiles the whole GPT forward and loss and schedules the gathers and reduce-scatters inside the graph; fastest
     mode measured (docs/results.md), but its GPU tests are not all green yet and each run spends ~4-5 min warming up,
     so it is opt-in"""
+    deepcompile_schedule: str = "deepspeed"
+    """deepspeed | once: when DeepCompile runs its ZeRO-3 passes. deepspeed: DeepSpeed's schedule (gather/release
+    from step 0, a second whole compile at step 5 adds prefetching and selective gathering); once: all three passes
+    at step 0, from the first step's profile, so the model is compiled once (about half the warm-up). ZeRO 1/2
+    compile once either way"""
     zero_profile: str = "tuned"
     """DeepSpeed config rules: tuned (the default; see shared/train/ds_config.py; chosen from a single pair of runs per
     profile, raw first: +8.5% raw per GPU on 2 H200s, inside single-pair noise) |
@@ -195,6 +204,9 @@ class TrainConfig(FusedSwitches):
             raise ValueError(f"devices must be positive, got {self.devices!r}")
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"unknown compile mode {self.compile!r}; choose one of {COMPILE_MODES}")
+        if self.deepcompile_schedule not in DEEPCOMPILE_SCHEDULES:
+            raise ValueError(f"unknown deepcompile_schedule {self.deepcompile_schedule!r}; choose one of "
+                             f"{DEEPCOMPILE_SCHEDULES}")
         if self.compile == "deepcompile":
             _check_deepcompile(self)
         if self.memory_efficient_linear and self.compile == "blocks" and self.stage == 3:
@@ -250,10 +262,20 @@ def _check_deepcompile(train: TrainConfig) -> None:
     if train.stage == 0:
         raise ValueError("--compile deepcompile needs ZeRO stage 1, 2 or 3 (DeepCompile is a ZeRO pass); "
                          "use --compile blocks or none with stage 0")
-    if train.warmup_steps <= DEEPCOMPILE_WARMUP:
-        raise ValueError(f"--compile deepcompile needs --warmup_steps > {DEEPCOMPILE_WARMUP}: DeepCompile profiles "
-                         f"its first {DEEPCOMPILE_WARMUP} steps and recompiles at step {DEEPCOMPILE_WARMUP}, and "
-                         f"those steps must not be timed (got --warmup_steps {train.warmup_steps})")
+    recompiles_at = DEEPCOMPILE_WARMUP if train.deepcompile_schedule == "deepspeed" and train.stage == 3 else 0
+    if train.warmup_steps <= recompiles_at:
+        what = f"recompiles at step {recompiles_at}" if recompiles_at else "compiles at step 0"
+        raise ValueError(f"--compile deepcompile needs --warmup_steps > {recompiles_at}: DeepCompile profiles and "
+                         f"{what} (--deepcompile_schedule {train.deepcompile_schedule}, stage {train.stage}), and "
+                         f"that step must not be timed (got --warmup_steps {train.warmup_steps})")
+    between = [f"--{name} {every}" for name, every in (("val_every", train.val_every), ("save_every", train.save_every))
+               if every and every < train.steps]
+    if between:
+        raise ValueError(f"--compile deepcompile with {' and '.join(between)} (< --steps {train.steps}): a validation "
+                         "or checkpoint between training steps makes DeepCompile's next backward abort (DeepSpeed "
+                         "0.19.8: 'DoubleBufferedReduceBucket::swap: Assertion hasKey(current_buffer_, scalar_type) "
+                         "failed', seen on the H200); validate and save at the end only (0 or >= --steps; a run "
+                         "still saves at its last step and on SIGTERM), or use --compile blocks")
     if train.fused_layernorm:
         raise ValueError("fused_layernorm does not combine with --compile deepcompile: liger-kernel's LayerNorm "
                          "fails to compile under torch.compile (Triton CompilationError on its eps argument)")

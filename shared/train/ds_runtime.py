@@ -84,18 +84,38 @@ def prepare_op_build(rank: int = 0) -> None:
         print(f"note: {note}", flush=True)
 
 
-def compile_engine(engine, mode: str, rank: int = 0) -> None:
+def deepcompile_schedule(name: str, stage: int):
+    """DeepCompile's pass schedule for TrainConfig.deepcompile_schedule: None = DeepSpeed's own (for ZeRO-3: gather/
+    release from step 0, a second whole compile at step 5 with prefetching and selective gathering; deepspeed/compile/
+    init_z3.py). `once` puts those three passes at step 0, where they plan from the first step's profile (the
+    forward's profile exists when the backward graph is compiled), so the model is compiled once. ZeRO 1/2 compile
+    once either way."""
+    if name == "deepspeed" or stage != 3:
+        return None
+    from deepspeed.compile.passes import prefetch, selective_gather, zero3_compile
+
+    return [(0, [zero3_compile.add_z3_gather_release, prefetch.schedule_prefetch, selective_gather.selective_gather])]
+
+
+def compile_engine(engine, mode: str, rank: int = 0, schedule: str = "deepspeed", stage: int = 3) -> None:
     """Apply a TrainConfig.compile mode that lives in the engine: deepcompile calls engine.compile() (inductor).
 
-    The compiled graph is built at the first forward; DeepCompile profiles the first steps and recompiles with
-    prefetching at step 5 (deepspeed/compile/init_z3.py), which the timing excludes (TrainConfig validation). The
+    The compiled graph is built at the first forward; DeepCompile profiles it and compiles it with its passes on the
+    schedule of deepcompile_schedule, whose compile steps the timing excludes (TrainConfig validation). The
     module compiled is the engine's module: the GPT in the raw loop; in Lightning the GPTModule hands it on to its
     GPT (lightning_app/module.GPTModule.compile), so both paths compile the same forward + loss.
     """
     if mode != "deepcompile":
         return
     prepare_op_build(rank)  # DeepCompile builds its `dc` op here
-    engine.compile(backend="inductor")
+    import torch._inductor.config as inductor_config
+
+    # A forward without grad (validation) compiles a graph in which cuDNN attention returns no logsumexp, and
+    # inductor's generated alignment check on that undefined output raises "expected Tensor() for op:
+    # aten._scaled_dot_product_cudnn_attention" (torch 2.11, H200). The check is a debug assert; DeepCompile already
+    # turns inductor's size asserts off the same way (deepspeed/compile/init_z3.py).
+    inductor_config.alignment_asserts = False
+    engine.compile(backend="inductor", schedule=deepcompile_schedule(schedule, stage))
     if not engine.is_deepcompile_active():
         # DeepSpeed falls back to plain torch.compile when its pass cannot run (e.g. ZeRO stage 0): never report a
         # run as DeepCompile that is not one.

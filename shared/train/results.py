@@ -163,8 +163,16 @@ def build_result(*, path: str, train: TrainConfig, model_cfg: GPTConfig, ds_conf
         param_checksum=param_checksum,
         sdpa_kernel=sdpa_kernel(model_cfg, train.micro_batch, COMPUTE_DTYPES[train.precision], device),
         extra={**(extra or {}), "allocator_cache_flushes": allocator_cache_flushes(device),
-               "warmup_s": timing.get("warmup_s"), "compile_s": compile_seconds()},
+               "warmup_s": timing.get("warmup_s"), "compile_s": compile_seconds(),
+               "deepcompile_passes_s": _deepcompile_pass_seconds()},
     )
+
+
+def _deepcompile_pass_seconds() -> float | None:
+    """Seconds DeepCompile spent in its graph passes and their profiling runs (its own clock, per graph and compile:
+    deepspeed.compile.backend.opt_pass_times); None where it did not run in this process."""
+    times = getattr(sys.modules.get("deepspeed.compile.backend"), "opt_pass_times", None)
+    return float(sum(t[-1] for t in times)) if times else None
 
 
 def allocator_cache_flushes(device: torch.device) -> int | None:
