@@ -123,10 +123,11 @@ def _apply_tuned_rules(cfg: dict, model: GPTConfig) -> None:
 
     Measured together (benchmarks/results, 1.5b, ZeRO-3 bf16, micro-batch 8, H200): the raw loop ran at 357.2 /
     285.0 TFLOPs/GPU on 1 / 2 GPUs with the original profile (compare_*xh200) and at 355.2 / 319.8 with this one
-    (explain_*xh200, a later call). Inside one explain run, Lightning with the original profile instead of this
-    one was 1.9% (1 GPU) and 1.8% (2 GPUs) below the same round's Lightning run, one round each and within that
-    run's round-to-round noise (8.0% / 5.8%), the time landing in backward (+49 / +39 ms: the reduce buckets);
-    `python explain.py benchmarks/results/explain_1xh200/explain.json` recomputes these figures.
+    (explain_*xh200, a later call). Re-measured with 2 rounds per factor on one H200 (micro-batch 8,
+    benchmarks/results/explain_1xh200_timer_config): Lightning with the original profile instead of this one ran
+    15.1% [12.0%, 18.2%] below the same round's Lightning run, beyond that call's 5.0% round-to-round noise, the
+    time landing in backward (+65 ms: the reduce buckets); `python explain.py
+    benchmarks/results/explain_1xh200_timer_config/explain.json` recomputes these figures.
     """
     zero = cfg["zero_optimization"]
     h = model.n_embd
@@ -150,8 +151,9 @@ def _apply_tuned_rules(cfg: dict, model: GPTConfig) -> None:
         zero["stage3_module_granularity_threshold"] = 0
     # DeepSpeed's throughput timer is on and synchronized by default: a device sync at the start of every
     # forward and at the end of every step, which the step-time measurement does not need, and it stops the host
-    # from running ahead of the GPU. Switching it back on put the Lightning path 3.3% below the same round's
-    # Lightning run on one H200 (explain_1xh200: forward +21.6 ms; one round, within that run's 8.0% noise).
+    # from running ahead of the GPU. Switching it back on in Lightning measured +4.5% [+0.7%, +8.2%] against the same
+    # round's Lightning run on one H200 (explain_1xh200_timer_config, 2 rounds): within that call's 5.0% noise, so
+    # no measurable cost at micro-batch 8 on one GPU; it stays off because nothing here reads it.
     cfg["timers"] = {"throughput": {"enabled": False, "synchronized": False}}
 
 
