@@ -113,7 +113,8 @@ def main(train: TrainConfig) -> RunResult:
             print(f"[deepspeed] resumed from {resume_from} at step {start}", flush=True)
     if start >= train.steps:
         raise ValueError(f"checkpoint {resume_from} is at step {start}, not before --steps {train.steps}")
-    compile_engine(engine, train.compile, rank, train.deepcompile_schedule, train.stage)  # after the resume: DeepCompile registers the loaded shards
+    # after the resume: DeepCompile registers the loaded shards
+    compile_engine(engine, train.compile, rank, train.deepcompile_schedule, train.stage)
 
     pin = device.type == "cuda"
     loader = train_loader(train, rank, start, pin_memory=pin)
