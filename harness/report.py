@@ -29,14 +29,19 @@ from shared.train.timing import PHASES
 #     tests/test_compare.py a 2x learning rate moves the loss by 2.1e-3, but a missing clip (7e-5) and the
 #     accumulation double scaling (2.5e-5) stay inside any loss bound the drift allows, which is why the gradient
 #     norm and the checksum are compared too.
-#   gradient norm (relative) and checksum (relative: |d sum_sq| / sum_sq, |d sum| / sqrt(sum_sq)): the committed
-#     runs did not record them, so their bf16 bounds are provisional: 1e-3 and 1e-4, about 80x and 8x the
-#     measured relative loss drift (1.4e-4 of a loss of ~11.1 at that step), to be confirmed by the first GPU
-#     compare that records them. The accumulation double scaling halves the gradient norm (gas 2), far outside.
+#   gradient norm (relative, per step past the warm-up) and checksum (relative: the larger of |d sum_sq| / sum_sq
+#     and |d sum| / sqrt(sum_sq)): measured between the raw and the fast-default Lightning run of each round of the
+#     two committed 2-round explain runs (4 bf16 pairs, 1.5b eager, one H200, 14 steps;
+#     benchmarks/results/explain_1xh200_timer_config, explain_1xh200_bar_log_gc): gradient norm at most 2.3e-5
+#     past the warm-up (3.0e-4 over all steps), checksum at most 1.85e-3, all of it from the sum term (the sum_sq
+#     term stays below 1.3e-7): a sum over 1.65B parameters drifting independently grows like the norm, so
+#     |d sum| / sqrt(sum_sq) reads the typical per-parameter relative drift of bf16 updates. Bounds: 2e-4 (~9x,
+#     few pairs and one GPU) and 4e-3 (~2x). The accumulation double scaling halves the gradient norm (gas 2), far
+#     outside.
 PARITY_TOLERANCE = {
     "fp32": {"loss": 1e-5, "grad_norm": 1e-5, "checksum": 1e-6},
-    "bf16": {"loss": 3e-4, "grad_norm": 1e-3, "checksum": 1e-4},
-    "fp16": {"loss": 3e-4, "grad_norm": 1e-3, "checksum": 1e-4},
+    "bf16": {"loss": 3e-4, "grad_norm": 2e-4, "checksum": 4e-3},
+    "fp16": {"loss": 3e-4, "grad_norm": 2e-4, "checksum": 4e-3},
 }
 # What compare.py runs on a machine with GPUs when these flags are not given (the study's model and a longer run)
 # A path whose runs' TFLOPs/GPU differ by more than this (max/min) ran on an unsteady machine (other load,

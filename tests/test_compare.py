@@ -198,8 +198,8 @@ def test_parity_compares_past_the_lr_warmup_in_every_pair():
     "other, failed",
     [
         (series(LOSSES, [n / 2 for n in NORMS], CHECKSUM), ["grad_norm"]),  # gradients scaled twice by 1/gas
-        (series(LOSSES, NORMS, {**CHECKSUM, "sum_sq": 400.1}), ["checksum"]),  # 2.5e-4 relative
-        (series(LOSSES, NORMS, {**CHECKSUM, "sum": 12.01}), ["checksum"]),  # 0.01 / sqrt(400) = 5e-4
+        (series(LOSSES, NORMS, {**CHECKSUM, "sum_sq": 402.0}), ["checksum"]),  # 5e-3 relative
+        (series(LOSSES, NORMS, {**CHECKSUM, "sum": 12.1}), ["checksum"]),  # 0.1 / sqrt(400) = 5e-3
         (series([x * 1.0001 for x in LOSSES], NORMS, CHECKSUM), ["loss"]),  # 5e-4 past warm-up
         (series(LOSSES[:3] + [None] + LOSSES[4:], NORMS, CHECKSUM), ["loss"]),  # a skipped step in one path only
     ],
@@ -236,9 +236,10 @@ def test_parity_catches_a_missing_clip_double_scaled_gradients_and_a_doubled_lr_
         report = reports.loss_parity([raw], [RunResult.from_json(tmp_path / f"{fault}.json")], "bf16", 3)
         assert report["past_warmup"] and report["pairs"][0]["steps"] == [3, 8]
         caught[fault] = report["failed"]
-    # Measured on CPU: no clip moves the checksum by 4e-4 (loss 7e-5, grad norm 3e-4 stay inside their bounds);
-    # the double scaling halves the gradient norm; the doubled LR fails all three.
-    assert "checksum" in caught["noclip"]
+    # Measured on CPU: no clip moves the gradient norm by 3e-4 (bound 2e-4) and the checksum by 4e-4 (inside the
+    # 4e-3 that bf16 drift on the H200 needs) and the loss by 7e-5; the double scaling halves the gradient norm; the
+    # doubled LR fails all three.
+    assert "grad_norm" in caught["noclip"]
     assert "grad_norm" in caught["double_scale"]
     assert "loss" in caught["lr2x"]
 
