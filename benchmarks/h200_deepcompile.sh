@@ -70,13 +70,13 @@ gpu_test_each() {  # GPU $1: each named deepcompile GPU test in its own pytest, 
 }
 case "$STAGE" in
   resume)
-    gpu_test_each 0 "test_deepcompile_checkpoints_resume_export_and_validate[raw]" &
-    gpu_test_each 1 "test_deepcompile_checkpoints_resume_export_and_validate[lightning]" & wait ;;
+    gpu_test_each 0 "test_deepcompile_validates_saves_exports_and_resumes_at_the_end[raw]" &
+    gpu_test_each 1 "test_deepcompile_validates_saves_exports_and_resumes_at_the_end[lightning]" & wait ;;
   eachtest)
     gpu_test_each 0 test_both_paths_train_with_deepcompile_and_compile_the_same_graphs \
       test_the_once_schedule_trains_like_deepspeeds_schedule &
     gpu_test_each 1 test_deepcompile_applies_dropout_like_the_eager_model \
-      "test_deepcompile_checkpoints_resume_export_and_validate[raw]" & wait ;;
+      "test_deepcompile_validates_saves_exports_and_resumes_at_the_end[raw]" & wait ;;
   profile) (raw_dc 0; optimizer_profile 0) & explain_one 1 & wait ;;
   one) compare_one 0 & gpu_tests 1 -x & wait ;;
   explain) compare_one 0 & explain_one 1 & wait ;;

@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
         "n_params_partitioned": sum(int(t.numel()) for t in zero_opt.fp16_partitioned_groups_flat if t is not None),
         "step_ms": {"median": statistics.median(plain) * 1e3, "min": min(plain) * 1e3, "max": max(plain) * 1e3,
                     "n": len(plain)},
-        # ms per step, each part summed over its calls in one step (median over the profiled steps)
+        # ms per step, each part summed over its calls in one step (mean over the profiled steps)
         "parts_ms_per_step": {name: sum(v) / profiled_steps * 1e3 for name, v in parts.items()},
         "parts_calls_per_step": {name: len(v) / profiled_steps for name, v in parts.items()},
         "top_kernels": kernels,
