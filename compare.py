@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run reference rows in every round: ceiling (plain PyTorch, whole model compiled, no "
                         "sharding, one GPU) and fsdp2 (torch FSDP2 + compiled blocks); each path is reported as a "
                         "fraction of the ceiling of the same run (default with the flag: ceiling,fsdp2)")
+    p.add_argument("--reference_rounds", "--reference-rounds", type=int, default=None,
+                   help="run the reference rows in the first N rounds only (default: every round); the fractions of "
+                        "the ceiling then divide by the median of those N ceiling runs")
     p.add_argument("--parallel", action="store_true",
                    help="run the two paths of each pair at the same time, each on its own GPU (and the reference "
                         "rows likewise): one-GPU runs on a machine with >= 2 GPUs, half the wall time; the runs "
@@ -107,6 +110,9 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
         unknown = sorted(set(ns.references) - set(REFERENCES))
         if unknown:
             raise ValueError(f"unknown --reference row(s) {unknown}; choose from {REFERENCES}")
+        if ns.reference_rounds is not None and not (ns.references and 1 <= ns.reference_rounds <= ns.repeats):
+            raise ValueError(f"--reference_rounds {ns.reference_rounds} needs --reference and a value from 1 to "
+                             f"--repeats ({ns.repeats})")
         if ns.references and (ns.explain or ns.autotune):
             raise ValueError("--reference adds rows to a compare run; it does not combine with --explain/--autotune")
         if ns.parallel and (ns.explain or ns.autotune or ns.cross_check):
@@ -172,7 +178,8 @@ def main(argv: list[str] | None = None) -> dict:
     results: dict[str, list[RunResult]] = {p: [] for p in (*PATHS, *ns.references)}
     for i in range(ns.repeats):
         order = round_order(PATHS, i)
-        groups = [order, ns.references] if ns.parallel else [[p] for p in [*order, *ns.references]]
+        refs = ns.references if ns.reference_rounds is None or i < ns.reference_rounds else []
+        groups = [order, refs] if ns.parallel else [[p] for p in [*order, *refs]]
         for group in filter(None, groups):
             def launch_one(slot: int, path: str, i: int = i) -> RunResult:
                 # The ceiling is one unsharded process on the first GPU whatever the run's world size; with

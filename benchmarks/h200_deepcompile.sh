@@ -11,7 +11,10 @@
 #   STAGE=eachtest  the deepcompile GPU tests one pytest each, two streams (GPU 0 and 1)
 #   STAGE=profile  GPU 0: one raw DeepCompile run with SCHED, then the ZeRO-3 optimizer step's
 #               profile (benchmarks/optimizer_step.py, torch AdamW and DeepSpeed FusedAdam); GPU 1: explain
-# SCHED picks --deepcompile_schedule (deepspeed | once); FACTORS the explain factors.
+#   STAGE=steps GPU 0: the ZeRO-3 optimizer step, --zero3_step fast and deepspeed alternated (STEP_ROUNDS rounds);
+#               GPU 1: the deepcompile GPU tests named in TESTS, one pytest each
+# SCHED picks --deepcompile_schedule (deepspeed | once); FACTORS the explain factors; REFROUNDS runs the reference
+# rows of `pair`/`two` in the first N rounds only (compare.py --reference_rounds).
 # Usage on the device machine, from the repo root: STAGE=one bash benchmarks/h200_deepcompile.sh OUTDIR
 set -uo pipefail
 OUT=${1:?usage: h200_deepcompile.sh OUTDIR}
@@ -25,7 +28,7 @@ T0=$SECONDS
 DEADLINE=${DEADLINE_S:-565}
 left() { echo $(( DEADLINE - (SECONDS - T0) - 8 )); }
 MB=${MB:-16}
-BASE=(--preset 1.5b --stage 3 --precision bf16 --micro_batch "$MB" --steps "${STEPS:-20}" --warmup_steps 10
+BASE=(--preset 1.5b --stage 3 --precision bf16 --micro_batch "$MB" --steps "${STEPS:-20}" --warmup_steps "${WARMUP:-10}"
       --compile deepcompile --deepcompile_schedule "${SCHED:-deepspeed}")
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv > "$W/gpus.txt" 2>&1
 # Build DeepCompile's op once, before any run races for it (the image's TORCH_CUDA_ARCH_LIST=9.0a is handled).
@@ -61,6 +64,16 @@ optimizer_profile() {  # where the ZeRO-3 optimizer step's time goes, torch Adam
       --out "$W/optimizer_step_$opt.json" > "$W/optimizer_step_$opt.log" 2>&1
   done
 }
+zero3_steps() {  # GPU $1: the ZeRO-3 optimizer step with the fast and DeepSpeed's gradient norm and fp32 copy
+  for r in $(seq 0 $(( ${STEP_ROUNDS:-2} - 1 ))); do
+    for mode in fast deepspeed; do
+      CUDA_VISIBLE_DEVICES=$1 timeout -k 10 "$(left)" python3 benchmarks/optimizer_step.py --preset 1.5b --stage 3 \
+        --precision bf16 --micro_batch 4 --steps 11 --warmup_steps 3 --zero3_step $mode \
+        --out "$W/optimizer_step_${mode}_$r.json" > "$W/optimizer_step_${mode}_$r.log" 2>&1
+    done
+  done
+}
+REFS=(--reference ${REFROUNDS:+--reference_rounds "$REFROUNDS"})
 gpu_test_each() {  # GPU $1: each named deepcompile GPU test in its own pytest, so every one reports even if cut
   local gpu=$1; shift
   for t in "$@"; do
@@ -78,14 +91,15 @@ case "$STAGE" in
     gpu_test_each 1 test_deepcompile_applies_dropout_like_the_eager_model \
       "test_deepcompile_validates_saves_exports_and_resumes_at_the_end[raw]" & wait ;;
   profile) (raw_dc 0; optimizer_profile 0) & explain_one 1 & wait ;;
+  steps) zero3_steps 0 & gpu_test_each 1 ${TESTS:-} & wait ;;
   one) compare_one 0 & gpu_tests 1 -x & wait ;;
   explain) compare_one 0 & explain_one 1 & wait ;;
   tests) gpu_tests 0 -rA & explain_one 1 & wait ;;
   pair)
     timeout -k 10 "$(left)" python3 compare.py --gpus 1 --parallel "${BASE[@]}" --repeats "${REPEATS:-1}" \
-      --reference --timeout 500 --out "$W/compare_1xh200" > "$W/compare_1xh200.log" 2>&1 ;;
+      "${REFS[@]}" --timeout 500 --out "$W/compare_1xh200" > "$W/compare_1xh200.log" 2>&1 ;;
   two)
-    timeout -k 10 "$(left)" python3 compare.py --gpus 2 "${BASE[@]}" --repeats "${REPEATS:-2}" --reference \
+    timeout -k 10 "$(left)" python3 compare.py --gpus 2 "${BASE[@]}" --repeats "${REPEATS:-2}" "${REFS[@]}" \
       --timeout 400 --out "$W/compare_2xh200" > "$W/compare_2xh200.log" 2>&1 ;;
   *) echo "unknown STAGE $STAGE"; exit 2 ;;
 esac

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from shared.model.gpt import GPT
+from shared.train import zero3_step
 from shared.train.cli import parse_train_config
 from shared.train.data import train_loader
 from shared.train.distributed import backend_for, ensure_env, pick_device, seed_all
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                            lr_scheduler=build_scheduler(optimizer, train), config=ds_config,
                                            dist_init_required=False)
+    zero3_step.apply(engine, train.zero3_step)
     zero_opt = engine.optimizer
     plain, parts, steps = [], {}, []
     kernels = None
@@ -126,7 +128,8 @@ def main(argv: list[str] | None = None) -> dict:
     profiled_steps = max(1, len(parts.get("_pre_step", [])))
     result = {
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-        "preset": train.preset, "optimizer": train.optimizer, "micro_batch": train.micro_batch,
+        "preset": train.preset, "optimizer": train.optimizer, "zero3_step": train.zero3_step,
+        "micro_batch": train.micro_batch,
         "world_size": dist.get_world_size(), "device": device_info(device), "versions": versions(),
         "ds_config": ds_config, "n_sub_groups": n_sub_groups,
         "n_params_partitioned": sum(int(t.numel()) for t in zero_opt.fp16_partitioned_groups_flat if t is not None),

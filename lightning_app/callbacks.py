@@ -20,7 +20,7 @@ from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_app.module import GPTModule
 from shared.model.gpt import count_parameters
-from shared.train import checkpoint
+from shared.train import checkpoint, zero3_step
 from shared.train.config import TrainConfig
 from shared.train.distributed import apply_gc_policy, dropout_seed
 from shared.train.ds_runtime import BreakdownCollector, GradNormRecorder, param_checksum
@@ -148,7 +148,7 @@ class RunCallback(pl.Callback):
             grad_norms=timing.grad_norms.values(), param_checksum=param_checksum(pl_module.gpt),
             extra={"lightning": effective_settings(trainer, pl_module, self.sigterm), "start_step": timing.start,
                    "resumed_from": str(self.resume_from) if self.resume_from else None,
-                   "val": pl_module.val_history},
+                   "val": pl_module.val_history, "zero3_step_calls": zero3_step.calls(engine)},
         )
         if self.train.export:
             checkpoint.export_live(pl_module.gpt, dataclasses.asdict(pl_module.model_cfg), self.train.export,

@@ -23,16 +23,19 @@ from lightning_fabric.utilities.seed import reset_seed
 from pytorch_lightning.plugins.precision import DeepSpeedPrecision
 from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy
 
+from shared.train import zero3_step
 from shared.train.ds_runtime import compile_engine
 
 
 class ZeroStrategy(DeepSpeedStrategy):
     strategy_name = "zero3bench_deepspeed"
 
-    def __init__(self, *args, compile_mode: str = "none", deepcompile_schedule: str = "deepspeed", **kwargs):
+    def __init__(self, *args, compile_mode: str = "none", deepcompile_schedule: str = "deepspeed",
+                 zero3_step: str = "deepspeed", **kwargs):
         super().__init__(*args, **kwargs)
         self.compile_mode = compile_mode
         self.deepcompile_schedule = deepcompile_schedule
+        self.zero3_step = zero3_step
 
     @property
     def _on_cpu(self) -> bool:
@@ -58,6 +61,7 @@ class ZeroStrategy(DeepSpeedStrategy):
         # applied right after it, as the raw loop does (the engine's module hands compile() to the GPT).
         stage = self.config["zero_optimization"]["stage"]
         compile_engine(engine, self.compile_mode, self.global_rank, self.deepcompile_schedule, stage)
+        zero3_step.apply(engine, self.zero3_step)  # the raw loop's optimizer step (shared/train/zero3_step.py)
         return engine, ds_optimizer
 
     def _initialize(self, model, optimizer, lr_scheduler):

@@ -81,7 +81,8 @@ def build_strategy(train: TrainConfig) -> ZeroStrategy:
         return ZeroStrategy(stage=train.stage, logging_batch_size_per_gpu=train.micro_batch,
                             precision_plugin=precision)
     return ZeroStrategy(config=lightning_ds_config(train), precision_plugin=precision,
-                        compile_mode=train.compile, deepcompile_schedule=train.deepcompile_schedule)
+                        compile_mode=train.compile, deepcompile_schedule=train.deepcompile_schedule,
+                        zero3_step=train.zero3_step)
 
 
 class DataModule(pl.LightningDataModule):

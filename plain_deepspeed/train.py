@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torchmetrics import MeanMetric
 
 from shared.model.gpt import GPT, count_parameters
-from shared.train import checkpoint
+from shared.train import checkpoint, zero3_step
 from shared.train.cli import parse_train_config
 from shared.train.compile import compile_blocks
 from shared.train.config import TrainConfig
@@ -115,6 +115,7 @@ def main(train: TrainConfig) -> RunResult:
         raise ValueError(f"checkpoint {resume_from} is at step {start}, not before --steps {train.steps}")
     # after the resume: DeepCompile registers the loaded shards
     compile_engine(engine, train.compile, rank, train.deepcompile_schedule, train.stage)
+    zero3_step.apply(engine, train.zero3_step)
 
     pin = device.type == "cuda"
     loader = train_loader(train, rank, start, pin_memory=pin)
@@ -196,7 +197,7 @@ def main(train: TrainConfig) -> RunResult:
         peak_mem_bytes=peak_mem,
         grad_norms=grad_norms.values(), param_checksum=param_checksum(model),
         extra={"start_step": start, "resumed_from": str(resume_from) if resume_from else None,
-               "skipped_steps": nan_guard.skipped, **history},
+               "skipped_steps": nan_guard.skipped, "zero3_step_calls": zero3_step.calls(engine), **history},
     )
     write_result(result, train.out, rank)
     dist.barrier()

@@ -248,10 +248,10 @@ def test_parity_catches_a_missing_clip_double_scaled_gradients_and_a_doubled_lr_
 def test_reference_rows_train_the_same_model_on_the_same_batches(tmp_path):
     """--reference: the ceiling (plain PyTorch, unsharded) and FSDP2 rows train the very model, seed, batches and
     dropout stream of the DeepSpeed paths: in fp32 on a CPU their losses equal the raw loop's bit for bit.
-    --parallel runs each group side by side."""
+    --parallel runs each group side by side; --reference_rounds 1 runs the rows in the first of the 2 rounds only."""
     out = tmp_path / "report"
-    run([sys.executable, COMPARE, "--repeats", "1", "--steps", "4", "--warmup_steps", "1", "--precision", "fp32",
-         "--reference", "--parallel", "--out", out], timeout=400)
+    run([sys.executable, COMPARE, "--repeats", "2", "--steps", "4", "--warmup_steps", "1", "--precision", "fp32",
+         "--reference", "--reference_rounds", "1", "--parallel", "--out", out], timeout=600)
     report = json.loads((out / "report.json").read_text())
     assert report["parallel"] and set(report["reference"]) == {"ceiling", "fsdp2"}
     raw = report["paths"]["deepspeed"]["losses"]
@@ -263,10 +263,13 @@ def test_reference_rows_train_the_same_model_on_the_same_batches(tmp_path):
     assert frac["deepspeed"] == pytest.approx(report["paths"]["deepspeed"]["tflops_per_gpu"] / ceiling)
     assert set(frac) == {"deepspeed", "lightning", "fsdp2"}
     assert (out / "runs" / "ceiling_0.json").is_file() and (out / "logs" / "fsdp2_0.log").is_file()
+    assert (out / "runs" / "deepspeed_1.json").is_file() and not (out / "runs" / "ceiling_1.json").exists()
 
 
 def test_reference_and_parallel_flags_are_checked_before_any_run(tmp_path):
     for args, match in [(["--reference", "ceiling,huge"], "unknown --reference row"),
-                        (["--parallel", "--explain"], "--parallel runs compare pairs side by side")]:
+                        (["--parallel", "--explain"], "--parallel runs compare pairs side by side"),
+                        (["--reference_rounds", "1"], "--reference_rounds 1 needs --reference"),
+                        (["--reference", "--repeats", "2", "--reference_rounds", "3"], "a value from 1 to --repeats")]:
         proc = run([sys.executable, COMPARE, *args, "--out", tmp_path], check=False, timeout=60)
         assert proc.returncode == 2 and match in proc.stderr, proc.stderr[-1000:]

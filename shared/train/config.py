@@ -37,6 +37,9 @@ DEEPCOMPILE_WARMUP = 5
 # gathering); once = all three passes at step 0 from the first step's profile, one compile instead of two.
 DEEPCOMPILE_SCHEDULES = ("deepspeed", "once")
 NAN_POLICIES = ("stop", "skip")
+# The ZeRO-3 optimizer step (shared/train/zero3_step.py): fast = the gradient norm and fp32 gradient copy on the flat
+# gradient buffer, one kernel each; deepspeed = DeepSpeed's per-parameter loops.
+ZERO3_STEPS = ("fast", "deepspeed")
 
 
 @dataclass
@@ -100,6 +103,10 @@ class TrainConfig(FusedSwitches):
     from step 0, a second whole compile at step 5 adds prefetching and selective gathering); once: all three passes
     at step 0, from the first step's profile, so the model is compiled once (about half the warm-up). ZeRO 1/2
     compile once either way"""
+    zero3_step: str = "fast"
+    """fast | deepspeed: the ZeRO-3 optimizer step's gradient norm and fp32 gradient copy. fast: one kernel each on
+    the flat gradient buffer (shared/train/zero3_step.py; norm accumulated in fp32); deepspeed: DeepSpeed's own
+    per-parameter loops (norm in fp64). Other stages ignore it"""
     zero_profile: str = "tuned"
     """DeepSpeed config rules: tuned (the default; see shared/train/ds_config.py; chosen from a single pair of runs per
     profile, raw first: +8.5% raw per GPU on 2 H200s, inside single-pair noise) |
@@ -207,6 +214,8 @@ class TrainConfig(FusedSwitches):
         if self.deepcompile_schedule not in DEEPCOMPILE_SCHEDULES:
             raise ValueError(f"unknown deepcompile_schedule {self.deepcompile_schedule!r}; choose one of "
                              f"{DEEPCOMPILE_SCHEDULES}")
+        if self.zero3_step not in ZERO3_STEPS:
+            raise ValueError(f"unknown zero3_step {self.zero3_step!r}; choose one of {ZERO3_STEPS}")
         if self.compile == "deepcompile":
             _check_deepcompile(self)
         if self.memory_efficient_linear and self.compile == "blocks" and self.stage == 3:

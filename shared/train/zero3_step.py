@@ -1,0 +1,110 @@
+"""A faster ZeRO-3 optimizer step: the gradient partitions read as the one flat buffer they already are.
+
+DeepSpeed 0.19.8's DeepSpeedZeroOptimizer_Stage3.step (deepspeed/runtime/zero/stage3.py), on a GPU, spends most of
+its time in two per-parameter Python loops over the gradient partitions of each sub-group, although those
+partitions are adjacent views of one buffer (`grad_partitions_flat_buffer`, laid out sub-group by sub-group):
+
+- the gradient norm (`get_grad_norm_direct`): per parameter, a copy to fp64 and a norm, then a stack and a sum;
+  launch-bound, 29.0 ms of a 76.3 ms step for the 1.5b preset on one H200 (4.5 ms of it kernels;
+  benchmarks/results/optimizer_step_1xh200);
+- the fp32 gradient of each sub-group (`_prepare_fp32_grad_for_sub_group`): a torch.cat of the views (a bf16 copy)
+  and then the fp32 cast (a second copy); 10.6 ms.
+
+`install(zero_opt)` replaces both on the optimizer instance by one kernel each on the flat region of the sub-group:
+`torch.linalg.vector_norm(region, dtype=float32)` (fp32 accumulation, as torch.nn.utils.clip_grad_norm_; DeepSpeed
+accumulates the per-parameter squares in fp64: the two agree to about 1e-6 relative, tests/test_zero3_step.py) and
+one `region.to(float32)`. Everything else (the all-reduce of the squared norm over the partition group, the -1 for
+an inf/NaN norm that DeepSpeed turns into a skipped step, clipping, the update) stays DeepSpeed's. Each call checks
+that its gradients still are the adjacent views of the buffer in order, and hands the call to DeepSpeed's own
+method when they are not (frozen parameters, CPU offload) or when the norm is not the plain 2-norm of one
+data-parallel group (model or expert parallelism); `calls(engine)` counts both, and every result records them
+(extra.zero3_step_calls), so a run that fell back says so.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shared.train.config import ZERO3_STEPS
+
+
+def _flat_region(buffer: torch.Tensor | None, grads) -> torch.Tensor | None:
+    """The region of `buffer` that the tensors `grads` tile, in order and without gaps; None if they do not."""
+    if buffer is None or not grads or buffer.dim() != 1:
+        return None
+    storage = buffer.untyped_storage().data_ptr()
+    start = grads[0].storage_offset()
+    offset = start
+    for g in grads:
+        if (g is None or g.dtype != buffer.dtype or g.dim() != 1 or g.stride(0) != 1
+                or g.storage_offset() != offset or g.untyped_storage().data_ptr() != storage):
+            return None
+        offset += g.numel()
+    return buffer.narrow(0, start - buffer.storage_offset(), offset - start)
+
+
+def _fast_norm_applies(zero_opt) -> bool:
+    return (zero_opt.model_parallel_group is None and not zero_opt.offload_optimizer
+            and not getattr(zero_opt, "use_muon", False))
+
+
+def install(zero_opt) -> bool:
+    """Give a DeepSpeedZeroOptimizer_Stage3 the flat-buffer gradient norm and fp32 gradient copy; returns whether it
+    did (False for any other optimizer, e.g. ZeRO 1/2's, which is left as it is)."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    if not isinstance(zero_opt, DeepSpeedZeroOptimizer_Stage3) or getattr(zero_opt, "_zero3bench_fast_step", False):
+        return bool(getattr(zero_opt, "_zero3bench_fast_step", False))
+    import deepspeed.comm as dist
+    from deepspeed.runtime.zero.utils import get_norm_dtype
+
+    deepspeed_norm = zero_opt.get_grad_norm_direct
+    deepspeed_prepare = zero_opt._prepare_fp32_grad_for_sub_group
+    counts = {"fast": 0, "deepspeed": 0}
+
+    def get_grad_norm_direct(gradients, params, norm_type=2):
+        region = None
+        if float(norm_type) == 2.0 and _fast_norm_applies(zero_opt):
+            region = _flat_region(zero_opt.grad_partitions_flat_buffer, gradients)
+        if region is None or zero_opt._autoep_expert_parallel_group(params) is not None:
+            counts["deepspeed"] += 1
+            return deepspeed_norm(gradients, params, norm_type)
+        counts["fast"] += 1
+        zero_opt._assert_same_partition_group(params)
+        group = zero_opt._get_param_partition_group(params[0])
+        squares = torch.linalg.vector_norm(region, 2.0, dtype=torch.float32).to(get_norm_dtype()).square()
+        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=group)
+        total = squares.sqrt()
+        invalid = total.isinf().logical_or(total.isnan())
+        return torch.where(invalid, torch.tensor(-1.0, device=total.device, dtype=torch.float), total)
+
+    def _prepare_fp32_grad_for_sub_group(sub_group_id):
+        fp32_flat = zero_opt.fp32_partitioned_groups_flat[sub_group_id]
+        region = _flat_region(zero_opt.grad_partitions_flat_buffer, zero_opt.averaged_gradients[sub_group_id])
+        if region is None or region.numel() != fp32_flat.numel():
+            counts["deepspeed"] += 1
+            return deepspeed_prepare(sub_group_id)
+        counts["fast"] += 1
+        fp32_flat.grad = region.to(fp32_flat.dtype, copy=True)
+        zero_opt.averaged_gradients[sub_group_id] = None
+
+    zero_opt.get_grad_norm_direct = get_grad_norm_direct
+    zero_opt._prepare_fp32_grad_for_sub_group = _prepare_fp32_grad_for_sub_group
+    zero_opt._zero3bench_fast_step = True
+    zero_opt._zero3bench_step_calls = counts
+    return True
+
+
+def calls(engine) -> dict[str, int] | None:
+    """How many gradient norms and fp32 gradient copies ran the flat-buffer code (`fast`) and how many fell back to
+    DeepSpeed's (`deepspeed`); None when the fast step is not installed."""
+    counts = getattr(getattr(engine, "optimizer", None), "_zero3bench_step_calls", None)
+    return dict(counts) if counts is not None else None
+
+
+def apply(engine, mode: str) -> bool:
+    """TrainConfig.zero3_step on a live engine: `fast` installs the step above on a ZeRO-3 optimizer; returns
+    whether the engine now runs it."""
+    if mode not in ZERO3_STEPS:
+        raise ValueError(f"unknown zero3_step {mode!r}; choose one of {ZERO3_STEPS}")
+    return mode == "fast" and install(engine.optimizer)

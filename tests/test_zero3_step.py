@@ -1,0 +1,66 @@
+"""The fast ZeRO-3 optimizer step (shared/train/zero3_step.py) against DeepSpeed's own, on CPU (gloo)."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+import torch
+
+from shared.train.config import TrainConfig
+from shared.train.zero3_step import _flat_region
+from tests.helpers import FAST, LIGHTNING, RAW, ROOT, load, run, torchrun
+
+
+def test_flat_region_is_the_buffer_span_that_the_views_tile_in_order():
+    buffer = torch.arange(10.0)
+    views = [buffer.narrow(0, 2, 3), buffer.narrow(0, 5, 4)]
+    assert torch.equal(_flat_region(buffer, views), buffer[2:9])
+    assert _flat_region(buffer, views[::-1]) is None  # out of order
+    assert _flat_region(buffer, [buffer.narrow(0, 0, 2), buffer.narrow(0, 3, 2)]) is None  # a gap
+    assert _flat_region(buffer, [views[0], views[1].clone()]) is None  # another storage
+    assert _flat_region(buffer.to(torch.bfloat16), views) is None  # another dtype
+    assert _flat_region(None, views) is None and _flat_region(buffer, []) is None
+
+
+def test_zero3_step_flag_is_validated():
+    with pytest.raises(ValueError, match="unknown zero3_step 'quick'"):
+        TrainConfig(zero3_step="quick")
+
+
+def test_fast_step_matches_deepspeeds_norm_and_fp32_grads_on_two_ranks(tmp_path):
+    out = tmp_path / "check.json"
+    torchrun(ROOT / "tests" / "zero3_step_check.py", 2, [out], timeout=300)
+    r = load(out)
+    assert r["world"] == 2 and r["n_groups"] >= 1
+    for ds, fast in zip(r["ds_norms"], r["fast_norms"], strict=True):
+        assert ds > 0 and math.isclose(fast, ds, rel_tol=1e-5), (fast, ds)  # fp32 vs fp64 accumulation
+    assert all(r["same_fp32"])  # the same fp32 gradient, in its own memory
+    assert r["calls_direct"] == {"fast": 2 * r["n_groups"], "deepspeed": 0}
+    assert math.isclose(r["fallback_norm"], r["ds_norms"][0], rel_tol=1e-12)
+    assert r["calls_fallback"]["deepspeed"] == 1
+    # engine.step() ran the fast norm and copy, and clipped with the same global norm
+    assert r["calls_step"]["fast"] == r["calls_fallback"]["fast"] + 2 * r["n_groups"]
+    assert r["calls_step"]["deepspeed"] == 1
+    assert math.isclose(r["step_norm"], math.sqrt(sum(n * n for n in r["ds_norms"])), rel_tol=1e-5)
+    assert math.isfinite(r["next_loss"])
+
+
+@pytest.mark.parametrize("script", [RAW, LIGHTNING], ids=["raw", "lightning"])
+def test_both_paths_run_the_fast_step_by_default_and_record_it(tmp_path, script):
+    fast, ds = tmp_path / "fast.json", tmp_path / "ds.json"
+    run([sys.executable, script, *FAST, "--out", fast])
+    run([sys.executable, script, *FAST, "--zero3_step", "deepspeed", "--out", ds])
+    f, d = load(fast), load(ds)
+    assert f["train"]["zero3_step"] == "fast" and d["train"]["zero3_step"] == "deepspeed"
+    assert f["extra"]["zero3_step_calls"]["deepspeed"] == 0
+    # one norm and one fp32 copy per sub-group (tiny: 2, the decayed and the undecayed parameters) per step
+    assert f["extra"]["zero3_step_calls"]["fast"] == 2 * 2 * FAST_STEPS
+    assert d["extra"]["zero3_step_calls"] is None
+    for a, b in zip(f["grad_norms"], d["grad_norms"], strict=True):
+        assert math.isclose(a, b, rel_tol=1e-4), (a, b)
+    assert f["losses"] == pytest.approx(d["losses"], rel=1e-4)
+
+
+FAST_STEPS = int(FAST[FAST.index("--steps") + 1])

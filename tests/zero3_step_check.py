@@ -1,0 +1,87 @@
+"""Run under torchrun by tests/test_zero3_step.py: the fast ZeRO-3 step against DeepSpeed's own, on the same grads.
+
+On each rank, after one backward of the tiny GPT under ZeRO-3: DeepSpeed's gradient norm and fp32 gradient copy
+are computed first (their originals), then the fast ones on the same gradients; then engine.step() must run the
+fast code and report the same global norm. Writes the figures of rank 0 to argv[1] (JSON).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from shared.model.gpt import GPT
+from shared.train import zero3_step
+from shared.train.config import TrainConfig
+from shared.train.data import train_loader
+from shared.train.distributed import ensure_env, exit_process, seed_all
+from shared.train.ds_config import build_ds_config
+from shared.train.optim import build_optimizer, build_scheduler
+
+
+def main(out: str) -> None:
+    ensure_env()
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    train = TrainConfig(preset="tiny", steps=3, warmup_steps=1)
+    ds_config = build_ds_config(train)
+    seed_all(train.seed)
+    with deepspeed.zero.Init(config_dict_or_path=ds_config):
+        model = GPT(train.model())
+    optimizer = build_optimizer(model, train, torch.device("cpu"))
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
+                                           lr_scheduler=build_scheduler(optimizer, train), dist_init_required=False)
+    zero_opt = engine.optimizer
+    batches = iter(train_loader(train, rank, 0, pin_memory=False))
+    x, y = next(batches)
+    engine.backward(engine(x, y))
+
+    groups = range(len(zero_opt.fp16_groups))
+    grads = {i: list(zero_opt.averaged_gradients[i]) for i in groups}
+    ds_norms = [float(zero_opt.get_grad_norm_direct(grads[i], zero_opt.fp16_groups[i])) for i in groups]
+    ds_fp32 = []
+    for i in groups:
+        zero_opt._prepare_fp32_grad_for_sub_group(i)
+        ds_fp32.append(zero_opt.fp32_partitioned_groups_flat[i].grad.clone())
+        zero_opt.averaged_gradients[i] = grads[i]
+
+    assert zero3_step.apply(engine, "fast") and zero3_step.calls(engine) == {"fast": 0, "deepspeed": 0}
+    fast_norms = [float(zero_opt.get_grad_norm_direct(grads[i], zero_opt.fp16_groups[i])) for i in groups]
+    same_fp32 = []
+    for i in groups:
+        zero_opt._prepare_fp32_grad_for_sub_group(i)
+        fast = zero_opt.fp32_partitioned_groups_flat[i].grad
+        same_fp32.append(fast.dtype == torch.float32 and torch.equal(fast, ds_fp32[i])
+                         and fast.data_ptr() != zero_opt.grad_partitions_flat_buffer.data_ptr())
+        zero_opt.averaged_gradients[i] = grads[i]
+    calls_direct = zero3_step.calls(engine)
+
+    # a gradient that is not a view of the flat buffer (a copy) makes both fall back to DeepSpeed's code
+    moved = [g.clone() if j == 0 else g for j, g in enumerate(grads[0])]
+    fallback_norm = float(zero_opt.get_grad_norm_direct(moved, zero_opt.fp16_groups[0]))
+    calls_fallback = zero3_step.calls(engine)
+
+    engine.step()  # DeepSpeed's step, with the fast norm and copy inside
+    step_norm = float(engine.get_global_grad_norm())
+    calls_step = zero3_step.calls(engine)
+    x, y = next(batches)
+    loss = engine(x, y)
+    engine.backward(loss)
+    engine.step()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"ds_norms": ds_norms, "fast_norms": fast_norms, "same_fp32": same_fp32,
+                       "calls_direct": calls_direct, "fallback_norm": fallback_norm, "calls_fallback": calls_fallback,
+                       "step_norm": step_norm, "calls_step": calls_step, "n_groups": len(groups),
+                       "next_loss": float(loss.detach()), "world": dist.get_world_size()}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
+    exit_process(0, torch.device("cpu"))  # DeepSpeed's engine can abort the CPU interpreter's teardown
