@@ -86,6 +86,22 @@ def test_the_once_schedule_compiles_once_and_needs_only_step_0_excluded(pretend_
         TrainConfig(deepcompile_schedule="twice")
 
 
+def test_a_resumed_engine_starts_deepcompiles_schedule_at_its_own_step():
+    """DeepSpeed launches a scheduled compile only at the exact global step of its entry, from 0: a run resumed at
+    step 20 must find its first compile at step 20 (and DeepSpeed's second one 5 steps later)."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from shared.train.ds_runtime import start_schedule_at
+
+    backend = SimpleNamespace(remaining_schedule=deque([(0, ["gather"]), (5, ["gather", "prefetch"])]))
+    start_schedule_at(backend, 0)
+    assert list(backend.remaining_schedule) == [(0, ["gather"]), (5, ["gather", "prefetch"])]
+    start_schedule_at(backend, 20)
+    assert isinstance(backend.remaining_schedule, deque)
+    assert list(backend.remaining_schedule) == [(20, ["gather"]), (25, ["gather", "prefetch"])]
+
+
 def test_a_user_json_must_agree_with_the_compile_mode(pretend_cuda, tmp_path):
     base = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}
     plain, dc = tmp_path / "plain.json", tmp_path / "dc.json"

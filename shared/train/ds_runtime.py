@@ -120,6 +120,21 @@ def compile_engine(engine, mode: str, rank: int = 0, schedule: str = "deepspeed"
         # DeepSpeed falls back to plain torch.compile when its pass cannot run (e.g. ZeRO stage 0): never report a
         # run as DeepCompile that is not one.
         raise RuntimeError("DeepSpeed did not activate DeepCompile (engine.is_deepcompile_active() is False)")
+    from deepspeed.compile import backend
+
+    start_schedule_at(backend, engine.global_steps)
+
+
+def start_schedule_at(backend, global_steps: int) -> None:
+    """Move DeepCompile's pass schedule so that it starts at `global_steps`, the step a resumed engine is at.
+
+    DeepSpeed 0.19.8 launches a scheduled compile only when engine.global_steps equals the step of the next entry
+    (deepspeed/compile/backend.launch_compile_passes), counting from 0; an engine resumed at step 20 never meets
+    step 0, and its first forward fails in inductor ("'NoneType' object is not iterable", no passes; seen on the
+    H200). The schedule's steps are relative to the first step this process trains, as in a fresh run."""
+    if global_steps:
+        backend.remaining_schedule = type(backend.remaining_schedule)(
+            (step + global_steps, passes) for step, passes in backend.remaining_schedule)
 
 
 class GradNormRecorder:
