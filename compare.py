@@ -46,12 +46,28 @@ from shared.train.results import RunResult, versions
 
 # What compare.py runs on a machine with GPUs when these flags are not given (the study's model and a longer run)
 GPU_DEFAULTS = {"preset": "1.5b", "micro_batch": 8, "steps": 30, "warmup_steps": 10}
+# ... and, where it can run, the fastest mode measured that passed its GPU tests: DeepCompile with the one-compile
+# schedule at micro-batch 16 (docs/results.md; benchmarks/results/deepcompile_1xh200_pairs, deepcompile_2xh200).
+GPU_DEEPCOMPILE_DEFAULTS = {"compile": "deepcompile", "deepcompile_schedule": "once", "micro_batch": 16}
+DEEPCOMPILE_DEFAULT_HELP = ("(default on GPUs: deepcompile, with --deepcompile_schedule once and --micro_batch 16, "
+                            "where it can run: ZeRO stage 1-3, no --val_every/--save_every, --ds_config, "
+                            "--fused_layernorm, --explain or --autotune; else none)")
+
+
+def deepcompile_by_default(ns: argparse.Namespace) -> bool:
+    """Whether a GPU compare gets GPU_DEEPCOMPILE_DEFAULTS: no compile mode asked for, and nothing asked for that
+    DeepCompile refuses (TrainConfig) or that measures something else (--explain, --autotune)."""
+    return (ns.compile is None and ns.ds_config is None and not (ns.explain or ns.autotune)
+            and (ns.stage is None or ns.stage >= 1) and not ns.val_every and not ns.save_every
+            and not ns.fused_layernorm)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(p)
     for action in p._actions:  # the help says what compare.py changes on GPUs (see parse)
+        if action.dest == "compile":
+            action.help += " " + DEEPCOMPILE_DEFAULT_HELP
         if action.dest in GPU_DEFAULTS:
             action.help = action.help.replace("(default: ", f"(default on GPUs: {GPU_DEFAULTS[action.dest]}; "
                                               "without a GPU: ")
@@ -130,6 +146,12 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
             if ns.budget_s <= 0:
                 raise ValueError(f"--budget_s must be positive, got {ns.budget_s}")
         ns.world = ns.gpus or n_gpus or ns.nproc or 1
+        if n_gpus and deepcompile_by_default(ns):
+            for key, value in GPU_DEEPCOMPILE_DEFAULTS.items():
+                if getattr(ns, key) is None:
+                    setattr(ns, key, value)
+            print(f"compare.py: --compile deepcompile --deepcompile_schedule {ns.deepcompile_schedule} --micro_batch "
+                  f"{ns.micro_batch} (the GPU default; --compile none or blocks for the others)", flush=True)
         for key, value in (GPU_DEFAULTS if n_gpus else {}).items():
             if getattr(ns, key) is None:
                 setattr(ns, key, value)

@@ -210,6 +210,25 @@ def test_each_measure_fails_the_check_on_its_own(other, failed):
     assert "MISMATCH in " + ", ".join(failed) in reports.format_parity(report)
 
 
+def test_a_path_difference_within_the_same_paths_run_to_run_drift_passes():
+    """A compiler that is not deterministic run to run (DeepCompile) moves the checksum between two runs of one path
+    as much as between the paths: with >= 2 runs per path the bound is RUN_TO_RUN_FACTOR x that drift."""
+    def ck(s):
+        return series(LOSSES, NORMS, {**CHECKSUM, "sum": s})
+
+    cross = [(ck(12.0), ck(12.12)), (ck(12.1), ck(12.02))]  # 6e-3 and 4e-3 between the paths
+    alone = reports.parity(cross[:1], "bf16", 3)
+    assert alone["failed"] == ["checksum"] and alone["run_to_run"] is None
+    same = [(ck(12.0), ck(12.1)), (ck(12.12), ck(12.02))]  # 5e-3 between runs of one path
+    report = reports.parity(cross, "bf16", 3, same)
+    assert report["ok"] and report["run_to_run"]["checksum"] == pytest.approx(5e-3)
+    assert report["bound"]["checksum"] == pytest.approx(reports.RUN_TO_RUN_FACTOR * 5e-3)
+    assert report["bound"]["loss"] == reports.PARITY_TOLERANCE["bf16"]["loss"]  # no drift there: the fixed bound
+    assert "same path run to run 5.00e-03 -> bound 7.50e-03" in reports.format_parity(report)
+    far = reports.parity([(ck(12.0), ck(12.2))], "bf16", 3, same)  # 1e-2: beyond 1.5x the drift
+    assert far["failed"] == ["checksum"]
+
+
 def test_fp32_bounds_are_tight_and_unrecorded_measures_are_not_judged():
     off = series([x + 1e-4 for x in LOSSES])  # results written before grad norms and checksums were recorded
     assert reports.parity([(series(LOSSES), off)], "bf16", 3)["ok"]

@@ -233,3 +233,28 @@ def test_deepcompile_validates_saves_exports_and_resumes_at_the_end(tmp_path, kj
     assert resumed["extra"]["start_step"] == 20
     # it goes on from the trained weights, not from a fresh model
     assert resumed["losses"][0] < full["losses"][0] - 1.0
+
+
+@pytest.fixture
+def pretend_gpus(monkeypatch, pretend_cuda):
+    """compare.parse on a machine with 2 GPUs (nothing is launched: parse only builds and checks the config)."""
+    import compare
+
+    monkeypatch.setattr(compare.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(compare.torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(compare, "check_before_start", lambda *a, **k: None)
+    monkeypatch.setattr(compare, "check_overheads", lambda *a, **k: None)
+    return compare
+
+
+def test_compare_on_gpus_defaults_to_deepcompile_where_it_can_run(pretend_gpus, capsys):
+    train, _ = pretend_gpus.parse(["--stage", "3", "--precision", "bf16"])
+    assert (train.compile, train.deepcompile_schedule, train.micro_batch) == ("deepcompile", "once", 16)
+    assert (train.preset, train.warmup_steps) == ("1.5b", 10)
+    assert "--compile deepcompile --deepcompile_schedule once --micro_batch 16 (the GPU default" in capsys.readouterr().out
+    # a flag the user gave wins; what DeepCompile refuses or measures something else keeps the eager default
+    assert pretend_gpus.parse(["--micro_batch", "8"])[0].micro_batch == 8
+    for args in (["--compile", "blocks"], ["--stage", "0"], ["--save_every", "5", "--ckpt_dir", "ck"],
+                 ["--val_every", "5"], ["--explain"]):
+        train, _ = pretend_gpus.parse(args)
+        assert train.compile != "deepcompile" and train.micro_batch == 8, args

@@ -96,8 +96,9 @@ class TrainConfig(FusedSwitches):
     """none | blocks | deepcompile. blocks: torch.compile each block (a DeepSpeed ZeRO-3 leaf module; see
     shared/train/compile.py). deepcompile: DeepSpeed's compiler pass for ZeRO 1-3 (CUDA only): engine.compile()
     compiles the whole GPT forward and loss and schedules the gathers and reduce-scatters inside the graph; fastest
-    mode measured (docs/results.md); opt-in: each 1.5b run warms up for ~2.5-5 min (--deepcompile_schedule), and
-    validation or checkpoints between training steps are refused with it (DeepSpeed 0.19.8 aborts the next backward)"""
+    mode measured (docs/results.md) and compare.py's GPU default; each 1.5b run warms up for ~2-5 min
+    (--deepcompile_schedule), and validation or checkpoints between training steps are refused with it (DeepSpeed
+    0.19.8 aborts the next backward)"""
     deepcompile_schedule: str = "deepspeed"
     """deepspeed | once: when DeepCompile runs its ZeRO-3 passes. deepspeed: DeepSpeed's schedule (gather/release
     from step 0, a second whole compile at step 5 adds prefetching and selective gathering); once: all three passes
