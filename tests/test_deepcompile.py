@@ -251,7 +251,8 @@ def test_compare_on_gpus_defaults_to_deepcompile_where_it_can_run(pretend_gpus, 
     train, _ = pretend_gpus.parse(["--stage", "3", "--precision", "bf16"])
     assert (train.compile, train.deepcompile_schedule, train.micro_batch) == ("deepcompile", "once", 16)
     assert (train.preset, train.warmup_steps) == ("1.5b", 10)
-    assert "--compile deepcompile --deepcompile_schedule once --micro_batch 16 (the GPU default" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "--compile deepcompile --deepcompile_schedule once --micro_batch 16 (the GPU default" in printed
     # a flag the user gave wins; what DeepCompile refuses or measures something else keeps the eager default
     assert pretend_gpus.parse(["--micro_batch", "8"])[0].micro_batch == 8
     for args in (["--compile", "blocks"], ["--stage", "0"], ["--save_every", "5", "--ckpt_dir", "ck"],
