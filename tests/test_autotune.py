@@ -40,8 +40,41 @@ def test_search_stops_at_the_first_oom_then_tries_checkpointing_then_the_knobs(t
     w = report["winner"]["knobs"]
     assert (w["micro_batch"], w["activation_checkpointing"], w["prefetch_bucket_size"]) == (32, True, 1_000_000_000)
     assert "--micro_batch 32 --activation_checkpointing --compile blocks" in report["winner_flags"]
-    assert "+compile" in autotune.format_autotune(report)
+    assert "+blocks" in autotune.format_autotune(report)
     assert (tmp_path / "winner_ds_config.json").is_file() and (tmp_path / "autotune.json").is_file()
+
+
+def test_search_tries_deepcompile_from_the_best_micro_batch_upwards_where_cuda_is(tmp_path, monkeypatch):
+    from shared.model import config as model_config
+
+    monkeypatch.setattr(model_config, "cuda_available", lambda: True)  # the config checks only; nothing runs
+    calls = []
+
+    def launch(path, cfg, out, log):
+        calls.append(cfg)
+        if cfg.micro_batch > (24 if cfg.compile == "deepcompile" else 16):
+            raise CompareError("deepspeed run failed; reason: error: out of memory")
+        eager = {4: 4000.0, 8: 8000.0, 16: 7500.0}  # eager stops paying above 8
+        speed = 1300.0 * cfg.micro_batch if cfg.compile == "deepcompile" else eager[cfg.micro_batch]
+        return SimpleNamespace(tokens_per_s_per_gpu=speed, tflops_per_gpu=speed / 100, mfu=None, peak_mem_gib=1.0,
+                               step_time_s={"median": 1.0 / speed})
+
+    ns = SimpleNamespace(mb_grid="4,8,16,32", budget_s=1e9, world=1)
+    report = autotune.run_autotune(TrainConfig(preset="tiny", warmup_steps=2), ns, launch, tmp_path)
+    dc = [(c.micro_batch, c.deepcompile_schedule) for c in calls if c.compile == "deepcompile"]
+    assert dc[:3] == [(8, "once"), (16, "once"), (32, "once")]  # from the best (8) up to the first OOM
+    w = report["winner"]["knobs"]
+    assert (w["compile"], w["micro_batch"]) == ("deepcompile", 16)
+    assert "--micro_batch 16 --compile deepcompile --deepcompile_schedule once" in report["winner_flags"]
+    assert "+deepcompile" in autotune.format_autotune(report)
+
+
+def test_search_without_cuda_says_deepcompile_was_not_tried(tmp_path, capsys):
+    calls = []
+    ns = SimpleNamespace(mb_grid="4", budget_s=1e9, world=1)
+    autotune.run_autotune(TrainConfig(preset="tiny"), ns, fake_launch(8, calls), tmp_path)
+    assert all(c.compile != "deepcompile" for c in calls)
+    assert "DeepCompile not tried: --compile deepcompile needs a CUDA GPU" in capsys.readouterr().out
 
 
 def test_search_skips_compiled_blocks_when_a_flag_excludes_them(tmp_path, capsys):
