@@ -41,6 +41,9 @@ def test_one_process_matches_raw_path_bit_for_bit(tmp_path):
     assert pl.path == "lightning" and pl.world_size == 1
     assert pl.ds_config == raw.ds_config  # what deepspeed.initialize received, in both paths
     assert pl.losses == raw.losses  # same init, batches, dropout masks and optimizer: identical on CPU
+    # both ran the fast ZeRO-3 step (shared/train/zero3_step.py) the same number of times, never falling back
+    assert pl.extra["zero3_step_calls"] == raw.extra["zero3_step_calls"]
+    assert raw.extra["zero3_step_calls"]["fast"] > 0 and raw.extra["zero3_step_calls"]["deepspeed"] == 0
 
 
 @pytest.mark.slow
