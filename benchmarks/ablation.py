@@ -36,10 +36,12 @@ SWITCHES = {
     "bias_gelu": {"fused_bias_gelu": True},
     "layernorm_liger": {"fused_layernorm": True},
     "compile": {"compile": "blocks"},
+    "fast_zero3_step": {"zero3_step": "fast"},
 }
 PATHS = ("deepspeed", "lightning")
-# Every switch off, spelled out: the bias fusions default to on where CUDA is (shared/model/config.py).
-NAIVE = {"fused_bias_dropout_add": False, "fused_bias_gelu": False}
+# Every switch off, spelled out: the bias fusions default to on where CUDA is (shared/model/config.py), the fast
+# ZeRO-3 step everywhere (shared/train/zero3_step.py).
+NAIVE = {"fused_bias_dropout_add": False, "fused_bias_gelu": False, "zero3_step": "deepspeed"}
 
 
 def configurations(cuda: bool) -> dict[str, dict]:
