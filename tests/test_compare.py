@@ -270,7 +270,7 @@ def test_reference_rows_train_the_same_model_on_the_same_batches(tmp_path):
     --parallel runs each group side by side; --reference_rounds 1 runs the rows in the first of the 2 rounds only."""
     out = tmp_path / "report"
     run([sys.executable, COMPARE, "--repeats", "2", "--steps", "4", "--warmup_steps", "1", "--precision", "fp32",
-         "--reference", "--reference_rounds", "1", "--parallel", "--out", out], timeout=600)
+         "--reference", "--reference_rounds", "1", "--parallel", "--out", out], timeout=500)
     report = json.loads((out / "report.json").read_text())
     assert report["parallel"] and set(report["reference"]) == {"ceiling", "fsdp2"}
     raw = report["paths"]["deepspeed"]["losses"]
