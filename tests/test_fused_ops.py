@@ -299,8 +299,10 @@ def test_ablation_naive_has_every_switch_off_even_where_cuda_defaults_them_on():
     import ablation
 
     configs = ablation.configurations(cuda=True)
-    assert configs["naive"] == {"fused_bias_dropout_add": False, "fused_bias_gelu": False}
-    assert configs["+bias_gelu"] == {"fused_bias_dropout_add": False, "fused_bias_gelu": True}
+    off = {"fused_bias_dropout_add": False, "fused_bias_gelu": False, "zero3_step": "deepspeed"}
+    assert configs["naive"] == off
+    assert configs["+bias_gelu"] == {**off, "fused_bias_gelu": True}
+    assert configs["+fast_zero3_step"] == {**off, "zero3_step": "fast"} and configs["all"]["zero3_step"] == "fast"
     assert configs["+compile"]["fused_bias_gelu"] is False and configs["+compile"]["compile"] == "blocks"
     assert "fused_layernorm" not in configs["all"] and configs["+layernorm_liger"]["fused_layernorm"] is True
 
