@@ -62,6 +62,13 @@ def deepcompile_by_default(ns: argparse.Namespace) -> bool:
             and not ns.fused_layernorm)
 
 
+def _fill_unset(ns: argparse.Namespace, defaults: dict) -> None:
+    """Give every flag of `defaults` the user did not set (None) its default."""
+    for key, value in defaults.items():
+        if getattr(ns, key) is None:
+            setattr(ns, key, value)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(p)
@@ -147,14 +154,11 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
                 raise ValueError(f"--budget_s must be positive, got {ns.budget_s}")
         ns.world = ns.gpus or n_gpus or ns.nproc or 1
         if n_gpus and deepcompile_by_default(ns):
-            for key, value in GPU_DEEPCOMPILE_DEFAULTS.items():
-                if getattr(ns, key) is None:
-                    setattr(ns, key, value)
+            _fill_unset(ns, GPU_DEEPCOMPILE_DEFAULTS)
             print(f"compare.py: --compile deepcompile --deepcompile_schedule {ns.deepcompile_schedule} --micro_batch "
                   f"{ns.micro_batch} (the GPU default; --compile none or blocks for the others)", flush=True)
-        for key, value in (GPU_DEFAULTS if n_gpus else {}).items():
-            if getattr(ns, key) is None:
-                setattr(ns, key, value)
+        if n_gpus:
+            _fill_unset(ns, GPU_DEFAULTS)
         ns.report_dir = Path(ns.out or "reports/latest")
         train = config_from_args(ns, out=str(ns.report_dir / "runs" / "run.json"))
         check_overheads(train)

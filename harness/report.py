@@ -151,21 +151,19 @@ def parity(pairs: list[tuple[dict, dict]], precision: str, lr_warmup_steps: int,
         values = [p[key] for p in rows if p[key] is not None]
         return max(values) if values else None
 
-    report = {
-        "pairs": per_pair, "lr_warmup_steps": lr_warmup_steps,
-        "past_warmup": all(p["steps"][0] == lr_warmup_steps for p in per_pair),
-        "max_abs_diff": worst("loss_max_abs_diff"),
-        "grad_norm_max_rel_diff": worst("grad_norm_max_rel_diff"),
-        "checksum_rel_diff": worst("checksum_rel_diff"),
-        "tolerance": tol,
-    }
+    cross = {k: worst(key) for k, key in _MEASURES.items()}
     run_to_run = {k: worst(key, per_same) for k, key in _MEASURES.items()} if per_same else None
     bound = {k: max(tol[k], RUN_TO_RUN_FACTOR * run_to_run[k]) if run_to_run and run_to_run[k] is not None
              else tol[k] for k in _MEASURES}
-    report.update(run_to_run=run_to_run, run_to_run_factor=RUN_TO_RUN_FACTOR, bound=bound)
-    checks = {"loss": report["max_abs_diff"], "grad_norm": report["grad_norm_max_rel_diff"],
-              "checksum": report["checksum_rel_diff"]}
-    report["failed"] = [k for k, v in checks.items() if v is not None and not v <= bound[k]]
+    report = {
+        "pairs": per_pair, "lr_warmup_steps": lr_warmup_steps,
+        "past_warmup": all(p["steps"][0] == lr_warmup_steps for p in per_pair),
+        "max_abs_diff": cross["loss"],
+        "grad_norm_max_rel_diff": cross["grad_norm"],
+        "checksum_rel_diff": cross["checksum"],
+        "tolerance": tol, "run_to_run": run_to_run, "run_to_run_factor": RUN_TO_RUN_FACTOR, "bound": bound,
+    }
+    report["failed"] = [k for k, v in cross.items() if v is not None and not v <= bound[k]]
     report["ok"] = not report["failed"]
     return report
 
@@ -266,10 +264,13 @@ def format_table(report: dict) -> str:
     row("attention", lambda p: p["attention"] + (f" ({', '.join(map(str, p['sdpa_kernel']))})"
                                                   if any(p.get("sdpa_kernel") or []) else ""))
     row("compile", lambda p: p.get("compile", "none"))
-    row("warm-up s (excluded)", lambda p: ", ".join(_fmt(w, ".1f") for w in p.get("warmup_s", [])) or "n/a")
-    row("  of it compiling s", lambda p: ", ".join(_fmt(w, ".1f") for w in p.get("compile_s", [])) or "n/a")
+    def per_run_s(p: dict, key: str) -> str:  # one figure per run, seconds
+        return ", ".join(_fmt(w, ".1f") for w in p.get(key, []))
+
+    row("warm-up s (excluded)", lambda p: per_run_s(p, "warmup_s") or "n/a")
+    row("  of it compiling s", lambda p: per_run_s(p, "compile_s") or "n/a")
     if any(any(v is not None for v in p.get("deepcompile_passes_s", [])) for p in report["paths"].values()):
-        row("  DeepCompile passes s", lambda p: ", ".join(_fmt(w, ".1f") for w in p.get("deepcompile_passes_s", [])))
+        row("  DeepCompile passes s", lambda p: per_run_s(p, "deepcompile_passes_s"))
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)
     lines = [f"{a:<{w0}}  {b:>{w1}}  {c}" for a, b, c in rows]
