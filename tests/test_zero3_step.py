@@ -29,22 +29,45 @@ def test_zero3_step_flag_is_validated():
         TrainConfig(zero3_step="quick")
 
 
-def test_fast_step_matches_deepspeeds_norm_and_fp32_grads_on_two_ranks(tmp_path):
-    out = tmp_path / "check.json"
+@pytest.fixture(scope="module")
+def check(tmp_path_factory):
+    """tests/zero3_step_check.py's figures, one 2-rank run for the tests below."""
+    out = tmp_path_factory.mktemp("zero3_step") / "check.json"
     torchrun(ROOT / "tests" / "zero3_step_check.py", 2, [out], timeout=300)
-    r = load(out)
+    return load(out)
+
+
+def test_fast_step_matches_deepspeeds_norm_and_fp32_grads_on_two_ranks(check):
+    r = check
     assert r["world"] == 2 and r["n_groups"] >= 1
     for ds, fast in zip(r["ds_norms"], r["fast_norms"], strict=True):
         assert ds > 0 and math.isclose(fast, ds, rel_tol=1e-5), (fast, ds)  # fp32 vs fp64 accumulation
     assert all(r["same_fp32"])  # the same fp32 gradient, in its own memory
-    assert r["calls_direct"] == {"fast": 2 * r["n_groups"], "deepspeed": 0}
+    assert r["calls_direct"] == {"fast": 2 * r["n_groups"], "deepspeed": 0, "unscale_fused": 0, "unscale_deepspeed": 0}
     assert math.isclose(r["fallback_norm"], r["ds_norms"][0], rel_tol=1e-12)
     assert r["calls_fallback"]["deepspeed"] == 1
     # engine.step() ran the fast norm and copy, and clipped with the same global norm
     assert r["calls_step"]["fast"] == r["calls_fallback"]["fast"] + 2 * r["n_groups"]
     assert r["calls_step"]["deepspeed"] == 1
+    # a non-fused AdamW (CPU's default) cannot take the scale: DeepSpeed's multiply, once per sub-group
+    assert r["calls_step"]["unscale_deepspeed"] == r["n_groups"] and r["calls_step"]["unscale_fused"] == 0
     assert math.isclose(r["step_norm"], math.sqrt(sum(n * n for n in r["ds_norms"])), rel_tol=1e-5)
     assert math.isfinite(r["next_loss"])
+
+
+def test_the_fused_adamw_takes_the_unscale_and_trains_like_deepspeeds_multiply(check):
+    fused = check["fused"]
+    for clip in ("0", "0.05"):
+        fast, ds = fused[f"fast_clip{clip}"], fused[f"deepspeed_clip{clip}"]
+        assert fast["calls"]["unscale_fused"] == 3 * 2 and fast["calls"]["unscale_deepspeed"] == 0  # 3 steps, 2 groups
+        assert ds["calls"] is None and not fast["grad_scale_left"]
+        if clip == "0":  # a scale of 1: dividing by it inside the optimizer is exact
+            assert fast["losses"] == ds["losses"] and fast["checksum"] == ds["checksum"]
+        else:  # clipping: the kernel divides by the scale, DeepSpeed multiplies by its reciprocal (1 ulp apart)
+            assert all(n > 0.05 for n in ds["norms"]), ds["norms"]
+            assert fast["losses"] == pytest.approx(ds["losses"], rel=1e-6)
+            assert fast["checksum"]["sum_sq"] == pytest.approx(ds["checksum"]["sum_sq"], rel=1e-6)
+            assert fast["checksum"]["sum_sq"] != fused["fast_clip0"]["checksum"]["sum_sq"]  # the clip did act
 
 
 def test_the_raw_path_runs_the_fast_step_by_default_records_it_and_trains_like_deepspeeds(tmp_path):

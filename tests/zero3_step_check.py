@@ -2,7 +2,9 @@
 
 On each rank, after one backward of the tiny GPT under ZeRO-3: DeepSpeed's gradient norm and fp32 gradient copy
 are computed first (their originals), then the fast ones on the same gradients; then engine.step() must run the
-fast code and report the same global norm. Writes the figures of rank 0 to argv[1] (JSON).
+fast code and report the same global norm. Then, with torch's fused AdamW (which has a CPU kernel), three steps
+with the fast and with DeepSpeed's step, clipping on and off: the fast one hands the unscale to the optimizer.
+Writes the figures of rank 0 to argv[1] (JSON).
 """
 
 from __future__ import annotations
@@ -20,7 +22,33 @@ from shared.train.config import TrainConfig
 from shared.train.data import train_loader
 from shared.train.distributed import ensure_env, exit_process, seed_all
 from shared.train.ds_config import build_ds_config
-from shared.train.optim import build_optimizer, build_scheduler
+from shared.train.ds_runtime import param_checksum
+from shared.train.optim import build_optimizer, build_scheduler, param_groups
+
+
+def train_fused(train: TrainConfig, mode: str, rank: int) -> dict:
+    """Three steps of the tiny GPT with torch's fused AdamW under ZeRO-3 and `mode`'s step; the trained weights'
+    checksum, the losses, the global norms and the fast step's counts."""
+    ds_config = build_ds_config(train)
+    seed_all(train.seed)
+    with deepspeed.zero.Init(config_dict_or_path=ds_config):
+        model = GPT(train.model())
+    optimizer = torch.optim.AdamW(param_groups(model, train.weight_decay), lr=train.lr, betas=(0.9, 0.95),
+                                  eps=1e-8, fused=True)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
+                                           lr_scheduler=build_scheduler(optimizer, train), dist_init_required=False)
+    zero3_step.apply(engine, mode)
+    batches = iter(train_loader(train, rank, 0, pin_memory=False))
+    losses, norms = [], []
+    for _ in range(3):
+        x, y = next(batches)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+        norms.append(float(engine.get_global_grad_norm()))
+    return {"checksum": param_checksum(engine.module), "losses": losses, "norms": norms,
+            "calls": zero3_step.calls(engine), "grad_scale_left": hasattr(engine.optimizer.optimizer, "grad_scale")}
 
 
 def main(out: str) -> None:
@@ -49,7 +77,7 @@ def main(out: str) -> None:
         ds_fp32.append(zero_opt.fp32_partitioned_groups_flat[i].grad.clone())
         zero_opt.averaged_gradients[i] = grads[i]
 
-    assert zero3_step.apply(engine, "fast") and zero3_step.calls(engine) == {"fast": 0, "deepspeed": 0}
+    assert zero3_step.apply(engine, "fast") and not any(zero3_step.calls(engine).values())
     fast_norms = [float(zero_opt.get_grad_norm_direct(grads[i], zero_opt.fp16_groups[i])) for i in groups]
     same_fp32 = []
     for i in groups:
@@ -72,9 +100,12 @@ def main(out: str) -> None:
     loss = engine(x, y)
     engine.backward(loss)
     engine.step()
+    fused = {f"{mode}_clip{clip:g}": train_fused(TrainConfig(preset="tiny", steps=3, warmup_steps=1, grad_clip=clip),
+                                                mode, rank)
+             for clip in (0.0, 0.05) for mode in ("fast", "deepspeed")}
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"ds_norms": ds_norms, "fast_norms": fast_norms, "same_fp32": same_fp32,
+            json.dump({"fused": fused, "ds_norms": ds_norms, "fast_norms": fast_norms, "same_fp32": same_fp32,
                        "calls_direct": calls_direct, "fallback_norm": fallback_norm, "calls_fallback": calls_fallback,
                        "step_norm": step_norm, "calls_step": calls_step, "n_groups": len(groups),
                        "next_loss": float(loss.detach()), "world": dist.get_world_size()}, f)

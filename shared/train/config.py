@@ -38,7 +38,8 @@ DEEPCOMPILE_WARMUP = 5
 DEEPCOMPILE_SCHEDULES = ("deepspeed", "once")
 NAN_POLICIES = ("stop", "skip")
 # The ZeRO-3 optimizer step (shared/train/zero3_step.py): fast = the gradient norm and fp32 gradient copy on the flat
-# gradient buffer, one kernel each; deepspeed = DeepSpeed's per-parameter loops.
+# gradient buffer, one kernel each, and the unscale inside torch's fused AdamW; deepspeed = DeepSpeed's per-parameter
+# loops and its multiply.
 ZERO3_STEPS = ("fast", "deepspeed")
 
 
@@ -105,9 +106,10 @@ class TrainConfig(FusedSwitches):
     at step 0, from the first step's profile, so the model is compiled once (about half the warm-up). ZeRO 1/2
     compile once either way"""
     zero3_step: str = "fast"
-    """fast | deepspeed: the ZeRO-3 optimizer step's gradient norm and fp32 gradient copy. fast: one kernel each on
-    the flat gradient buffer (shared/train/zero3_step.py; norm accumulated in fp32); deepspeed: DeepSpeed's own
-    per-parameter loops (norm in fp64). Other stages ignore it"""
+    """fast | deepspeed: the ZeRO-3 optimizer step's gradient norm, fp32 gradient copy and unscale. fast: one kernel
+    each on the flat gradient buffer (shared/train/zero3_step.py; norm accumulated in fp32) and the unscale/clip
+    factor handed to torch's fused AdamW instead of a multiply pass; deepspeed: DeepSpeed's own per-parameter loops
+    (norm in fp64) and multiply. Other stages ignore it"""
     zero_profile: str = "tuned"
     """DeepSpeed config rules: tuned (the default; see shared/train/ds_config.py; chosen from a single pair of runs per
     profile, raw first: +8.5% raw per GPU on 2 H200s, inside single-pair noise) |

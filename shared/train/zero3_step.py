@@ -8,17 +8,23 @@ partitions are adjacent views of one buffer (`grad_partitions_flat_buffer`, laid
   launch-bound, 29.0 ms of a 76.3 ms step for the 1.5b preset on one H200 (4.5 ms of it kernels;
   benchmarks/results/optimizer_step_1xh200);
 - the fp32 gradient of each sub-group (`_prepare_fp32_grad_for_sub_group`): a torch.cat of the views (a bf16 copy)
-  and then the fp32 cast (a second copy); 10.6 ms.
+  and then the fp32 cast (a second copy); 10.6 ms;
+- the unscale and clip (`unscale_and_clip_grads`): a multiply of the whole fp32 gradient by 1/scale, 5.7 ms of a
+  41.8 ms step (benchmarks/results/zero3_step_1xh200), paid even when the scale is 1 (bf16, norm under the clip).
 
-`install(zero_opt)` replaces both on the optimizer instance by one kernel each on the flat region of the sub-group:
-`torch.linalg.vector_norm(region, dtype=float32)` (fp32 accumulation, as torch.nn.utils.clip_grad_norm_; DeepSpeed
-accumulates the per-parameter squares in fp64: the two agree to about 1e-6 relative, tests/test_zero3_step.py) and
-one `region.to(float32)`. Everything else (the all-reduce of the squared norm over the partition group, the -1 for
-an inf/NaN norm that DeepSpeed turns into a skipped step, clipping, the update) stays DeepSpeed's. Each call checks
-that its gradients still are the adjacent views of the buffer in order, and hands the call to DeepSpeed's own
-method when they are not (frozen parameters, CPU offload) or when the norm is not the plain 2-norm of one
-data-parallel group (model or expert parallelism); `calls(engine)` counts both, and every result records them
-(extra.zero3_step_calls), so a run that fell back says so.
+`install(zero_opt)` replaces the first two on the optimizer instance by one kernel each on the flat region of the
+sub-group: `torch.linalg.vector_norm(region, dtype=float32)` (fp32 accumulation, as torch.nn.utils.clip_grad_norm_;
+DeepSpeed accumulates the per-parameter squares in fp64: the two agree to about 1e-6 relative,
+tests/test_zero3_step.py) and one `region.to(float32)`. Where the inner optimizer is torch's fused Adam/AdamW, it
+hands the combined scale to the optimizer's own `grad_scale` (the hook torch.amp.GradScaler uses), so the fused
+kernel divides each gradient by it as it reads it and the multiply pass disappears (exact for a scale of 1; with
+clipping, a division instead of a multiply by the reciprocal). Everything else (the all-reduce of the squared norm
+over the partition group, the -1 for an inf/NaN norm that DeepSpeed turns into a skipped step, the clip factor,
+the update) stays DeepSpeed's. Each call checks that its gradients still are the adjacent views of the buffer in
+order, and hands the call to DeepSpeed's own method when they are not (frozen parameters, CPU offload) or when the
+norm is not the plain 2-norm of one data-parallel group (model or expert parallelism); the unscale does the same
+for any other optimizer (DeepSpeed's FusedAdam, a non-fused AdamW on CPU) or a GradScaler. `calls(engine)` counts
+each, and every result records them (extra.zero3_step_calls), so a run that fell back says so.
 """
 
 from __future__ import annotations
@@ -48,6 +54,18 @@ def _fast_norm_applies(zero_opt) -> bool:
             and not getattr(zero_opt, "use_muon", False))
 
 
+def _folds_scale(zero_opt) -> bool:
+    """Whether the sub-group's optimizer step can divide by the combined scale itself: torch's Adam/AdamW with the
+    fused kernel (the only implementation that takes `grad_scale`), stepped by DeepSpeed directly (no offload, no
+    GradScaler, no Muon, not ZenFlow)."""
+    inner = zero_opt.optimizer
+    return (isinstance(inner, (torch.optim.Adam, torch.optim.AdamW))
+            and all(group.get("fused") for group in inner.param_groups)
+            and getattr(inner, "grad_scale", None) is None and getattr(inner, "found_inf", None) is None
+            and not zero_opt.offload_optimizer and zero_opt.torch_autocast_gradscaler is None
+            and not getattr(zero_opt, "zenflow", False) and not getattr(zero_opt, "use_muon", False))
+
+
 def install(zero_opt) -> bool:
     """Give a DeepSpeedZeroOptimizer_Stage3 the flat-buffer gradient norm and fp32 gradient copy; returns whether it
     did (False for any other optimizer, e.g. ZeRO 1/2's, which is left as it is)."""
@@ -60,7 +78,10 @@ def install(zero_opt) -> bool:
 
     deepspeed_norm = zero_opt.get_grad_norm_direct
     deepspeed_prepare = zero_opt._prepare_fp32_grad_for_sub_group
-    counts = {"fast": 0, "deepspeed": 0}
+    deepspeed_unscale = zero_opt.unscale_and_clip_grads
+    deepspeed_optimizer_step = zero_opt._optimizer_step
+    counts = {"fast": 0, "deepspeed": 0, "unscale_fused": 0, "unscale_deepspeed": 0}
+    pending_scale = {}  # sub-group -> the combined scale its optimizer step divides by
 
     def get_grad_norm_direct(gradients, params, norm_type=2):
         region = None
@@ -88,8 +109,32 @@ def install(zero_opt) -> bool:
         fp32_flat.grad = region.to(fp32_flat.dtype, copy=True)
         zero_opt.averaged_gradients[sub_group_id] = None
 
+    def unscale_and_clip_grads(sub_group_id, total_norm):
+        if not _folds_scale(zero_opt):
+            counts["unscale_deepspeed"] += 1
+            return deepspeed_unscale(sub_group_id, total_norm)
+        counts["unscale_fused"] += 1
+        combined_scale = zero_opt.loss_scale  # DeepSpeed's formula, kept on the device (no host sync)
+        if zero_opt.clip_grad > 0.0:
+            clip = ((total_norm / zero_opt.loss_scale) + 1e-6) / zero_opt.clip_grad
+            combined_scale = torch.clamp(clip, min=1.0) * zero_opt.loss_scale
+        grad = zero_opt.fp32_partitioned_groups_flat[sub_group_id].grad
+        pending_scale[sub_group_id] = torch.as_tensor(combined_scale, dtype=torch.float32, device=grad.device)
+
+    def _optimizer_step(sub_group_id):
+        scale = pending_scale.pop(sub_group_id, None)
+        if scale is None:
+            return deepspeed_optimizer_step(sub_group_id)
+        zero_opt.optimizer.grad_scale = scale
+        try:
+            return deepspeed_optimizer_step(sub_group_id)
+        finally:
+            del zero_opt.optimizer.grad_scale
+
     zero_opt.get_grad_norm_direct = get_grad_norm_direct
     zero_opt._prepare_fp32_grad_for_sub_group = _prepare_fp32_grad_for_sub_group
+    zero_opt.unscale_and_clip_grads = unscale_and_clip_grads
+    zero_opt._optimizer_step = _optimizer_step
     zero_opt._zero3bench_fast_step = True
     zero_opt._zero3bench_step_calls = counts
     return True
@@ -97,7 +142,8 @@ def install(zero_opt) -> bool:
 
 def calls(engine) -> dict[str, int] | None:
     """How many gradient norms and fp32 gradient copies ran the flat-buffer code (`fast`) and how many fell back to
-    DeepSpeed's (`deepspeed`); None when the fast step is not installed."""
+    DeepSpeed's (`deepspeed`), and how many unscales went into the fused optimizer (`unscale_fused`) or ran
+    DeepSpeed's multiply (`unscale_deepspeed`); None when the fast step is not installed."""
     counts = getattr(getattr(engine, "optimizer", None), "_zero3bench_step_calls", None)
     return dict(counts) if counts is not None else None
 
