@@ -83,6 +83,11 @@ def test_a_checkpoint_of_the_other_path_or_another_shape_is_refused_by_name(tmp_
     other = dataclasses.asdict(TrainConfig(preset="125m").model())
     with pytest.raises(ValueError, match="n_layer 2 in the checkpoint vs 12 now"):
         checkpoint.check_resumable(raw, "deepspeed", other)
+    padded = dataclasses.asdict(TrainConfig(vocab_multiple=512).model())
+    with pytest.raises(ValueError, match="vocab_multiple 1 in the checkpoint vs 512 now"):
+        checkpoint.check_resumable(raw, "deepspeed", padded)
+    older = {k: v for k, v in TINY.items() if k != "vocab_multiple"}  # written before padding existed: unpadded
+    checkpoint.check_resumable(fake_checkpoint(tmp_path / "old", 2, model_config=older), "deepspeed", TINY)
     # a different backend or dropout trains the same parameters: allowed
     checkpoint.check_resumable(raw, "deepspeed", dataclasses.asdict(TrainConfig(attention="reference").model()))
 

@@ -79,6 +79,27 @@ def test_loss_and_logits():
         model(torch.zeros(1, 129, dtype=torch.long))
 
 
+def test_a_padded_vocabulary_computes_the_same_function_and_never_predicts_the_padding():
+    idx, targets = torch.randint(0, 200, (2, 128)), torch.randint(0, 200, (2, 128))
+    plain, padded = _model(vocab_size=200), _model(vocab_size=200, vocab_multiple=128)
+    assert padded.cfg.padded_vocab_size == 256 and padded.wte.weight.shape == (256, 64)
+    # the same init (padding draws nothing, its rows are zero) and so the same logits and loss
+    assert torch.equal(padded.wte.weight[:200], plain.wte.weight) and not padded.wte.weight[200:].any()
+    for (name, a), b in zip(plain.named_parameters(), padded.parameters(), strict=True):
+        assert name == "wte.weight" or torch.equal(a, b), name
+    assert padded(idx).shape == (2, 128, 200)
+    torch.testing.assert_close(padded(idx), plain(idx))
+    loss = padded(idx, targets)
+    torch.testing.assert_close(loss, plain(idx, targets))
+    loss.backward()
+    assert not padded.wte.weight.grad[200:].any()  # the padding gets no gradient: it stays zero under AdamW
+    fused = _model(vocab_size=200, vocab_multiple=128, fused_loss=True)
+    torch.testing.assert_close(fused(idx, targets), loss.detach())
+    assert preset("1.5b", vocab_multiple=128).padded_vocab_size == 50304
+    with pytest.raises(ValueError, match="vocab_multiple must be a positive integer, got 0"):
+        preset("tiny", vocab_multiple=0)
+
+
 def test_activation_checkpointing_gives_same_gradients():
     torch.manual_seed(0)
     idx = torch.randint(0, 256, (2, 128))

@@ -60,10 +60,12 @@ def test_resume_before_the_midpoint_gives_the_same_losses_as_an_uninterrupted_ru
     assert [s for s, _, ok in checkpoint.list_checkpoints(ck) if ok] == [4, 6, 8]  # keep_last 3 of the resumed run
 
 
-@pytest.mark.parametrize("path", ["raw", "lightning"])
-def test_exported_weights_equal_the_live_weights(tmp_path, path):
-    # 33-wide model with a 257-token vocabulary: 39,765 parameters, odd, so ZeRO-3 pads the 2-rank partition
-    odd = ["--n_embd", "33", "--n_head", "3", "--vocab_size", "257"]
+@pytest.mark.parametrize("path, vocab_multiple", [("raw", 1), ("lightning", 128)])
+def test_exported_weights_equal_the_live_weights(tmp_path, path, vocab_multiple):
+    # 33-wide model with a 257-token vocabulary: 39,765 parameters, odd, so ZeRO-3 pads the 2-rank partition.
+    # Lightning trains it with the vocabulary padded to 384 rows: the exports hold the 257 real ones.
+    odd = ["--n_embd", "33", "--n_head", "3", "--vocab_size", "257", "--vocab_multiple", str(vocab_multiple)]
+    padding = (384 - 257) * 33 if vocab_multiple == 128 else 0
     ck = tmp_path / "ck"
     torchrun(SCRIPTS[path], 2, [*BASE, *odd, "--steps", "4", "--ckpt_dir", ck, "--export", tmp_path / "live.st",
                                 "--out", tmp_path / "r.json"])
@@ -75,14 +77,15 @@ def test_exported_weights_equal_the_live_weights(tmp_path, path):
     for k in live:
         assert torch.equal(live[k], offline[k]), k
     # the run's parameter checksum (each rank's valid part of its padded ZeRO-3 partition, all-reduced) is the
-    # checksum of the gathered weights
+    # checksum of the gathered weights; a padded vocabulary's rows stayed zero (never an input, never predicted)
     flat = torch.cat([v.double().reshape(-1) for v in live.values()])
     checksum = load(tmp_path / "r.json")["param_checksum"]
-    assert checksum["numel"] == n_params
+    assert checksum["numel"] == n_params + padding
     assert checksum["sum"] == pytest.approx(flat.sum().item(), rel=1e-12, abs=1e-9)
     assert checksum["sum_sq"] == pytest.approx((flat * flat).sum().item(), rel=1e-12)
     model, meta = checkpoint.load_exported(tmp_path / "offline.st")
     assert model.cfg.n_embd == 33 and model.head.weight is model.wte.weight and meta["step"] == 4
+    assert model.cfg.vocab_multiple == 1 and meta["model_config"]["vocab_multiple"] == 1
     assert model(torch.zeros(1, 8, dtype=torch.long)).shape == (1, 8, 257)
 
 

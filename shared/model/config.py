@@ -68,6 +68,11 @@ class GPTConfig(FusedSwitches):
     """tokens per sample (s); also the size of the learned position table"""
     vocab_size: int = 256
     """vocabulary size (V); 50257 is GPT-2's BPE, 256 the byte-level tokenizer"""
+    vocab_multiple: int = 1
+    """pad the token embedding and the tied LM head to a multiple of this many rows (128: 50257 -> 50304, whole
+    matmul tiles for the head's three matmuls). The padded rows start at zero, are never an input, and their logits
+    are cut off before the loss and before any caller sees them: the loss, the FLOPs formula and exported weights
+    stay on vocab_size"""
     dropout: float = 0.1
     """dropout on embeddings and on both residual branches (the original study used 0.1)"""
     attn_dropout: float = 0.1
@@ -90,7 +95,7 @@ class GPTConfig(FusedSwitches):
     def __post_init__(self) -> None:
         for name, value in self.resolve_fused().items():  # the model runs a decided path, never "default"
             setattr(self, name, value)
-        for name in ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "sparse_block",
+        for name in ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "vocab_multiple", "sparse_block",
                      "local_blocks", "stride_blocks"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -115,6 +120,11 @@ class GPTConfig(FusedSwitches):
             raise ValueError(f"unknown layout {self.layout!r}; choose one of {LAYOUTS} or a path to a .pt file")
         if self.fused_layernorm and not self.bias:
             raise ValueError("fused_layernorm (liger-kernel's LayerNorm) needs bias=True")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the token embedding and LM head: vocab_size rounded up to a multiple of vocab_multiple."""
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
 
     @property
     def head_dim(self) -> int:

@@ -51,10 +51,18 @@ class Linear(nn.Linear):
 
 
 class Embedding(nn.Embedding):
-    """nn.Embedding with weight ~ N(0, 0.02) instead of PyTorch's N(0, 1)."""
+    """nn.Embedding with weight ~ N(0, 0.02) instead of PyTorch's N(0, 1); rows from `used` on (a padded
+    vocabulary's, GPTConfig.vocab_multiple) are zero."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, used: int | None = None):
+        self.used = num_embeddings if used is None else used  # read by reset_parameters(), called by __init__
+        super().__init__(num_embeddings, embedding_dim)
 
     def reset_parameters(self) -> None:
-        nn.init.normal_(self.weight, mean=0.0, std=INIT_STD)
+        # the used rows draw exactly what an unpadded table draws: padding changes no other parameter's init
+        nn.init.normal_(self.weight[:self.used], mean=0.0, std=INIT_STD)
+        with torch.no_grad():
+            self.weight[self.used:].zero_()
 
 
 class ResidualLinear(Linear):
@@ -146,37 +154,45 @@ class Block(nn.Module):
 
 
 class LMHead(nn.Module):
-    """Logits (or the loss) against the tied token-embedding matrix; owns no new parameter."""
+    """Logits (or the loss) against the tied token-embedding matrix; owns no new parameter.
 
-    def __init__(self, weight: nn.Parameter, fused_loss: bool = False):
+    With a padded vocabulary the matmul runs over all rows (whole tiles) and the logits of the padding are cut off
+    right after it: the softmax, the loss and every caller see the vocab_size real ones, so the padding is never
+    predicted and gets no gradient."""
+
+    def __init__(self, weight: nn.Parameter, fused_loss: bool = False, vocab_size: int | None = None):
         super().__init__()
         self.weight = weight
         self.fused_loss = fused_loss
+        self.vocab_size = vocab_size
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        V = self.vocab_size or self.weight.shape[0]
         if targets is not None and self.fused_loss:
-            return chunked_linear_cross_entropy(x, self.weight, targets)
-        logits = F.linear(x, self.weight)  # (B, T, V)
+            return chunked_linear_cross_entropy(x, self.weight[:V], targets)
+        logits = F.linear(x, self.weight)  # (B, T, padded V)
+        if logits.size(-1) != V:
+            logits = logits[..., :V]
         if targets is None:
             return logits
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        return F.cross_entropy(logits.float().reshape(-1, V), targets.reshape(-1))
 
 
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.cfg = cfg
-        self.wte = Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wte = Embedding(cfg.padded_vocab_size, cfg.n_embd, used=cfg.vocab_size)
         self.wpe = Embedding(cfg.seq_len, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = LayerNorm(cfg)
-        self.head = LMHead(self.wte.weight, cfg.fused_loss)
+        self.head = LMHead(self.wte.weight, cfg.fused_loss, cfg.vocab_size)
         self.attention_backend = self.blocks[0].attn.attn.backend
         self.register_buffer("pos", torch.arange(cfg.seq_len), persistent=False)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """idx (B, T) token ids -> logits (B, T, V), or the mean cross-entropy loss when targets are given."""
+        """idx (B, T) token ids -> logits (B, T, vocab_size), or the mean cross-entropy loss when targets are given."""
         T = idx.shape[1]
         if T > self.cfg.seq_len:
             raise ValueError(f"sequence length {T} exceeds the model's seq_len {self.cfg.seq_len}")

@@ -158,8 +158,10 @@ def resolve_resume(resume: str, ckpt_dir: str | None) -> Path | None:
     return folder
 
 
-# The GPTConfig fields that decide parameter shapes: a checkpoint resumes only into the same ones.
-SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "bias")
+# The GPTConfig fields that decide parameter shapes: a checkpoint resumes only into the same ones. A field that
+# an older checkpoint did not record reads as its default (SHAPE_DEFAULTS).
+SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "vocab_multiple", "bias")
+SHAPE_DEFAULTS = {"vocab_multiple": 1}
 SCRIPTS = {"deepspeed": "plain_deepspeed/train.py", "lightning": "lightning_app/train.py"}
 
 
@@ -177,6 +179,7 @@ def check_resumable(folder: Path, path: str, model_config: dict) -> None:
         saved = state.get("model_config")
     if saved is None:
         return
+    saved = {**SHAPE_DEFAULTS, **saved}
     diff = {k: (saved.get(k), model_config.get(k)) for k in SHAPE_FIELDS if saved.get(k) != model_config.get(k)}
     if diff:
         shown = ", ".join(f"{k} {a} in the checkpoint vs {b} now" for k, (a, b) in diff.items())
@@ -277,12 +280,19 @@ TIED = ("head.weight",)  # the LM head is the token embedding (shared/model.py):
 
 
 def save_exported(path: str | Path, state_dict: dict, model_config: dict, meta: dict | None = None) -> Path:
-    """Write fp32 weights and the GPTConfig (as metadata) to a .safetensors file, atomically."""
+    """Write fp32 weights and the GPTConfig (as metadata) to a .safetensors file, atomically.
+
+    A padded vocabulary (GPTConfig.vocab_multiple) is cut back to its vocab_size real rows: the file holds the
+    model's function, not its training layout, and loads as vocab_multiple 1."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state_dict.items() if k not in TIED}
+    vocab = model_config["vocab_size"]
+    if tensors["wte.weight"].shape[0] != vocab:
+        tensors["wte.weight"] = tensors["wte.weight"][:vocab].contiguous()
+    model_config = {**model_config, "vocab_multiple": 1}
     metadata = {"model_config": json.dumps(model_config), **{k: json.dumps(v) for k, v in (meta or {}).items()}}
     tmp = path.with_suffix(path.suffix + ".tmp")
     save_file(tensors, str(tmp), metadata=metadata)

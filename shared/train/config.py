@@ -89,6 +89,9 @@ class TrainConfig(FusedSwitches):
     """override the preset's hidden size"""
     vocab_size: int | None = None
     """override the preset's vocabulary (e.g. 256 for the byte tokenizer, the BPE size for a trained one)"""
+    vocab_multiple: int | None = None
+    """pad the embedding and LM head to a multiple of this many rows (GPTConfig.vocab_multiple; 128: 50257 ->
+    50304); loss, FLOPs and exported weights stay on the real vocabulary. Default: the preset's (1, no padding)"""
     dropout: float | None = None
     """override both dropout rates of the preset"""
     activation_checkpointing: bool = False
@@ -250,6 +253,7 @@ class TrainConfig(FusedSwitches):
             n_head=self.n_head,
             n_embd=self.n_embd,
             vocab_size=self.vocab_size,
+            vocab_multiple=self.vocab_multiple,
             dropout=drop,
             attn_dropout=drop,
             activation_checkpointing=self.activation_checkpointing,
