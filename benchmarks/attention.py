@@ -23,6 +23,12 @@ Ratios: speedup_vs_flex = flex_ms / blocksparse_ms and speedup_vs_sdpa = sdpa_ms
 faster); for sparse layouts time_vs_causal = ms(layout) / ms(causal) of the same backend, ideal_vs_causal =
 nnz(layout) / nnz(causal), efficiency = ideal / actual (1.0: time scales exactly with the non-zero blocks).
 
+Attention dropout (`--dropouts 0 0.1`, the preset's rate): every backend runs in training mode with that rate
+(its masks drawn in the kernel: SDPA's fused kernels, blocksparse's Triton kernel; flex has none and records its
+error). `sdpa:flash`, `sdpa:efficient`, `sdpa:cudnn` pin one of SDPA's fused kernels (torch.nn.attention.sdpa_kernel);
+plain `sdpa` is what the dispatcher picks, recorded per dropout rate. With dropout the outputs cannot be compared
+with the reference (other random masks): those rows record no error (the GPU tests check dropout's statistics).
+
 Correctness: before timing, each backend's output and dq/dk/dv on the benchmark input are compared with the
 reference (shared.model.attention.ReferenceAttention in fp32, on batch 0 and the first CHECK_HEADS heads); the max
 absolute errors are recorded.
@@ -40,7 +46,7 @@ from pathlib import Path
 import torch
 import triton
 
-from shared import layouts
+from shared.model import layouts
 from shared.kernels import blocksparse_attention as bsa
 from shared.model.attention import ReferenceAttention, build_attention
 from shared.model.config import GPTConfig
@@ -50,10 +56,31 @@ CHECK_HEADS = 4
 N_INPUT_SETS = 3
 
 
-def model_cfg(args, seq: int, layout: str, backend: str) -> GPTConfig:
+SDPA_PINNED = {"sdpa:flash": "FLASH_ATTENTION", "sdpa:efficient": "EFFICIENT_ATTENTION",
+               "sdpa:cudnn": "CUDNN_ATTENTION"}
+
+
+def model_cfg(args, seq: int, layout: str, backend: str, dropout: float = 0.0) -> GPTConfig:
     return GPTConfig(n_head=args.heads, n_embd=args.heads * args.head_dim, seq_len=seq, sparse_block=args.block,
                      layout=layout, local_blocks=args.local_blocks, stride_blocks=args.stride_blocks,
-                     attn_dropout=0.0, dropout=0.0, attention=backend)
+                     attn_dropout=dropout, dropout=0.0, attention=backend.split(":")[0])
+
+
+class Pinned(torch.nn.Module):
+    """An SDPA attention module run under one pinned fused kernel (sdpa_kernel raises if it cannot run)."""
+
+    def __init__(self, attn, kernel: str):
+        super().__init__()
+        from torch.nn.attention import SDPBackend
+
+        self.attn, self.kernel = attn, getattr(SDPBackend, kernel)
+        self.backend = f"sdpa:{kernel}"
+
+    def forward(self, q, k, v):
+        from torch.nn.attention import sdpa_kernel
+
+        with sdpa_kernel(self.kernel):
+            return self.attn(q, k, v)
 
 
 def make_inputs(args, seq: int, seed: int):
@@ -84,25 +111,32 @@ def bench(fn_of_inputs, input_sets, warmup: int, rep: int) -> float:
     return triton.testing.do_bench(lambda: fn_of_inputs(*next(cycle)), warmup=warmup, rep=rep, return_mode="median")
 
 
-def sdpa_choice(q) -> str | None:
-    """Which fused kernel PyTorch's SDPA dispatcher picks for these inputs (causal, no dropout)."""
+def sdpa_choice(q, dropout: float = 0.0) -> str | None:
+    """Which fused kernel PyTorch's SDPA dispatcher picks for these inputs (causal, this dropout rate)."""
     try:
         from torch.nn.attention import SDPBackend
 
-        return SDPBackend(torch._fused_sdp_choice(q, q, q, is_causal=True)).name
+        return SDPBackend(torch._fused_sdp_choice(q, q, q, dropout_p=dropout, is_causal=True)).name
     except Exception as exc:  # a private API: record why it is unknown rather than fail the benchmark
         return f"unknown ({type(exc).__name__}: {exc})"
 
 
-def run_one(args, seq: int, layout_name: str, backend: str, input_sets, ref) -> dict:
-    cfg = model_cfg(args, seq, layout_name, backend)
+def run_one(args, seq: int, layout_name: str, backend: str, input_sets, ref, dropout: float = 0.0) -> dict:
+    cfg = model_cfg(args, seq, layout_name, backend, dropout)
     layout = layouts.make_layout(cfg)
-    row = {"seq": seq, "layout": layout_name, "backend": backend, "density": layouts.density(layout),
-           "nnz_blocks": int(layout.sum()), "status": "ok"}
+    row = {"seq": seq, "layout": layout_name, "backend": backend, "dropout": dropout,
+           "density": layouts.density(layout), "nnz_blocks": int(layout.sum()), "status": "ok"}
     try:
         attn = build_attention(cfg).cuda().train()
+        if backend in SDPA_PINNED:
+            attn = Pinned(attn, SDPA_PINNED[backend])
         row["backend"] = attn.backend
-        row["max_abs_err"] = max_errors(attn, ref, *input_sets[0])
+        if dropout == 0.0:
+            row["max_abs_err"] = max_errors(attn, ref, *input_sets[0])
+        else:  # other random masks than the reference's: only that it runs and stays finite
+            out, grads = fwd_bwd(attn, *input_sets[0])
+            if not all(bool(t.isfinite().all()) for t in (out, *grads)):
+                raise FloatingPointError("non-finite output or gradient with dropout")
         row["fwd_ms"] = bench(lambda q, k, v, do: attn(q, k, v), input_sets, args.warmup, args.rep)
         row["fwd_bwd_ms"] = bench(lambda q, k, v, do: fwd_bwd(attn, q, k, v, do), input_sets, args.warmup, args.rep)
     except Exception as exc:  # recorded, not hidden: the row says which backend failed and why
@@ -117,15 +151,22 @@ def run_one(args, seq: int, layout_name: str, backend: str, input_sets, ref) -> 
     return row
 
 
+def backend_key(r: dict) -> str:
+    """A row's backend without its detail ("blocksparse:autotuned" -> "blocksparse"), pinned SDPA kernels kept."""
+    return r["backend"] if r["backend"].startswith("sdpa:") else r["backend"].split(":")[0]
+
+
 def add_ratios(rows: list[dict]) -> None:
-    ok = {(r["seq"], r["layout"], r["backend"].split(":")[0]): r for r in rows if r["status"] == "ok"}
-    for (seq, lay, name), r in ok.items():
+    ok = {(r["seq"], r["layout"], backend_key(r), r.get("dropout", 0.0)): r for r in rows if r["status"] == "ok"}
+    for (seq, lay, name, p), r in ok.items():
         if name == "blocksparse":
             for other in ("flex", "sdpa", "xformers"):
-                o = ok.get((seq, lay, other))
+                o = ok.get((seq, lay, other, p))
                 if o is not None:
                     r[f"speedup_vs_{other}"] = o["fwd_bwd_ms"] / r["fwd_bwd_ms"]
-        causal = ok.get((seq, "causal", name))
+        if p > 0 and (no_dropout := ok.get((seq, lay, name, 0.0))) is not None:
+            r["time_vs_no_dropout"] = r["fwd_bwd_ms"] / no_dropout["fwd_bwd_ms"]
+        causal = ok.get((seq, "causal", name, p))
         if lay != "causal" and causal is not None:
             r["time_vs_causal"] = r["fwd_bwd_ms"] / causal["fwd_bwd_ms"]
             r["ideal_vs_causal"] = r["nnz_blocks"] / causal["nnz_blocks"]
@@ -133,17 +174,19 @@ def add_ratios(rows: list[dict]) -> None:
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'seq':>5} {'layout':8} {'backend':34} {'fwd ms':>8} {'f+b ms':>8} {'TF dce':>7} {'TF sp':>6} "
+    head = (f"{'seq':>5} {'p':>4} {'layout':8} {'backend':34} {'fwd ms':>8} {'f+b ms':>8} {'TF dce':>7} {'TF sp':>6} "
             f"{'vs flex':>7} {'vs sdpa':>7} {'eff':>5} {'max err (out/dq/dk/dv)':>26}")
     lines = [head, "-" * len(head)]
     fmt = lambda r, k, f: format(r[k], f) if k in r else "-"
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"{r['seq']:>5} {r['layout']:8} {r['backend'][:34]:34} ERROR {r['error'][:150]}")
+            lines.append(f"{r['seq']:>5} {r['dropout']:4.2f} {r['layout']:8} {r['backend'][:34]:34} ERROR "
+                         f"{r['error'][:150]}")
             continue
-        e = r["max_abs_err"]
-        errs = "/".join(f"{e[k]:.1e}" for k in ("out", "dq", "dk", "dv"))
-        lines.append(f"{r['seq']:>5} {r['layout']:8} {r['backend'][:34]:34} {r['fwd_ms']:8.3f} {r['fwd_bwd_ms']:8.3f} "
+        e = r.get("max_abs_err")
+        errs = "/".join(f"{e[k]:.1e}" for k in ("out", "dq", "dk", "dv")) if e else "(dropout: not compared)"
+        lines.append(f"{r['seq']:>5} {r['dropout']:4.2f} {r['layout']:8} {r['backend'][:34]:34} "
+                     f"{r['fwd_ms']:8.3f} {r['fwd_bwd_ms']:8.3f} "
                      f"{r['tflops_dense_causal_equiv']:7.1f} {r['tflops_sparse']:6.1f} "
                      f"{fmt(r, 'speedup_vs_flex', '7.2f'):>7} {fmt(r, 'speedup_vs_sdpa', '7.2f'):>7} "
                      f"{fmt(r, 'efficiency', '5.2f'):>5} {errs:>26}")
@@ -162,16 +205,16 @@ def main(args) -> dict:
     rows, sdpa_choices = [], {}
     for seq in seqs:
         input_sets = [make_inputs(args, seq, seed) for seed in range(N_INPUT_SETS)]
-        sdpa_choices[seq] = sdpa_choice(input_sets[0][0])
-        for layout_name in args.layouts:
+        sdpa_choices[seq] = {p: sdpa_choice(input_sets[0][0], p) for p in args.dropouts}
+        for layout_name, p in itertools.product(args.layouts, args.dropouts):
             cfg = model_cfg(args, seq, layout_name, "reference")
             ref = ReferenceAttention(cfg, layouts.make_layout(cfg)).cuda().eval()
             for backend in args.backends:
-                if backend in ("sdpa", "xformers") and layout_name != "causal":
+                if backend.split(":")[0] in ("sdpa", "xformers") and layout_name != "causal":
                     continue
-                row = run_one(args, seq, layout_name, backend, input_sets, ref)
+                row = run_one(args, seq, layout_name, backend, input_sets, ref, p)
                 rows.append(row)
-                print(f"[{time.time() - started:6.1f}s] seq {seq} {layout_name} {row['backend']}: "
+                print(f"[{time.time() - started:6.1f}s] seq {seq} p {p} {layout_name} {row['backend']}: "
                       + (f"{row['fwd_bwd_ms']:.3f} ms" if row["status"] == "ok" else row["error"][:200]),
                       flush=True)
             del ref
@@ -190,7 +233,8 @@ def main(args) -> dict:
         "device": device_info(torch.device("cuda")),
         "settings": {"batch": args.batch, "heads": args.heads, "head_dim": args.head_dim, "block": args.block,
                      "dtype": "bf16", "seqs": seqs, "layouts": args.layouts, "local_blocks": args.local_blocks,
-                     "stride_blocks": args.stride_blocks, "warmup_ms": args.warmup, "rep_ms": args.rep,
+                     "stride_blocks": args.stride_blocks, "dropouts": args.dropouts, "warmup_ms": args.warmup,
+                     "rep_ms": args.rep,
                      "input_sets": N_INPUT_SETS, "timing": "triton.testing.do_bench median, forward+backward"},
         "flops_convention": "dense-causal-equivalent: 3.5 * 2*B*H*T^2*D per fwd+bwd; sparse: 3.5 * 4*B*H*T^2*D * "
                             "block density",
@@ -219,7 +263,10 @@ def parse_args(argv=None):
     p.add_argument("--block", type=int, default=128)
     p.add_argument("--seqs", type=int, nargs="+", default=[2048, 4096, 8192])
     p.add_argument("--layouts", nargs="+", default=["causal", "local", "strided"])
-    p.add_argument("--backends", nargs="+", default=["blocksparse", "flex", "sdpa", "xformers"])
+    p.add_argument("--backends", nargs="+", default=["blocksparse", "flex", "sdpa", "xformers"],
+                   help=f"blocksparse, flex, sdpa (the dispatcher's pick), xformers, or a pinned {sorted(SDPA_PINNED)}")
+    p.add_argument("--dropouts", type=float, nargs="+", default=[0.0],
+                   help="attention dropout rates, each timed in training mode (the preset's is 0.1)")
     p.add_argument("--local-blocks", "--local_blocks", dest="local_blocks", type=int, default=4)
     p.add_argument("--stride-blocks", "--stride_blocks", dest="stride_blocks", type=int, default=4)
     p.add_argument("--warmup", type=int, default=50, help="do_bench warm-up, ms")
@@ -227,6 +274,11 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if any(s % args.block for s in args.seqs):
         p.error(f"every --seqs value must be a multiple of --block {args.block}")
+    known = {"blocksparse", "flex", "sdpa", "xformers", *SDPA_PINNED}
+    if unknown := [b for b in args.backends if b not in known]:
+        p.error(f"unknown --backends {unknown}; choose from {sorted(known)}")
+    if bad := [d for d in args.dropouts if not 0.0 <= d < 1.0]:
+        p.error(f"every --dropouts value must be in [0, 1), got {bad}")
     return args
 
 

@@ -212,3 +212,29 @@ def test_optimizer_step_profile_times_every_part_of_deepspeeds_zero3_step(tmp_pa
 def test_optimizer_step_profile_refuses_what_it_cannot_time(tmp_path):
     proc = run([sys.executable, OPTIMIZER_STEP, "--preset", "tiny", "--stage", "2"], check=False, timeout=60)
     assert proc.returncode != 0 and "use --stage 3" in proc.stderr
+
+
+def _attention_bench():
+    spec = importlib.util.spec_from_file_location("attention_bench", ROOT / "benchmarks" / "attention.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_attention_benchmark_compares_backends_at_the_same_dropout_rate():
+    bench = _attention_bench()
+    row = lambda backend, p, ms: {"seq": 2048, "layout": "causal", "backend": backend, "dropout": p, "status": "ok",
+                                  "fwd_bwd_ms": ms, "nnz_blocks": 136}
+    rows = [row("blocksparse:autotuned", 0.0, 2.0), row("sdpa", 0.0, 1.6), row("sdpa:flash", 0.1, 2.4),
+            row("blocksparse:autotuned", 0.1, 2.2), row("sdpa", 0.1, 3.3)]
+    bench.add_ratios(rows)
+    assert rows[0]["speedup_vs_sdpa"] == pytest.approx(0.8) and rows[3]["speedup_vs_sdpa"] == pytest.approx(1.5)
+    assert rows[3]["time_vs_no_dropout"] == pytest.approx(1.1)
+    assert rows[4]["time_vs_no_dropout"] == pytest.approx(3.3 / 1.6)
+    assert "time_vs_no_dropout" not in rows[2]  # a pinned kernel is its own backend: no row without dropout here
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--backends", "sdpa:mem"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--dropouts", "1.0"])
+    args = bench.parse_args(["--backends", "sdpa:cudnn", "blocksparse", "--dropouts", "0", "0.1"])
+    assert args.dropouts == [0.0, 0.1] and bench.model_cfg(args, 2048, "causal", "sdpa:cudnn", 0.1).attn_dropout == 0.1
