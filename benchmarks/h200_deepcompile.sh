@@ -11,6 +11,9 @@
 #   STAGE=eachtest  the deepcompile GPU tests one pytest each, two streams (GPU 0 and 1)
 #   STAGE=profile  GPU 0: one raw DeepCompile run with SCHED, then the ZeRO-3 optimizer step's
 #               profile (benchmarks/optimizer_step.py, torch AdamW and DeepSpeed FusedAdam); GPU 1: explain
+#   STAGE=probe GPU 0: the Lightning DeepCompile resume GPU test, then attention with and without dropout (each SDPA
+#               kernel and blocksparse, the model's shape at micro-batch 16); GPU 1: the ceiling with the vocabulary
+#               unpadded and padded to 128, alternated twice, then the ZeRO-3 optimizer step (fast vs DeepSpeed)
 #   STAGE=steps GPU 0: the ZeRO-3 optimizer step, --zero3_step fast and deepspeed alternated (STEP_ROUNDS rounds);
 #               GPU 1: the deepcompile GPU tests named in TESTS, one pytest each
 # SCHED picks --deepcompile_schedule (deepspeed | once); FACTORS the explain factors; REFROUNDS runs the reference
@@ -73,6 +76,20 @@ zero3_steps() {  # GPU $1: the ZeRO-3 optimizer step with the fast and DeepSpeed
     done
   done
 }
+vocab_probe() {  # GPU $1: the ceiling row, --vocab_multiple 1 and 128 alternated (VOCAB_ROUNDS rounds)
+  for r in $(seq 0 $(( ${VOCAB_ROUNDS:-2} - 1 ))); do
+    for m in 1 128; do
+      CUDA_VISIBLE_DEVICES=$1 timeout -k 10 "$(left)" python3 -m torch.distributed.run --standalone --nproc_per_node 1 \
+        benchmarks/reference.py --mode ceiling --preset 1.5b --precision bf16 --micro_batch "$MB" --steps 20 \
+        --warmup_steps 10 --vocab_multiple $m --out "$W/ceiling_vocab${m}_$r.json" > "$W/ceiling_vocab${m}_$r.log" 2>&1
+    done
+  done
+}
+attention_dropout() {  # GPU $1: attention forward + backward at the 1.5b model's shape, dropout 0 and 0.1
+  CUDA_VISIBLE_DEVICES=$1 timeout -k 10 "$(left)" python3 benchmarks/attention.py --quick --layouts causal \
+    --batch "$MB" --backends blocksparse sdpa sdpa:flash sdpa:efficient sdpa:cudnn --dropouts 0 0.1 \
+    --out "$W/attention_dropout.json" > "$W/attention_dropout.log" 2>&1
+}
 REFS=(--reference ${REFROUNDS:+--reference_rounds "$REFROUNDS"})
 gpu_test_each() {  # GPU $1: each named deepcompile GPU test in its own pytest, so every one reports even if cut
   local gpu=$1; shift
@@ -82,6 +99,10 @@ gpu_test_each() {  # GPU $1: each named deepcompile GPU test in its own pytest, 
   done
 }
 case "$STAGE" in
+  probe)
+    (gpu_test_each 0 "test_deepcompile_validates_saves_exports_and_resumes_at_the_end[lightning]"
+     attention_dropout 0) &
+    (vocab_probe 1; STEP_ROUNDS=${STEP_ROUNDS:-1} zero3_steps 1) & wait ;;
   resume)
     gpu_test_each 0 "test_deepcompile_validates_saves_exports_and_resumes_at_the_end[raw]" &
     gpu_test_each 1 "test_deepcompile_validates_saves_exports_and_resumes_at_the_end[lightning]" & wait ;;

@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         "preset": train.preset, "optimizer": train.optimizer, "zero3_step": train.zero3_step,
-        "micro_batch": train.micro_batch,
+        "zero3_step_calls": zero3_step.calls(engine), "micro_batch": train.micro_batch,
         "world_size": dist.get_world_size(), "device": device_info(device), "versions": versions(),
         "ds_config": ds_config, "n_sub_groups": n_sub_groups,
         "n_params_partitioned": sum(int(t.numel()) for t in zero_opt.fp16_partitioned_groups_flat if t is not None),
