@@ -13,7 +13,8 @@
 #               profile (benchmarks/optimizer_step.py, torch AdamW and DeepSpeed FusedAdam); GPU 1: explain
 #   STAGE=probe GPU 0: the Lightning DeepCompile resume GPU test, then attention with and without dropout (each SDPA
 #               kernel and blocksparse, the model's shape at micro-batch 16); GPU 1: the ceiling with the vocabulary
-#               unpadded and padded to 128, alternated twice, then the ZeRO-3 optimizer step (fast vs DeepSpeed)
+#               unpadded and padded to 128, alternated VOCAB_ROUNDS times, then the ZeRO-3 optimizer step (fast vs
+#               DeepSpeed); on a one-GPU machine all of it on GPU 0, one after the other
 #   STAGE=steps GPU 0: the ZeRO-3 optimizer step, --zero3_step fast and deepspeed alternated (STEP_ROUNDS rounds);
 #               GPU 1: the deepcompile GPU tests named in TESTS, one pytest each
 # SCHED picks --deepcompile_schedule (deepspeed | once); FACTORS the explain factors; REFROUNDS runs the reference
@@ -100,9 +101,14 @@ gpu_test_each() {  # GPU $1: each named deepcompile GPU test in its own pytest, 
 }
 case "$STAGE" in
   probe)
-    (gpu_test_each 0 "test_deepcompile_validates_saves_exports_and_resumes_at_the_end[lightning]"
-     attention_dropout 0) &
-    (vocab_probe 1; STEP_ROUNDS=${STEP_ROUNDS:-1} zero3_steps 1) & wait ;;
+    if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+      (gpu_test_each 0 "test_deepcompile_validates_saves_exports_and_resumes_at_the_end[lightning]"
+       attention_dropout 0) &
+      (vocab_probe 1; STEP_ROUNDS=${STEP_ROUNDS:-1} zero3_steps 1) & wait
+    else  # one GPU: the same, one after the other
+      gpu_test_each 0 "test_deepcompile_validates_saves_exports_and_resumes_at_the_end[lightning]"
+      vocab_probe 0; attention_dropout 0; STEP_ROUNDS=${STEP_ROUNDS:-1} zero3_steps 0
+    fi ;;
   resume)
     gpu_test_each 0 "test_deepcompile_validates_saves_exports_and_resumes_at_the_end[raw]" &
     gpu_test_each 1 "test_deepcompile_validates_saves_exports_and_resumes_at_the_end[lightning]" & wait ;;
