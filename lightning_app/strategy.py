@@ -24,7 +24,7 @@ from pytorch_lightning.plugins.precision import DeepSpeedPrecision
 from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy
 
 from shared.train import zero3_step
-from shared.train.ds_runtime import compile_engine
+from shared.train.ds_runtime import align_schedule, compile_engine
 
 
 class ZeroStrategy(DeepSpeedStrategy):
@@ -63,6 +63,13 @@ class ZeroStrategy(DeepSpeedStrategy):
         compile_engine(engine, self.compile_mode, self.global_rank, self.deepcompile_schedule, stage)
         zero3_step.apply(engine, self.zero3_step)  # the raw loop's optimizer step (shared/train/zero3_step.py)
         return engine, ds_optimizer
+
+    def load_checkpoint(self, checkpoint_path, *args, **kwargs):
+        # Lightning loads a resumed run's checkpoint after the engine was compiled: DeepCompile's pass schedule,
+        # counted from the step it was compiled at (0), must start at the loaded step (shared/train/ds_runtime).
+        client_state = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        align_schedule(self.deepspeed_engine)
+        return client_state
 
     def _initialize(self, model, optimizer, lr_scheduler):
         if not self._on_cpu:

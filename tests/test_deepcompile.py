@@ -102,6 +102,41 @@ def test_a_resumed_engine_starts_deepcompiles_schedule_at_its_own_step():
     assert list(backend.remaining_schedule) == [(20, ["gather"]), (25, ["gather", "prefetch"])]
 
 
+def test_the_schedule_follows_a_checkpoint_loaded_after_compilation():
+    """Lightning compiles at step 0 and loads a resumed run's checkpoint afterwards; the raw loop loads first."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from shared.train.ds_runtime import align_schedule
+
+    backend = SimpleNamespace(remaining_schedule=deque([(0, ["gather"]), (5, ["prefetch"])]))
+    engine = SimpleNamespace(global_steps=0, is_deepcompile_active=lambda: True)
+    align_schedule(engine, backend)  # compiled at step 0
+    engine.global_steps = 20  # the checkpoint's step
+    align_schedule(engine, backend)
+    assert list(backend.remaining_schedule) == [(20, ["gather"]), (25, ["prefetch"])]
+    align_schedule(engine, backend)  # aligning again at the same step moves nothing
+    assert list(backend.remaining_schedule) == [(20, ["gather"]), (25, ["prefetch"])]
+    resumed_raw = SimpleNamespace(global_steps=12, is_deepcompile_active=lambda: True)
+    raw_backend = SimpleNamespace(remaining_schedule=deque([(0, ["gather"])]))
+    align_schedule(resumed_raw, raw_backend)
+    assert list(raw_backend.remaining_schedule) == [(12, ["gather"])]
+    align_schedule(SimpleNamespace(is_deepcompile_active=lambda: False), None)  # not DeepCompile: nothing to do
+
+
+def test_the_lightning_strategy_aligns_the_schedule_after_loading_a_checkpoint(monkeypatch):
+    from pytorch_lightning.strategies import DeepSpeedStrategy
+
+    from lightning_app import strategy
+
+    aligned = []
+    monkeypatch.setattr(DeepSpeedStrategy, "load_checkpoint", lambda self, path, *a, **k: {"global_step": 20})
+    monkeypatch.setattr(strategy, "align_schedule", aligned.append)
+    zs = strategy.ZeroStrategy.__new__(strategy.ZeroStrategy)
+    monkeypatch.setattr(strategy.ZeroStrategy, "deepspeed_engine", "engine", raising=False)
+    assert zs.load_checkpoint("ck/step00000020") == {"global_step": 20} and aligned == ["engine"]
+
+
 def test_a_user_json_must_agree_with_the_compile_mode(pretend_cuda, tmp_path):
     base = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}
     plain, dc = tmp_path / "plain.json", tmp_path / "dc.json"

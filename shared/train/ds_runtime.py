@@ -120,9 +120,20 @@ def compile_engine(engine, mode: str, rank: int = 0, schedule: str = "deepspeed"
         # DeepSpeed falls back to plain torch.compile when its pass cannot run (e.g. ZeRO stage 0): never report a
         # run as DeepCompile that is not one.
         raise RuntimeError("DeepSpeed did not activate DeepCompile (engine.is_deepcompile_active() is False)")
-    from deepspeed.compile import backend
+    align_schedule(engine)
 
-    start_schedule_at(backend, engine.global_steps)
+
+def align_schedule(engine, backend=None) -> None:
+    """Start DeepCompile's remaining pass schedule at the engine's current step: at compile time (a resumed raw
+    loop has loaded its step before) and again after a checkpoint is loaded into a compiled engine (Lightning
+    loads it after the strategy set-up). Shifts by the steps since the last alignment; no-op without DeepCompile."""
+    if not engine.is_deepcompile_active():
+        return
+    if backend is None:
+        from deepspeed.compile import backend
+    anchor = getattr(engine, "_zero3bench_schedule_anchor", 0)
+    start_schedule_at(backend, engine.global_steps - anchor)
+    engine._zero3bench_schedule_anchor = engine.global_steps
 
 
 def start_schedule_at(backend, global_steps: int) -> None:
