@@ -46,8 +46,8 @@ from pathlib import Path
 import torch
 import triton
 
-from shared.model import layouts
 from shared.kernels import blocksparse_attention as bsa
+from shared.model import layouts
 from shared.model.attention import ReferenceAttention, build_attention
 from shared.model.config import GPTConfig
 from shared.train.results import device_info, versions
