@@ -91,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reference_rounds", "--reference-rounds", type=int, default=None,
                    help="run the reference rows in the first N rounds only (default: every round); the fractions of "
                         "the ceiling then divide by the median of those N ceiling runs")
+    p.add_argument("--keep_runs", "--keep-runs", action="store_true",
+                   help="continue a cut compare: keep the runs that an earlier invocation with the same flags left in "
+                        "--out (runs/<row>_<round>.json), run only the missing ones; a run made with other settings "
+                        "is refused by name")
     p.add_argument("--parallel", action="store_true",
                    help="run the two paths of each pair at the same time, each on its own GPU (and the reference "
                         "rows likewise): one-GPU runs on a machine with >= 2 GPUs, half the wall time; the runs "
@@ -146,6 +150,9 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
                              f"with {n_gpus} GPU(s)")
         if ns.explain and ns.autotune:
             raise ValueError("--explain and --autotune are separate modes; pick one")
+        if ns.keep_runs and (ns.explain or ns.autotune or ns.cross_check or not ns.out):
+            raise ValueError("--keep_runs continues a compare run in its --out folder; it needs --out and does not "
+                             "combine with --explain/--autotune/--cross_check")
         if ns.autotune:
             ns.mb_grid = ns.mb_grid or ("4,8,12,16,24,32" if n_gpus else "1,2,4")
             ns.budget_s = ns.budget_s or (1200.0 if n_gpus else 300.0)
@@ -162,6 +169,7 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
         ns.report_dir = Path(ns.out or "reports/latest")
         train = config_from_args(ns, out=str(ns.report_dir / "runs" / "run.json"))
         check_overheads(train)
+        ns.kept = kept_runs(ns, train) if ns.keep_runs else {}
         # precision on this device, token files, --ds_config, size: refused here, not by a run's log
         check_before_start(train, torch.device("cuda" if n_gpus else "cpu"), ns.world, ns.world)
         if ns.explain:  # every factor's config must be valid before the first run starts
@@ -171,6 +179,36 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
         parser.error(str(e))
     return train, ns
 
+
+
+def row_world(ns: argparse.Namespace, row: str) -> int:
+    """Processes of one run of `row`: the ceiling is one unsharded process; --parallel gives every run one GPU."""
+    return 1 if ns.parallel or row == "ceiling" else ns.world
+
+
+def kept_runs(ns: argparse.Namespace, train: TrainConfig) -> dict[tuple[str, int], RunResult]:
+    """--keep_runs: the runs this compare would make that its --out already holds, checked to be this command's.
+
+    A run's JSON is written whole or not at all (RunResult.to_json), so one that exists finished; it is kept only if
+    it trained with this command's settings (every TrainConfig field but its output path) and world size."""
+    want = {k: v for k, v in dataclasses.asdict(train).items() if k != "out"}
+    kept = {}
+    for i in range(ns.repeats):
+        refs = ns.references if ns.reference_rounds is None or i < ns.reference_rounds else []
+        for row in (*PATHS, *refs):
+            path = ns.report_dir / "runs" / f"{row}_{i}.json"
+            if not path.is_file():
+                continue
+            result = RunResult.from_json(path)
+            diff = [f"{k} {result.train.get(k)!r} there vs {v!r} now" for k, v in want.items()
+                    if result.train.get(k) != v]
+            if result.world_size != row_world(ns, row):
+                diff.append(f"{result.world_size} process(es) there vs {row_world(ns, row)} now")
+            if diff:
+                raise ValueError(f"--keep_runs: {path} was made with other settings ({'; '.join(diff[:4])}); rerun "
+                                 "with its flags, or without --keep_runs (its runs are then replaced)")
+            kept[(row, i)] = result
+    return kept
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -207,12 +245,19 @@ def main(argv: list[str] | None = None) -> dict:
         refs = ns.references if ns.reference_rounds is None or i < ns.reference_rounds else []
         groups = [order, refs] if ns.parallel else [[p] for p in [*order, *refs]]
         for group in filter(None, groups):
+            for path in [p for p in group if (p, i) in ns.kept]:
+                print(f"  {path} (round {i + 1}): kept from {out_dir / 'runs' / f'{path}_{i}.json'} (--keep_runs)",
+                      flush=True)
+                results[path].append(ns.kept[(path, i)])
+            group = [p for p in group if (p, i) not in ns.kept]
+            if not group:
+                continue
+
             def launch_one(slot: int, path: str, i: int = i) -> RunResult:
                 # The ceiling is one unsharded process on the first GPU whatever the run's world size; with
                 # --parallel every run of a group has a GPU of its own.
-                world, env = (1, {"CUDA_VISIBLE_DEVICES": visible_gpu(slot)}) \
-                    if ns.parallel or path == "ceiling" else (ns.world, None)
-                return launch(path, train, world, out_dir / "runs" / f"{path}_{i}.json",
+                env = {"CUDA_VISIBLE_DEVICES": visible_gpu(slot)} if ns.parallel or path == "ceiling" else None
+                return launch(path, train, row_world(ns, path), out_dir / "runs" / f"{path}_{i}.json",
                               out_dir / "logs" / f"{path}_{i}.log", ns.timeout, env=env)
 
             for path, result in run_group(group, launch_one).items():
@@ -224,6 +269,7 @@ def main(argv: list[str] | None = None) -> dict:
             out = out_dir / "runs" / f"{path}_breakdown.json"
             cross[path] = launch(path, diag, ns.world, out, out_dir / "logs" / f"{path}_breakdown.log", ns.timeout)
     report = build_report(train, ns, results, cross, argv)
+    report["kept_runs"] = sorted(f"{row}_{i}" for row, i in ns.kept)  # --keep_runs: made by an earlier invocation
     (out_dir / "report.json").write_text(json.dumps(report, indent=1))
     plot_phases(report, out_dir / "phases.png")
     write_markdown(report, out_dir / "report.md", "phases.png")

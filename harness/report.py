@@ -297,6 +297,9 @@ def format_table(report: dict) -> str:
                      "medians and the ratio are unreliable: rerun on an idle machine or with more --repeats")
     lines.append(format_parity(lp))
     lines.append(f"same DeepSpeed config in every run: {report['same_ds_config']}")
+    if report.get("kept_runs"):
+        lines.append("runs made by an earlier invocation of this command (--keep_runs): "
+                     + ", ".join(report["kept_runs"]))
     if "cross_check" in report:
         for path, c in report["cross_check"].items():
             b = c["ds_wall_clock_breakdown_ms"] or {}

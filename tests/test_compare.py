@@ -269,8 +269,9 @@ def test_reference_rows_train_the_same_model_on_the_same_batches(tmp_path):
     dropout stream of the DeepSpeed paths: in fp32 on a CPU their losses equal the raw loop's bit for bit.
     --parallel runs each group side by side; --reference_rounds 1 runs the rows in the first of the 2 rounds only."""
     out = tmp_path / "report"
-    run([sys.executable, COMPARE, "--repeats", "2", "--steps", "4", "--warmup_steps", "1", "--precision", "fp32",
-         "--reference", "--reference_rounds", "1", "--parallel", "--out", out], timeout=500)
+    args = ["--repeats", "2", "--steps", "4", "--warmup_steps", "1", "--precision", "fp32", "--reference",
+            "--reference_rounds", "1", "--parallel", "--out", out]
+    run([sys.executable, COMPARE, *args], timeout=320)
     report = json.loads((out / "report.json").read_text())
     assert report["parallel"] and set(report["reference"]) == {"ceiling", "fsdp2"}
     raw = report["paths"]["deepspeed"]["losses"]
@@ -284,11 +285,29 @@ def test_reference_rows_train_the_same_model_on_the_same_batches(tmp_path):
     assert (out / "runs" / "ceiling_0.json").is_file() and (out / "logs" / "fsdp2_0.log").is_file()
     assert (out / "runs" / "deepspeed_1.json").is_file() and not (out / "runs" / "ceiling_1.json").exists()
 
+    # --keep_runs: a cut compare (here: its last Lightning run lost) runs only what is missing and keeps the rest
+    before = {f.name: f.stat().st_mtime for f in (out / "runs").glob("*.json")}
+    (out / "runs" / "lightning_1.json").unlink()
+    proc = run([sys.executable, COMPARE, *args, "--keep_runs"], timeout=200)
+    assert "deepspeed (round 2): kept from" in proc.stdout and "lightning (round 2): kept" not in proc.stdout
+    after = {f.name: f.stat().st_mtime for f in (out / "runs").glob("*.json")}
+    assert {k for k in after if after[k] != before.get(k)} == {"lightning_1.json"}
+    resumed = json.loads((out / "report.json").read_text())
+    assert resumed["kept_runs"] == ["ceiling_0", "deepspeed_0", "deepspeed_1", "fsdp2_0", "lightning_0"]
+    assert resumed["paths"]["lightning"]["losses"] == report["paths"]["lightning"]["losses"]
+    assert "earlier invocation of this command (--keep_runs): ceiling_0" in proc.stdout
+    # runs made with other settings are refused by name before anything runs
+    other = [a if a != "4" else "5" for a in args]
+    proc = run([sys.executable, COMPARE, *other, "--keep_runs"], check=False, timeout=60)
+    assert proc.returncode == 2
+    assert "deepspeed_0.json was made with other settings (steps 4 there vs 5 now" in proc.stderr
+
 
 def test_reference_and_parallel_flags_are_checked_before_any_run(tmp_path):
     for args, match in [(["--reference", "ceiling,huge"], "unknown --reference row"),
                         (["--parallel", "--explain"], "--parallel runs compare pairs side by side"),
                         (["--reference_rounds", "1"], "--reference_rounds 1 needs --reference"),
+                        (["--keep_runs", "--explain"], "--keep_runs continues a compare run in its --out folder"),
                         (["--reference", "--repeats", "2", "--reference_rounds", "3"], "a value from 1 to --repeats")]:
         proc = run([sys.executable, COMPARE, *args, "--out", tmp_path], check=False, timeout=60)
         assert proc.returncode == 2 and match in proc.stderr, proc.stderr[-1000:]
