@@ -42,7 +42,7 @@ from lightning_app.overheads import check_overheads
 from shared.train.cli import add_config_args, config_from_args
 from shared.train.config import TrainConfig
 from shared.train.distributed import check_before_start
-from shared.train.results import RunResult, versions
+from shared.train.results import RunResult, device_info, versions
 
 # What compare.py runs on a machine with GPUs when these flags are not given (the study's model and a longer run)
 GPU_DEFAULTS = {"preset": "1.5b", "micro_batch": 8, "steps": 30, "warmup_steps": 10}
@@ -190,8 +190,11 @@ def kept_runs(ns: argparse.Namespace, train: TrainConfig) -> dict[tuple[str, int
     """--keep_runs: the runs this compare would make that its --out already holds, checked to be this command's.
 
     A run's JSON is written whole or not at all (RunResult.to_json), so one that exists finished; it is kept only if
-    it trained with this command's settings (every TrainConfig field but its output path) and world size."""
+    it trained with this command's settings (every TrainConfig field but its output path) and world size, on the
+    same kind of device with the same package versions."""
     want = {k: v for k, v in dataclasses.asdict(train).items() if k != "out"}
+    here_device = device_info(torch.device("cuda" if torch.cuda.is_available() else "cpu"))["name"]
+    here_versions = versions()
     kept = {}
     for i in range(ns.repeats):
         refs = ns.references if ns.reference_rounds is None or i < ns.reference_rounds else []
@@ -204,6 +207,10 @@ def kept_runs(ns: argparse.Namespace, train: TrainConfig) -> dict[tuple[str, int
                     if result.train.get(k) != v]
             if result.world_size != row_world(ns, row):
                 diff.append(f"{result.world_size} process(es) there vs {row_world(ns, row)} now")
+            if result.device.get("name") != here_device:
+                diff.append(f"device {result.device.get('name')!r} there vs {here_device!r} now")
+            diff += [f"{pkg} {v!r} there vs {here_versions.get(pkg)!r} now" for pkg, v in result.versions.items()
+                     if v != here_versions.get(pkg)]
             if diff:
                 raise ValueError(f"--keep_runs: {path} was made with other settings ({'; '.join(diff[:4])}); rerun "
                                  "with its flags, or without --keep_runs (its runs are then replaced)")

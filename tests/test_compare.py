@@ -271,7 +271,7 @@ def test_reference_rows_train_the_same_model_on_the_same_batches(tmp_path):
     out = tmp_path / "report"
     args = ["--repeats", "2", "--steps", "4", "--warmup_steps", "1", "--precision", "fp32", "--reference",
             "--reference_rounds", "1", "--parallel", "--out", out]
-    run([sys.executable, COMPARE, *args], timeout=320)
+    run([sys.executable, COMPARE, *args], timeout=280)
     report = json.loads((out / "report.json").read_text())
     assert report["parallel"] and set(report["reference"]) == {"ceiling", "fsdp2"}
     raw = report["paths"]["deepspeed"]["losses"]
@@ -288,7 +288,7 @@ def test_reference_rows_train_the_same_model_on_the_same_batches(tmp_path):
     # --keep_runs: a cut compare (here: its last Lightning run lost) runs only what is missing and keeps the rest
     before = {f.name: f.stat().st_mtime for f in (out / "runs").glob("*.json")}
     (out / "runs" / "lightning_1.json").unlink()
-    proc = run([sys.executable, COMPARE, *args, "--keep_runs"], timeout=200)
+    proc = run([sys.executable, COMPARE, *args, "--keep_runs"], timeout=160)
     assert "deepspeed (round 2): kept from" in proc.stdout and "lightning (round 2): kept" not in proc.stdout
     after = {f.name: f.stat().st_mtime for f in (out / "runs").glob("*.json")}
     assert {k for k in after if after[k] != before.get(k)} == {"lightning_1.json"}
@@ -301,6 +301,10 @@ def test_reference_rows_train_the_same_model_on_the_same_batches(tmp_path):
     proc = run([sys.executable, COMPARE, *other, "--keep_runs"], check=False, timeout=60)
     assert proc.returncode == 2
     assert "deepspeed_0.json was made with other settings (steps 4 there vs 5 now" in proc.stderr
+    kept = json.loads((out / "runs" / "ceiling_0.json").read_text())
+    (out / "runs" / "ceiling_0.json").write_text(json.dumps({**kept, "versions": {**kept["versions"], "torch": "1.0"}}))
+    proc = run([sys.executable, COMPARE, *args, "--keep_runs"], check=False, timeout=60)
+    assert proc.returncode == 2 and "ceiling_0.json was made with other settings (torch '1.0' there vs" in proc.stderr
 
 
 def test_reference_and_parallel_flags_are_checked_before_any_run(tmp_path):
