@@ -62,13 +62,13 @@ def _folds_scale(zero_opt) -> bool:
     return (isinstance(inner, (torch.optim.Adam, torch.optim.AdamW))
             and all(group.get("fused") for group in inner.param_groups)
             and getattr(inner, "grad_scale", None) is None and getattr(inner, "found_inf", None) is None
-            and not zero_opt.offload_optimizer and zero_opt.torch_autocast_gradscaler is None
+            and not zero_opt.offload_optimizer and getattr(zero_opt, "torch_autocast_gradscaler", None) is None
             and not getattr(zero_opt, "zenflow", False) and not getattr(zero_opt, "use_muon", False))
 
 
 def install(zero_opt) -> bool:
-    """Give a DeepSpeedZeroOptimizer_Stage3 the flat-buffer gradient norm and fp32 gradient copy; returns whether it
-    did (False for any other optimizer, e.g. ZeRO 1/2's, which is left as it is)."""
+    """Give a DeepSpeedZeroOptimizer_Stage3 the flat-buffer gradient norm and fp32 gradient copy and the unscale inside
+    a fused AdamW; returns whether it did (False for any other optimizer, e.g. ZeRO 1/2's, which is left as it is)."""
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
     if not isinstance(zero_opt, DeepSpeedZeroOptimizer_Stage3) or getattr(zero_opt, "_zero3bench_fast_step", False):
