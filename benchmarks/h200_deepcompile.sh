@@ -15,9 +15,9 @@
 #               kernel and blocksparse, the model's shape at micro-batch 16); GPU 1: the ceiling with the vocabulary
 #               unpadded and padded to 128, alternated VOCAB_ROUNDS times, then the ZeRO-3 optimizer step (fast vs
 #               DeepSpeed); on a one-GPU machine all of it on GPU 0, one after the other
-#   STAGE=split one-GPU compare on a one-GPU machine, two calls: KEEP unset runs round 1 (both paths, ceiling, FSDP2;
-#               --repeats 1); KEEP=<the first call's compare_1xh200 folder, in the repo> continues it with
-#               --repeats 2 --keep_runs (round 2's pair), then the Lightning DeepCompile resume GPU test
+#   STAGE=split a GPUS-GPU compare (default 1) over two calls: KEEP unset runs round 1 (both paths, ceiling, FSDP2;
+#               --repeats 1); KEEP=<the first call's compare_<GPUS>xh200 folder, in the repo> continues it with
+#               --repeats 2 --keep_runs (round 2's pair), then, on one GPU, the Lightning DeepCompile resume test
 #   STAGE=steps GPU 0: the ZeRO-3 optimizer step, --zero3_step fast and deepspeed alternated (STEP_ROUNDS rounds);
 #               GPU 1: the deepcompile GPU tests named in TESTS, one pytest each
 # SCHED picks --deepcompile_schedule (deepspeed | once); FACTORS the explain factors; REFROUNDS runs the reference
@@ -126,11 +126,13 @@ case "$STAGE" in
   explain) compare_one 0 & explain_one 1 & wait ;;
   tests) gpu_tests 0 -rA & explain_one 1 & wait ;;
   split)
-    if [ -n "${KEEP:-}" ]; then cp -r "$KEEP" "$W/compare_1xh200"; R=2; K=(--keep_runs); else R=1; K=(); fi
-    timeout -k 10 "$(left)" python3 compare.py --gpus 1 "${BASE[@]}" --repeats $R --reference --reference_rounds 1 \
-      "${K[@]}" --timeout 400 --out "$W/compare_1xh200" > "$W/compare_1xh200.log" 2>&1
-    [ -n "${KEEP:-}" ] && gpu_test_each 0 "test_deepcompile_validates_saves_exports_and_resumes_at_the_end[lightning]"
-    ;;
+    G=${GPUS:-1}; C="compare_${G}xh200"
+    if [ -n "${KEEP:-}" ]; then cp -r "$KEEP" "$W/$C"; R=2; K=(--keep_runs); else R=1; K=(); fi
+    timeout -k 10 "$(left)" python3 compare.py --gpus "$G" "${BASE[@]}" --repeats $R --reference --reference_rounds 1 \
+      "${K[@]}" --timeout 400 --out "$W/$C" > "$W/$C.log" 2>&1
+    if [ -n "${KEEP:-}" ] && [ "$G" = 1 ]; then
+      gpu_test_each 0 "test_deepcompile_validates_saves_exports_and_resumes_at_the_end[lightning]"
+    fi ;;
   pair)
     timeout -k 10 "$(left)" python3 compare.py --gpus 1 --parallel "${BASE[@]}" --repeats "${REPEATS:-1}" \
       "${REFS[@]}" --timeout 500 --out "$W/compare_1xh200" > "$W/compare_1xh200.log" 2>&1 ;;
