@@ -55,6 +55,23 @@ def test_model_with_fused_loss_matches_the_plain_model():
 
 
 @pytest.mark.slow
+def test_the_whole_model_with_the_fused_loss_compiles_into_one_graph():
+    """What DeepCompile and the ceiling compile is the GPT's forward and loss as one graph: the chunked loss (over a
+    padded vocabulary too) traces into it without a graph break and computes what the eager model does."""
+    torch.manual_seed(0)
+    model = GPT(preset("tiny", fused_loss=True, dropout=0.0, attn_dropout=0.0, vocab_size=200, vocab_multiple=128))
+    idx, targets = torch.randint(0, 200, (2, 128)), torch.randint(0, 200, (2, 128))
+    eager = model(idx, targets)
+    eager.backward()
+    eager_grad = model.wte.weight.grad.clone()
+    model.zero_grad()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)(idx, targets)  # fullgraph: no break allowed
+    compiled.backward()
+    torch.testing.assert_close(compiled, eager)
+    torch.testing.assert_close(model.wte.weight.grad, eager_grad)
+    assert not model.wte.weight.grad[200:].any()
+
+
 def test_both_paths_train_with_the_fused_loss_and_record_it(tmp_path):
     args = [*FAST, "--precision", "fp32", "--dropout", "0"]
     run([sys.executable, RAW, *args, "--out", tmp_path / "plain.json"])
