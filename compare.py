@@ -47,7 +47,7 @@ from shared.train.results import RunResult, device_info, versions
 # What compare.py runs on a machine with GPUs when these flags are not given (the study's model and a longer run)
 GPU_DEFAULTS = {"preset": "1.5b", "micro_batch": 8, "steps": 30, "warmup_steps": 10}
 # ... and, where it can run, the fastest mode measured that passed its GPU tests: DeepCompile with the one-compile
-# schedule at micro-batch 16 (docs/results.md; benchmarks/results/deepcompile_1xh200_pairs, deepcompile_2xh200).
+# schedule at micro-batch 16 (docs/results.md; benchmarks/results/deepcompile_1xh200_final, deepcompile_2xh200).
 GPU_DEEPCOMPILE_DEFAULTS = {"compile": "deepcompile", "deepcompile_schedule": "once", "micro_batch": 16}
 DEEPCOMPILE_DEFAULT_HELP = ("(default on GPUs: deepcompile, with --deepcompile_schedule once and --micro_batch 16, "
                             "where it can run: ZeRO stage 1-3, no --val_every/--save_every, --ds_config, "
@@ -181,6 +181,11 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
 
 
 
+def round_references(ns: argparse.Namespace, i: int) -> list[str]:
+    """The reference rows of round i (0-based): all of them, or none past --reference_rounds."""
+    return ns.references if ns.reference_rounds is None or i < ns.reference_rounds else []
+
+
 def row_world(ns: argparse.Namespace, row: str) -> int:
     """Processes of one run of `row`: the ceiling is one unsharded process; --parallel gives every run one GPU."""
     return 1 if ns.parallel or row == "ceiling" else ns.world
@@ -197,8 +202,7 @@ def kept_runs(ns: argparse.Namespace, train: TrainConfig) -> dict[tuple[str, int
     here_versions = versions()
     kept = {}
     for i in range(ns.repeats):
-        refs = ns.references if ns.reference_rounds is None or i < ns.reference_rounds else []
-        for row in (*PATHS, *refs):
+        for row in (*PATHS, *round_references(ns, i)):
             path = ns.report_dir / "runs" / f"{row}_{i}.json"
             if not path.is_file():
                 continue
@@ -249,7 +253,7 @@ def main(argv: list[str] | None = None) -> dict:
     results: dict[str, list[RunResult]] = {p: [] for p in (*PATHS, *ns.references)}
     for i in range(ns.repeats):
         order = round_order(PATHS, i)
-        refs = ns.references if ns.reference_rounds is None or i < ns.reference_rounds else []
+        refs = round_references(ns, i)
         groups = [order, refs] if ns.parallel else [[p] for p in [*order, *refs]]
         for group in filter(None, groups):
             for path in [p for p in group if (p, i) in ns.kept]:

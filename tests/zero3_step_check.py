@@ -26,17 +26,23 @@ from shared.train.ds_runtime import param_checksum
 from shared.train.optim import build_optimizer, build_scheduler, param_groups
 
 
-def train_fused(train: TrainConfig, mode: str, rank: int) -> dict:
-    """Three steps of the tiny GPT with torch's fused AdamW under ZeRO-3 and `mode`'s step; the trained weights'
-    checksum, the losses, the global norms and the fast step's counts."""
+def build_engine(train: TrainConfig, make_optimizer):
+    """The tiny GPT under ZeRO-3 (seeded, built inside zero.Init) with the optimizer make_optimizer(model) gives."""
     ds_config = build_ds_config(train)
     seed_all(train.seed)
     with deepspeed.zero.Init(config_dict_or_path=ds_config):
         model = GPT(train.model())
-    optimizer = torch.optim.AdamW(param_groups(model, train.weight_decay), lr=train.lr, betas=(0.9, 0.95),
-                                  eps=1e-8, fused=True)
+    optimizer = make_optimizer(model)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
                                            lr_scheduler=build_scheduler(optimizer, train), dist_init_required=False)
+    return engine
+
+
+def train_fused(train: TrainConfig, mode: str, rank: int) -> dict:
+    """Three steps of the tiny GPT with torch's fused AdamW under ZeRO-3 and `mode`'s step; the trained weights'
+    checksum, the losses, the global norms and the fast step's counts."""
+    engine = build_engine(train, lambda model: torch.optim.AdamW(
+        param_groups(model, train.weight_decay), lr=train.lr, betas=(0.9, 0.95), eps=1e-8, fused=True))
     zero3_step.apply(engine, mode)
     batches = iter(train_loader(train, rank, 0, pin_memory=False))
     losses, norms = [], []
@@ -56,13 +62,7 @@ def main(out: str) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
     train = TrainConfig(preset="tiny", steps=3, warmup_steps=1)
-    ds_config = build_ds_config(train)
-    seed_all(train.seed)
-    with deepspeed.zero.Init(config_dict_or_path=ds_config):
-        model = GPT(train.model())
-    optimizer = build_optimizer(model, train, torch.device("cpu"))
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
-                                           lr_scheduler=build_scheduler(optimizer, train), dist_init_required=False)
+    engine = build_engine(train, lambda model: build_optimizer(model, train, torch.device("cpu")))
     zero_opt = engine.optimizer
     batches = iter(train_loader(train, rank, 0, pin_memory=False))
     x, y = next(batches)

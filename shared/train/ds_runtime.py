@@ -136,16 +136,17 @@ def align_schedule(engine, backend=None) -> None:
     engine._zero3bench_schedule_anchor = engine.global_steps
 
 
-def start_schedule_at(backend, global_steps: int) -> None:
-    """Move DeepCompile's pass schedule so that it starts at `global_steps`, the step a resumed engine is at.
+def start_schedule_at(backend, steps: int) -> None:
+    """Move DeepCompile's remaining pass schedule `steps` later: a schedule counted from 0 then starts at `steps`,
+    the step a resumed engine is at (align_schedule passes the steps since its last alignment).
 
     DeepSpeed 0.19.8 launches a scheduled compile only when engine.global_steps equals the step of the next entry
     (deepspeed/compile/backend.launch_compile_passes), counting from 0; an engine resumed at step 20 never meets
     step 0, and its first forward fails in inductor ("'NoneType' object is not iterable", no passes; seen on the
     H200). The schedule's steps are relative to the first step this process trains, as in a fresh run."""
-    if global_steps:
+    if steps:
         backend.remaining_schedule = type(backend.remaining_schedule)(
-            (step + global_steps, passes) for step, passes in backend.remaining_schedule)
+            (step + steps, passes) for step, passes in backend.remaining_schedule)
 
 
 class GradNormRecorder:
