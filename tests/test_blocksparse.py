@@ -204,6 +204,10 @@ def test_dropout_keep_rate_and_streams():
     assert (a != bsa.dropout_keep_mask(B, H, T, 0.5, seed=12, device=DEVICE)).float().mean() > 0.4
     assert (a[0, 0] != a[0, 1]).float().mean() > 0.4  # heads draw independent streams
     assert (a[0, 0] != a[1, 0]).float().mean() > 0.4  # so do batch elements
+    # One Philox call feeds four neighbouring columns: each of them, and the next group, draws its own bits.
+    for shift in (1, 2, 3, 4):
+        assert (a[..., :-shift] != a[..., shift:]).float().mean() > 0.4, f"columns {shift} apart agree"
+    assert (a[..., :-1, :] != a[..., 1:, :]).float().mean() > 0.4  # and rows
 
 
 @pytest.mark.parametrize("kind,head_dim", [("strided", 96), ("random", 64)])
@@ -346,17 +350,20 @@ def test_gpu_fp16_and_block_64(block, kind):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1], ids=["no_dropout", "dropout"])
 @pytest.mark.parametrize("kernel", ["fwd", "dq", "dkdv"])
-def test_gpu_every_candidate_tile_is_correct(kernel):
+def test_gpu_every_candidate_tile_is_correct(kernel, dropout_p):
     """The autotuner may pick any candidate: each must compile and agree (D = 96, the benchmark's head dim; its
-    padded variants run the D = 128 code path). With dropout only the defaults run on the GPU (test below), to
-    keep compiles, and so this file, near a minute; the CPU tests cover dropout with several tile shapes."""
+    padded variants run the D = 128 code path), with dropout too (each tile shape draws the mask's four-column
+    Philox groups from its own offsets, the dk/dv kernel transposed)."""
     layout = random_layout(4, 4, seed=21)
     q, k, v, do = inputs(1, 4, 512, 96, torch.bfloat16, seed=22)
-    for tile in bsa.candidate_tiles(kernel, 128, 96, torch.bfloat16):
+    tiles = {name: bsa.candidate_tiles(name, 128, 96, torch.bfloat16, dropout_p > 0)[0] for name in GPU_TILES[96]}
+    for tile in bsa.candidate_tiles(kernel, 128, 96, torch.bfloat16, dropout_p > 0):
         for x in (q, k, v):
             x.grad = None
-        check_against_reference(layout, 128, q, k, v, do, tiles={**GPU_TILES[96], kernel: tile})
+        check_against_reference(layout, 128, q, k, v, do, tiles={**tiles, kernel: tile}, dropout_p=dropout_p,
+                                seed=5)
 
 
 @pytest.mark.gpu

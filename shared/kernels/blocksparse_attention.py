@@ -26,15 +26,16 @@ Design (Triton's fused-attention tutorial, tutorials/06-fused-attention.py, FA2 
     variant are chosen per (kernel, sparse block, head dim, dtype, dropout) among a few candidates by Triton's
     autotuner on the first call on a GPU (`candidate_tiles`; pruned offline by compiling for sm_90a and rejecting
     shapes that spill registers or exceed shared memory); `chosen_configs()` records the choices.
-  - Dropout: Philox counter-based random numbers (tl.rand). The key is (per-call seed, batch*head index); the
-    counter is the element's position q_idx * T + k_idx. Forward, dq and dk/dv therefore regenerate the same keep
-    mask element by element whatever their tile shapes. The per-call seed is drawn from torch's CPU generator
-    (reproducible under torch.manual_seed, restored by torch.utils.checkpoint on recompute, and no GPU sync).
+  - Dropout: Philox counter-based random numbers (tl.rand4x: four per call). The key is (per-call seed,
+    batch*head index); score (q, k) takes number k % 4 of counter q * T / 4 + k // 4. Forward, dq and dk/dv
+    therefore regenerate the same keep mask element by element whatever their tile shapes. The per-call seed is
+    drawn from torch's CPU generator (reproducible under torch.manual_seed, restored by torch.utils.checkpoint on
+    recompute, and no GPU sync).
     `dropout_keep_mask` returns the mask of a seed, for tests.
 
 Limits (each raises ValueError naming the value): head dims SUPPORTED_HEAD_DIMS, sparse blocks SUPPORTED_BLOCKS,
 dtypes fp16/bf16/fp32 (fp32 uses exact fp32 dots: correct but slow), T a multiple of the sparse block and at most
-the layout's size; with dropout T <= 32768 (the Philox counter q_idx * T + k_idx must fit 31 bits). On a CPU the
+the layout's size; with dropout T <= 32768 (the Philox counter q * T / 4 + k / 4 must fit 31 bits). On a CPU the
 kernels run only under the Triton interpreter (TRITON_INTERPRET=1 set before triton is imported).
 """
 
@@ -154,9 +155,14 @@ def _philox_key(seed, off_hz):
 
 
 @triton.jit
-def _keep(key, q_idx, k_idx, T, dropout_p):
-    """Dropout keep mask of the scores (q_idx, k_idx) (broadcast shapes): identical in every kernel."""
-    return tl.rand(key, q_idx * T + k_idx) >= dropout_p
+def _keep(key, rows, col0, N: tl.constexpr, T, dropout_p):
+    """Dropout keep mask (len(rows), N) of the scores (rows, col0 .. col0 + N - 1), col0 a multiple of 4: the same
+    bits in every kernel whatever its tile shape. One Philox call gives four numbers: score (q, k) takes number
+    k % 4 of counter q * T / 4 + k // 4, so a tile costs a quarter of the Philox rounds of one call per score."""
+    counters = rows[:, None] * (T // 4) + (col0 // 4 + tl.arange(0, N // 4))[None, :]
+    r0, r1, r2, r3 = tl.rand4x(key, counters)
+    # interleave(interleave(r0, r2), interleave(r1, r3)) puts r_i[j] in column 4 j + i
+    return tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3)) >= dropout_p
 
 
 @triton.jit
@@ -200,7 +206,7 @@ def _fwd_tile(acc_a, acc_b, l_i, m_i, q_a, q_b, K_a, K_b, V_a, V_b, start_n, off
     alpha = tl.math.exp2(m_i - m_ij)
     l_i = l_i * alpha + tl.sum(p, 1)  # the normalizer counts dropped probabilities too
     if DROPOUT:
-        p = tl.where(_keep(key, offs_m[:, None], (start_n + offs_n)[None, :], T, dropout_p), p, 0.0)
+        p = tl.where(_keep(key, offs_m, start_n, offs_n.shape[0], T, dropout_p), p, 0.0)
     p = p.to(q_a.dtype)
     v_a = _load_a(V_a + start_n * stride_vt, dm_row, PADDED)  # (BLOCK_N, DA)
     acc_a = tl.dot(p, v_a, acc_a * alpha[:, None], input_precision=PREC)
@@ -300,7 +306,7 @@ def _dq_tile(dq_a, dq_b, q_a, q_b, do_a, do_b, lse, delta, K_a, K_b, V_a, V_b, s
     if MASK:
         p = tl.where(offs_m[:, None] >= (start_n + offs_n)[None, :], p, 0.0)
     if DROPOUT:
-        keep = _keep(key, offs_m[:, None], (start_n + offs_n)[None, :], T, dropout_p)
+        keep = _keep(key, offs_m, start_n, offs_n.shape[0], T, dropout_p)
         dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
     ds = (p * (dp - delta[:, None])).to(q_a.dtype)
     dq_a = tl.dot(ds, k_a, dq_a, input_precision=PREC)
@@ -383,8 +389,8 @@ def _attn_bwd_dq(Q, K, V, Out, DO, DQ, LSE, DELTA, ROW_IDX, ROW_OFF, DIAG,
 
 
 @triton.jit
-def _dkdv_tile(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, Q_a, Q_b, DO_a, DO_b, LSE, DELTA, start_m, offs_m,
-               offs_n, qk_scale, stride_qt, stride_dot, key, dropout_p, T, dm_row,
+def _dkdv_tile(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, Q_a, Q_b, DO_a, DO_b, LSE, DELTA, start_m, start_n,
+               offs_m, offs_n, qk_scale, stride_qt, stride_dot, key, dropout_p, T, dm_row,
                DB: tl.constexpr, MASK: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
                PADDED: tl.constexpr):
     """dv += P^T dO and dk += dS^T Q for one (BLOCK_N keys x BLOCK_M queries) tile, computed transposed."""
@@ -404,7 +410,7 @@ def _dkdv_tile(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, Q_a, Q_b, DO_a, DO_b,
     if MASK:
         pT = tl.where(q_idx[None, :] >= offs_n[:, None], pT, 0.0)
     if DROPOUT:
-        keep = _keep(key, q_idx[None, :], offs_n[:, None], T, dropout_p)
+        keep = tl.trans(_keep(key, q_idx, start_n, offs_n.shape[0], T, dropout_p))  # (BLOCK_N, BLOCK_M)
         ppT = tl.where(keep, pT, 0.0)  # dv is scaled by 1/(1-p) once, at the end
         dpT = tl.where(keep, dpT * (1.0 / (1.0 - dropout_p)), 0.0)
     else:
@@ -472,8 +478,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, COL_IDX, COL_CUM, DIAG,
     for it in range(0, n_diag):
         start_m = tl.multiple_of(diag_lo + it * BLOCK_M, BLOCK_M)
         dk_a, dk_b, dv_a, dv_b = _dkdv_tile(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, Q_a, Q_b, DO_a, DO_b, LSE,
-                                            DELTA, start_m, offs_m, offs_n, qk_scale, stride_qt, stride_dot, key,
-                                            dropout_p, T, dm_row, DB, True, DROPOUT, PREC, PADDED)
+                                            DELTA, start_m, start_n, offs_m, offs_n, qk_scale, stride_qt, stride_dot,
+                                            key, dropout_p, T, dm_row, DB, True, DROPOUT, PREC, PADDED)
     # Query blocks strictly below the diagonal, only those inside the runtime T.
     n_off = tl.load(COL_CUM + col * NB + T // SPARSE_BLOCK - 1)
     SUB: tl.constexpr = SPARSE_BLOCK // BLOCK_M
@@ -481,8 +487,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, COL_IDX, COL_CUM, DIAG,
         qb = tl.load(COL_IDX + col * COL_WIDTH + it // SUB)
         start_m = tl.multiple_of(qb * SPARSE_BLOCK + (it % SUB) * BLOCK_M, BLOCK_M)
         dk_a, dk_b, dv_a, dv_b = _dkdv_tile(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, Q_a, Q_b, DO_a, DO_b, LSE,
-                                            DELTA, start_m, offs_m, offs_n, qk_scale, stride_qt, stride_dot, key,
-                                            dropout_p, T, dm_row, DB, False, DROPOUT, PREC, PADDED)
+                                            DELTA, start_m, start_n, offs_m, offs_n, qk_scale, stride_qt, stride_dot,
+                                            key, dropout_p, T, dm_row, DB, False, DROPOUT, PREC, PADDED)
 
     dv_scale = 1.0
     if DROPOUT:
@@ -502,7 +508,7 @@ def _dropout_mask_kernel(MASK, dropout_p, seed, T, BLOCK: tl.constexpr):
     off_hz = tl.program_id(2)
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    keep = _keep(_philox_key(seed, off_hz), rows[:, None], cols[None, :], T, dropout_p)
+    keep = _keep(_philox_key(seed, off_hz), rows, tl.program_id(1) * BLOCK, BLOCK, T, dropout_p)
     MASK += off_hz.to(tl.int64) * T * T
     tl.store(MASK + rows[:, None] * T + cols[None, :], keep.to(tl.int8))
 
