@@ -10,6 +10,19 @@ the two paths of a configuration run at the same time on GPU 0 and GPU 1 (one GP
 found for the naive and the `all` configuration (raw path; increasing, stops at the first out-of-memory).
 Writes ablation.json (every run's TFLOPs/GPU, step-time spread, phases, peak memory, fused paths and dynamo
 counters) and ablation.md (the table). A configuration that fails is recorded with its reason; the rest go on.
+
+    python benchmarks/ablation.py --set last_mile --out benchmarks/results/last_mile_ablation_1xh200   # CUDA only
+
+`--set last_mile` starts from compare.py's GPU default instead (DeepCompile, --deepcompile_schedule once, micro-batch
+16, the tuned ZeRO-3 buckets; 20 steps of which 10 warm-up) and changes one lever per configuration: the chunked
+linear + cross-entropy (`+fused_loss`), that with the micro-batch it frees (`+fused_loss_mb24`), a padded
+vocabulary (`+vocab128`), the block-sparse kernel on the causal layout (`+blocksparse`), DeepSpeed's own optimizer
+step instead of the fast one (`-fast_zero3_step`). `baseline` runs first and again last (`baseline_again`): each
+configuration's ratio is against the mean of the baseline runs, whose two values give the noise. Raw path only by
+default (`--paths`): a lever changes the shared model or step, which both paths run alike (compare.py measures
+their ratio). Each DeepCompile run warms up for ~2 min, so on one GPU a call of 10 minutes holds three; `--keep`
+continues an ablation in the same --out, keeping the configurations already measured with the same base
+settings, device and package versions.
 """
 
 from __future__ import annotations
@@ -24,10 +37,11 @@ from pathlib import Path
 
 import torch
 
+from compare import GPU_DEEPCOMPILE_DEFAULTS
 from harness.launch import CompareError, launch
 from harness.report import measured
 from shared.train.config import TrainConfig
-from shared.train.results import versions
+from shared.train.results import device_info, versions
 
 SWITCHES = {
     "native_linear": {"memory_efficient_linear": False},
@@ -42,6 +56,19 @@ PATHS = ("deepspeed", "lightning")
 # Every switch off, spelled out: the bias fusions default to on where CUDA is (shared/model/config.py), the fast
 # ZeRO-3 step everywhere (shared/train/zero3_step.py).
 NAIVE = {"fused_bias_dropout_add": False, "fused_bias_gelu": False, "zero3_step": "deepspeed"}
+
+
+# On top of compare.py's GPU default: one lever per configuration (see the module docstring).
+LAST_MILE = {
+    "baseline": {},
+    "+fused_loss": {"fused_loss": True},
+    "+fused_loss_mb24": {"fused_loss": True, "micro_batch": 24},
+    "+vocab128": {"vocab_multiple": 128},
+    "+blocksparse": {"attention": "blocksparse", "layout": "causal"},
+    "-fast_zero3_step": {"zero3_step": "deepspeed"},
+    "baseline_again": {},
+}
+REFERENCE = {"fusions": "naive", "last_mile": "baseline"}  # each set's ratios are against these runs
 
 
 def configurations(cuda: bool) -> dict[str, dict]:
@@ -72,32 +99,58 @@ def run_one(base: TrainConfig, name: str, flags: dict, path: str, out: Path, gpu
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cuda = torch.cuda.is_available()
+    p.add_argument("--set", dest="lever_set", choices=tuple(REFERENCE), default="fusions",
+                   help="fusions: the fused kernels and compiled blocks on the naive model (default); last_mile: "
+                   "levers on top of the DeepCompile GPU default (CUDA only)")
     p.add_argument("--preset", default="1.5b" if cuda else "tiny")
-    p.add_argument("--micro_batch", type=int, default=8 if cuda else 2)
-    p.add_argument("--steps", type=int, default=14 if cuda else 6)
-    p.add_argument("--warmup_steps", type=int, default=5 if cuda else 2)
-    p.add_argument("--zero_profile", default="original", help="DeepSpeed config profile (default: the naive one)")
+    p.add_argument("--micro_batch", type=int, default=None,
+                   help="default 8 on GPUs (16 with --set last_mile), 2 without")
+    p.add_argument("--steps", type=int, default=None, help="default 14 on GPUs (20 with --set last_mile), 6 without")
+    p.add_argument("--warmup_steps", type=int, default=None,
+                   help="default 5 on GPUs (10 with --set last_mile), 2 without")
+    p.add_argument("--zero_profile", default=None,
+                   help="DeepSpeed config profile (default: original, the naive one; tuned with --set last_mile)")
     p.add_argument("--configs", default=None, help="comma-separated subset of the configurations")
-    p.add_argument("--mb_sweep", default="12,16,24" if cuda else "", help="micro-batches above --micro_batch to "
-                   "try without activation checkpointing, for naive and all ('' to skip)")
+    p.add_argument("--paths", default=None, help="comma-separated paths (default: deepspeed,lightning; deepspeed "
+                   "with --set last_mile)")
+    p.add_argument("--mb_sweep", default=None, help="micro-batches above --micro_batch to try without activation "
+                   "checkpointing, for naive and all ('' to skip; default 12,16,24 on GPUs with --set fusions)")
+    p.add_argument("--keep", action="store_true", help="keep the configurations --out/ablation.json already "
+                   "measured with the same base settings, device and versions; run the others")
     p.add_argument("--timeout", type=int, default=600)
     p.add_argument("--out", default="reports/ablation")
     ns = p.parse_args(argv)
-    all_configs = configurations(cuda)
+    last_mile = ns.lever_set == "last_mile"
+    all_configs = LAST_MILE if last_mile else configurations(cuda)
     names = list(all_configs) if ns.configs is None else [c.strip() for c in ns.configs.split(",") if c.strip()]
     unknown = [n for n in names if n not in all_configs]
     if unknown:
         p.error(f"unknown configuration(s) {unknown}; choose from {list(all_configs)}")
+    paths = [x.strip() for x in (ns.paths or ("deepspeed" if last_mile else ",".join(PATHS))).split(",") if x.strip()]
+    if not paths or set(paths) - set(PATHS):
+        p.error(f"--paths takes a comma-separated subset of {PATHS}, got {ns.paths!r}")
+    if last_mile:  # compare.py's GPU default: DeepCompile (one compile), micro-batch 16, tuned buckets
+        defaults = {**GPU_DEEPCOMPILE_DEFAULTS, "steps": 20, "warmup_steps": 10, "zero_profile": "tuned"}
+    else:
+        defaults = {"micro_batch": 8 if cuda else 2, "steps": 14 if cuda else 6, "warmup_steps": 5 if cuda else 2,
+                    "zero_profile": "original"}
+    for key in ("micro_batch", "steps", "warmup_steps", "zero_profile"):
+        if getattr(ns, key) is not None:
+            defaults[key] = getattr(ns, key)
+    mb_sweep = ns.mb_sweep if ns.mb_sweep is not None else "12,16,24" if cuda and not last_mile else ""
     try:
-        sweep = [int(x) for x in ns.mb_sweep.split(",") if x.strip()]
+        sweep = [int(x) for x in mb_sweep.split(",") if x.strip()]
         base = TrainConfig(preset=ns.preset, stage=3, precision="bf16" if cuda else "fp32",
-                           micro_batch=ns.micro_batch, steps=ns.steps, warmup_steps=ns.warmup_steps,
-                           zero_profile=ns.zero_profile, log_every=max(ns.steps // 2, 1))
+                           log_every=max(defaults["steps"] // 2, 1), **defaults)
     except ValueError as e:
         p.error(str(e))
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
-    parallel = cuda and torch.cuda.device_count() >= 2
+    try:
+        kept = kept_rows(out / "ablation.json", base, names) if ns.keep else []
+    except ValueError as e:
+        p.error(str(e))
+    parallel = cuda and torch.cuda.device_count() >= 2 and len(paths) == 2
     gpus = {"deepspeed": 0, "lightning": 1} if parallel else dict.fromkeys(PATHS, 0 if cuda else None)
     t0 = time.perf_counter()
     rows, sweeps = [], {}
@@ -107,12 +160,15 @@ def main(argv: list[str] | None = None) -> dict:
             "command": " ".join(["python", "benchmarks/ablation.py", *(argv if argv is not None else sys.argv[1:])]),
             "versions": versions(),
             "device": rows[0].get("device") if rows else None,
+            "set": ns.lever_set,
+            "reference": REFERENCE[ns.lever_set],
             "parallel_paths": parallel,
             "base": dataclasses.asdict(base),
+            "kept": sorted({r["config"] for r in rows if r.get("kept")}),
             "rows": rows,
             "mb_sweep": sweeps,
             "largest_micro_batch_without_checkpointing": {
-                n: max([ns.micro_batch] + [r["micro_batch"] for r in rs if r["ok"]]) for n, rs in sweeps.items()},
+                n: max([base.micro_batch] + [r["micro_batch"] for r in rs if r["ok"]]) for n, rs in sweeps.items()},
             "wall_s": time.perf_counter() - t0,
         }
         (out / "ablation.json").write_text(json.dumps(report, indent=2))
@@ -121,9 +177,14 @@ def main(argv: list[str] | None = None) -> dict:
 
     with ThreadPoolExecutor(max_workers=2 if parallel else 1) as pool:
         for name in names:
+            done = [r for r in kept if r["config"] == name and r["path"] in paths]
+            if {r["path"] for r in done} == set(paths):
+                print(f"== {name}: kept from {out / 'ablation.json'}", flush=True)
+                rows += done
+                continue
             print(f"== {name} {all_configs[name]}", flush=True)
             jobs = [pool.submit(run_one, base, name, all_configs[name], path, out, gpus[path], ns.timeout)
-                    for path in PATHS]
+                    for path in paths]
             rows += [j.result() for j in jobs]
             write()
         # the largest micro-batch without activation checkpointing: raw path, naive on GPU 0 and all on GPU 1
@@ -146,25 +207,64 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
+def kept_rows(path: Path, base: TrainConfig, names: list[str]) -> list[dict]:
+    """The measured rows of an earlier ablation in the same --out that may stand beside new runs: same base
+    settings, package versions and device (else a ValueError names what differs), configurations in `names`."""
+    if not path.exists():
+        return []
+    old = json.loads(path.read_text())
+    here = {"base settings": dataclasses.asdict(base), "versions": versions()}
+    for what, value in here.items():
+        theirs = old.get("base" if what == "base settings" else what)
+        if theirs != value:
+            diff = sorted(k for k in set(value) | set(theirs or {}) if (theirs or {}).get(k) != value.get(k))
+            raise ValueError(f"--keep: {path} was measured with other {what} ({', '.join(diff)}); use another --out")
+    device = device_info(torch.device("cuda" if torch.cuda.is_available() else "cpu"))["name"]
+    if old.get("device") not in (None, device):
+        raise ValueError(f"--keep: {path} was measured on {old['device']}, this machine has {device}")
+    return [dict(r, kept=True) for r in old["rows"] if r.get("ok") and r["config"] in names]
+
+
+def baseline_values(report: dict, path: str) -> list[float]:
+    """TFLOPs/GPU of the set's reference runs on `path` (naive; baseline and baseline_again)."""
+    ref = report.get("reference", "naive")
+    return [r["tflops_per_gpu"] for r in report["rows"]
+            if r["path"] == path and r.get("ok") and (r["config"] == ref or r["config"].startswith(ref + "_"))]
+
+
 def table(report: dict) -> str:
     by = {(r["config"], r["path"]): r for r in report["rows"]}
-    naive = {p: by.get(("naive", p), {}).get("tflops_per_gpu") for p in PATHS}
-    lines = ["| configuration | raw TFLOPs/GPU | vs naive | raw peak GiB | Lightning TFLOPs/GPU | vs naive | "
-             "Lightning peak GiB | Lightning/raw |", "|---|---|---|---|---|---|---|---|"]
+    ref = report.get("reference", "naive")
+    paths = [p for p in PATHS if any(r["path"] == p for r in report["rows"])]
+    base = {p: baseline_values(report, p) for p in paths}
+    mean = {p: sum(v) / len(v) if v else None for p, v in base.items()}
+    label = {"deepspeed": "raw", "lightning": "Lightning"}
+    head = "| configuration | " + " | ".join(f"{label[p]} TFLOPs/GPU [step min-max] | vs {ref} | {label[p]} peak GiB"
+                                             for p in paths)
+    lines = [head + (" | Lightning/raw |" if len(paths) == 2 else " |"),
+             "|---|" + "---|---|---|" * len(paths) + ("---|" if len(paths) == 2 else "")]
     for name in dict.fromkeys(r["config"] for r in report["rows"]):
         cells = []
-        for p in PATHS:
+        for p in paths:
             r = by.get((name, p), {})
+            mb = f", mb {r['micro_batch']}" if r and r["micro_batch"] != report["base"]["micro_batch"] else ""
             if not r.get("ok"):
-                cells += ["failed: " + ("out of memory" if r.get("oom") else r.get("error", "?")[:60]), "", ""]
+                cells += [f"failed{mb}: " + ("out of memory" if r.get("oom") else r.get("error", "?")[:60]), "", ""]
                 continue
-            rel = f"{r['tflops_per_gpu'] / naive[p]:.3f}" if naive[p] else ""
+            rel = f"{r['tflops_per_gpu'] / mean[p]:.3f}" if mean[p] else ""
             spread = f" [{r['step_time_s']['min'] * 1e3:.0f}-{r['step_time_s']['max'] * 1e3:.0f} ms]"
             mem = f"{r['peak_mem_gib']:.1f}" if r.get("peak_mem_gib") is not None else "n/a"
-            cells += [f"{_fmt(r['tflops_per_gpu'])}{spread}", rel, mem]
-        ds, pl = by.get((name, "deepspeed"), {}), by.get((name, "lightning"), {})
-        ratio = f"{pl['tflops_per_gpu'] / ds['tflops_per_gpu']:.3f}" if ds.get("ok") and pl.get("ok") else ""
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {ratio} |")
+            cells += [f"{_fmt(r['tflops_per_gpu'])}{spread}{mb}", rel, mem]
+        ratio = ""
+        if len(paths) == 2:
+            ds, pl = by.get((name, "deepspeed"), {}), by.get((name, "lightning"), {})
+            ratio = f" {pl['tflops_per_gpu'] / ds['tflops_per_gpu']:.3f} |" if ds.get("ok") and pl.get("ok") else " |"
+        lines.append(f"| {name} | " + " | ".join(cells) + f" |{ratio}")
+    for p in paths:
+        if len(base[p]) > 1:
+            lines.append(f"\n{label[p]} {ref} runs: " + ", ".join(_fmt(v) for v in base[p]) +
+                         f" TFLOPs/GPU (ratios above are against their mean {_fmt(mean[p])}; they differ by "
+                         f"{(max(base[p]) - min(base[p])) / mean[p]:.2%})")
     for name, mb in report["largest_micro_batch_without_checkpointing"].items():
         tried = ", ".join(f"{r['micro_batch']}: " + (_fmt(r["tflops_per_gpu"]) if r["ok"] else
                                                       "OOM" if r.get("oom") else "failed")

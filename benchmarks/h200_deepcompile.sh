@@ -20,6 +20,10 @@
 #               --repeats 2 --keep_runs (round 2's pair), then, on one GPU, the Lightning DeepCompile resume test
 #   STAGE=steps GPU 0: the ZeRO-3 optimizer step, --zero3_step fast and deepspeed alternated (STEP_ROUNDS rounds);
 #               GPU 1: the deepcompile GPU tests named in TESTS, one pytest each
+#   STAGE=lastmile  the block-sparse kernel's GPU tests (TEST_K selects, default those with dropout), attention
+#               with and without dropout as in `probe` (plus flex), then benchmarks/ablation.py --set last_mile over
+#               CONFIGS (comma-separated) with --keep; ABL=<an earlier call's ablation folder, in the repo> continues it;
+#               PARTS picks and orders the parts (default "kernel attention ablation")
 # SCHED picks --deepcompile_schedule (deepspeed | once); FACTORS the explain factors; REFROUNDS runs the reference
 # rows of `pair`/`two` in the first N rounds only (compare.py --reference_rounds).
 # Usage on the device machine, from the repo root: STAGE=one bash benchmarks/h200_deepcompile.sh OUTDIR
@@ -91,8 +95,17 @@ vocab_probe() {  # GPU $1: the ceiling row, --vocab_multiple 1 and 128 alternate
 }
 attention_dropout() {  # GPU $1: attention forward + backward at the 1.5b model's shape, dropout 0 and 0.1
   CUDA_VISIBLE_DEVICES=$1 timeout -k 10 "$(left)" python3 benchmarks/attention.py --quick --layouts causal \
-    --batch "$MB" --backends blocksparse sdpa sdpa:flash sdpa:efficient sdpa:cudnn --dropouts 0 0.1 \
+    --batch "$MB" --backends blocksparse flex sdpa sdpa:flash sdpa:efficient sdpa:cudnn --dropouts 0 0.1 \
     --out "$W/attention_dropout.json" > "$W/attention_dropout.log" 2>&1
+}
+kernel_tests() {  # GPU $1: the block-sparse kernel's GPU tests
+  CUDA_VISIBLE_DEVICES=$1 timeout -k 10 "$(left)" python3 -m pytest -m gpu tests/test_blocksparse.py -q -rA \
+    -k "${TEST_K:-dropout and not no_dropout}" -p no:cacheprovider > "$W/gpu_tests_blocksparse.log" 2>&1
+}
+last_mile() {  # GPU $1: the lever table on top of the DeepCompile default (benchmarks/ablation.py --set last_mile)
+  if [ -n "${ABL:-}" ]; then cp -r "$ABL" "$W/ablation"; fi
+  CUDA_VISIBLE_DEVICES=$1 timeout -k 10 "$(left)" python3 benchmarks/ablation.py --set last_mile \
+    --configs "${CONFIGS:-baseline,+fused_loss}" --keep --timeout 400 --out "$W/ablation" > "$W/ablation.log" 2>&1
 }
 REFS=(--reference ${REFROUNDS:+--reference_rounds "$REFROUNDS"})
 gpu_test_each() {  # GPU $1: each named deepcompile GPU test in its own pytest, so every one reports even if cut
@@ -112,6 +125,11 @@ case "$STAGE" in
       gpu_test_each 0 "test_deepcompile_validates_saves_exports_and_resumes_at_the_end[lightning]"
       vocab_probe 0; attention_dropout 0; STEP_ROUNDS=${STEP_ROUNDS:-1} zero3_steps 0
     fi ;;
+  lastmile)
+    for part in ${PARTS:-kernel attention ablation}; do
+      case $part in kernel) kernel_tests 0 ;; attention) attention_dropout 0 ;; ablation) last_mile 0 ;;
+        *) echo "unknown part $part (kernel, attention, ablation)"; exit 2 ;; esac
+    done ;;
   resume)
     gpu_test_each 0 "test_deepcompile_validates_saves_exports_and_resumes_at_the_end[raw]" &
     gpu_test_each 1 "test_deepcompile_validates_saves_exports_and_resumes_at_the_end[lightning]" & wait ;;

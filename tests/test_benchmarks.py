@@ -1,11 +1,13 @@
 """benchmarks/ablation.py, ds_autotuner.py and plot_training.py as a user runs them (CPU, tiny preset)."""
 
+import dataclasses
 import importlib.util
 import json
 import sys
 
 import pytest
 
+from shared.train.config import TrainConfig
 from tests.helpers import ROOT, load, run
 
 ABLATION = ROOT / "benchmarks" / "ablation.py"
@@ -16,12 +18,18 @@ DS_AUTOTUNER = ROOT / "benchmarks" / "ds_autotuner.py"
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # above the sum of its subprocess timeouts (tests/test_timeouts.py)
 def test_ablation_runs_both_paths_per_configuration_and_sweeps_the_micro_batch(tmp_path):
+    # a first call measures naive; the second keeps it (--keep) and runs the rest
+    run([sys.executable, ABLATION, "--configs", "naive", "--mb_sweep", "", "--out", tmp_path], timeout=300)
+    first = {r["path"]: r["tflops_per_gpu"] for r in load(tmp_path / "ablation.json")["rows"]}
     proc = run([sys.executable, ABLATION, "--configs", "naive,+bias_dropout_add,all", "--mb_sweep", "4",
-                "--out", tmp_path], timeout=900)
+                "--keep", "--out", tmp_path], timeout=600)
     report = load(tmp_path / "ablation.json")
     rows = {(r["config"], r["path"]): r for r in report["rows"]}
     assert set(rows) == {(c, p) for c in ("naive", "+bias_dropout_add", "all") for p in ("deepspeed", "lightning")}
     assert all(r["ok"] for r in rows.values()), [r.get("error") for r in rows.values()]
+    assert report["kept"] == ["naive"] and "naive: kept from" in proc.stdout
+    assert {p: rows[("naive", p)]["tflops_per_gpu"] for p in first} == first
+    assert not rows[("all", "deepspeed")].get("kept")
     assert rows[("+bias_dropout_add", "deepspeed")]["fused"]["bias_dropout_add"] is True
     assert rows[("naive", "lightning")]["fused"]["bias_dropout_add"] is False
     assert rows[("all", "deepspeed")]["fused"]["compile"] == "blocks"
@@ -36,6 +44,41 @@ def test_ablation_runs_both_paths_per_configuration_and_sweeps_the_micro_batch(t
 def test_ablation_refuses_an_unknown_configuration(tmp_path):
     proc = run([sys.executable, ABLATION, "--configs", "naive,+turbo", "--out", tmp_path], check=False, timeout=60)
     assert proc.returncode == 2 and "unknown configuration(s) ['+turbo']" in proc.stderr
+    proc = run([sys.executable, ABLATION, "--paths", "deepspeed,fsdp", "--out", tmp_path], check=False, timeout=60)
+    assert proc.returncode == 2 and "--paths takes a comma-separated subset" in proc.stderr
+
+
+def test_ablation_last_mile_set_needs_cuda_and_keep_refuses_other_settings(tmp_path):
+    proc = run([sys.executable, ABLATION, "--set", "last_mile", "--out", tmp_path], check=False, timeout=60)
+    assert proc.returncode == 2 and "--compile deepcompile needs a CUDA GPU" in proc.stderr  # one line, no run
+    assert not (tmp_path / "ablation.json").exists()
+    # an ablation.json of other settings (here another micro-batch) is never mixed in
+    ablation = load_module("ablation", ABLATION)
+    cpu_base = TrainConfig(preset="tiny", stage=3, precision="fp32", micro_batch=2, steps=6, warmup_steps=2,
+                           zero_profile="original", log_every=3)  # what the command below runs
+    earlier = {"base": dataclasses.asdict(dataclasses.replace(cpu_base, micro_batch=4)),
+               "versions": ablation.versions(), "device": None, "rows": [{"config": "naive", "ok": True}]}
+    (tmp_path / "ablation.json").write_text(json.dumps(earlier))
+    proc = run([sys.executable, ABLATION, "--configs", "naive", "--keep", "--out", tmp_path], check=False,
+               timeout=60)
+    assert proc.returncode == 2 and "was measured with other base settings (micro_batch)" in proc.stderr
+
+
+def test_ablation_table_rates_each_lever_against_the_mean_of_the_baseline_runs():
+    ablation = load_module("ablation", ABLATION)
+
+    def row(config, tflops, mb=16, ok=True):
+        return {"config": config, "path": "deepspeed", "ok": ok, "micro_batch": mb, "tflops_per_gpu": tflops,
+                "peak_mem_gib": 90.0, "step_time_s": {"min": 0.7, "max": 0.8}, "oom": not ok, "error": "oom"}
+
+    report = {"reference": "baseline", "base": {"micro_batch": 16}, "largest_micro_batch_without_checkpointing": {},
+              "rows": [row("baseline", 480.0), row("+fused_loss", 490.0), row("+fused_loss_mb24", 0, 24, False),
+                       row("baseline_again", 484.0)]}
+    text = ablation.table(report)
+    assert "| +fused_loss | 490.0 [700-800 ms] | 1.017 | 90.0 |" in text  # 490 / 482
+    assert "| +fused_loss_mb24 | failed, mb 24: out of memory |" in text
+    assert "raw baseline runs: 480.0, 484.0 TFLOPs/GPU" in text and "differ by 0.83%" in text
+    assert "Lightning" not in text  # one path measured: no Lightning columns
 
 
 def test_plot_training_draws_the_committed_h200_runs(tmp_path):
@@ -96,11 +139,16 @@ def test_ds_autotuner_bad_input_exits_2_before_any_run(tmp_path, args, message):
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 
 
-def _ds_autotuner():
-    spec = importlib.util.spec_from_file_location("ds_autotuner", DS_AUTOTUNER)
+def load_module(name, path):
+    """A benchmark script imported as a module (they live outside the installed packages)."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _ds_autotuner():
+    return load_module("ds_autotuner", DS_AUTOTUNER)
 
 
 def test_ds_autotuner_reads_partial_and_failed_experiments(tmp_path):
@@ -170,9 +218,7 @@ def test_ds_autotuner_reuse_of_a_run_without_an_optimal_config_exits_1(tmp_path)
 
 
 def test_scaling_model_states_that_its_inputs_mix_two_device_calls(tmp_path):
-    spec = importlib.util.spec_from_file_location("scaling_model", ROOT / "benchmarks" / "scaling_model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_module("scaling_model", ROOT / "benchmarks" / "scaling_model.py")
     report = module.main(["--out", str(tmp_path / "s.json")])
     assert "two device calls" in report["inputs_caveat"]
     assert load(tmp_path / "s.json") == load(ROOT / "benchmarks" / "results" / "scaling_model.json")  # committed
@@ -215,10 +261,7 @@ def test_optimizer_step_profile_refuses_what_it_cannot_time(tmp_path):
 
 
 def _attention_bench():
-    spec = importlib.util.spec_from_file_location("attention_bench", ROOT / "benchmarks" / "attention.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module("attention_bench", ROOT / "benchmarks" / "attention.py")
 
 
 def test_attention_benchmark_compares_backends_at_the_same_dropout_rate():
