@@ -4,13 +4,15 @@ chosen preset and GPU count, within a time budget, and write the winner as a Dee
 Search, on the raw path (the faster one to start), each candidate a short run of its own:
   1. micro-batch x activation checkpointing: micro-batches of --mb_grid in increasing order without
      checkpointing, stopping at the first that runs out of memory or is slower than the one before it (early
-     stop); then, with checkpointing, the micro-batches above the largest that fitted without it.
+     stop); then, with checkpointing, the micro-batches above the largest that fitted without it. A micro-batch
+     that runs out of memory is tried once more with the chunked loss (`--fused_loss`: the batch's fp32 logits,
+     6.6 GB at 1.5b and micro-batch 16, never exist), and the larger ones keep it if it fitted.
   2. compiled blocks (`--compile blocks`) on the best so far: on the H200 it cut the forward phase by 30-70 ms
      but added ~30 ms of backward (docs/kernels.md, fused paths), so whether it pays depends on the setup: measure it.
   3. DeepCompile (`--compile deepcompile --deepcompile_schedule once`, CUDA only) at the best micro-batch so far,
      then at the larger micro-batches of the grid (its memory differs from the eager model's), until one runs out
-     of memory or is slower; each candidate includes its ~2 min warm-up, so a 1.5b search wants a budget of
-     20 min or more.
+     of memory (also with the chunked loss, as in 1) or is slower; each candidate includes its ~2 min warm-up,
+     so a 1.5b search wants a budget of 20 min or more.
   4. ZeRO-3 prefetch bucket, then reduce bucket, then parameter persistence threshold, one knob at a time
      (coordinate descent) from the best so far.
 Candidates are ranked by tokens/s per GPU, not TFLOPs: with activation checkpointing the formula counts the
@@ -55,7 +57,7 @@ def knobs(cfg: TrainConfig) -> dict:
             "prefetch_bucket_size": zero.get("stage3_prefetch_bucket_size"),
             "reduce_bucket_size": zero.get("reduce_bucket_size"),
             "param_persistence_threshold": zero.get("stage3_param_persistence_threshold"),
-            "compile": cfg.compile, "deepcompile_schedule": cfg.deepcompile_schedule}
+            "compile": cfg.compile, "deepcompile_schedule": cfg.deepcompile_schedule, "fused_loss": cfg.fused_loss}
 
 
 class Search:
@@ -93,6 +95,14 @@ class Search:
         print(f"  candidate {i}: {key} -> {speed}", flush=True)
         return row
 
+    def run_freeing_memory(self, cfg: TrainConfig) -> dict | None:
+        """One candidate; if it ran out of memory without the chunked loss, the same again with it."""
+        row = self.run(cfg)
+        if row is not None and row["status"] == "oom" and not cfg.fused_loss:
+            print("  out of memory: the same with --fused_loss", flush=True)
+            row = self.run(dataclasses.replace(cfg, fused_loss=True))
+        return row
+
     def best(self) -> dict | None:
         ok = [r for r in self.tried if r["status"] == "ok"]
         return max(ok, key=lambda r: r["tokens_per_s_per_gpu"]) if ok else None
@@ -104,19 +114,21 @@ def run_autotune(train: TrainConfig, ns, launch, out_dir: Path) -> dict:
     grid = parse_grid(ns.mb_grid)
 
     # 1. micro-batch without, then with, activation checkpointing
-    largest_fit, previous = None, None
+    largest_fit, previous, fused = None, None, base.fused_loss
     for mb in grid:
-        row = search.run(dataclasses.replace(base, micro_batch=mb))
+        row = search.run_freeing_memory(dataclasses.replace(base, micro_batch=mb, fused_loss=fused))
         if row is None or row["status"] != "ok":
             break
-        largest_fit = mb
+        largest_fit, fused = mb, row["knobs"]["fused_loss"]
         if previous and row["tokens_per_s_per_gpu"] < previous["tokens_per_s_per_gpu"]:
             break  # early stop: a larger micro-batch stopped paying
         previous = row
     for mb in [m for m in grid if largest_fit is None or m > largest_fit]:
-        row = search.run(dataclasses.replace(base, micro_batch=mb, activation_checkpointing=True))
+        row = search.run_freeing_memory(dataclasses.replace(base, micro_batch=mb, activation_checkpointing=True,
+                                                            fused_loss=fused))
         if row is None or row["status"] != "ok":
             break
+        fused = row["knobs"]["fused_loss"]
 
     # 2. compiled blocks, from the best so far
     best = search.best()
@@ -139,7 +151,7 @@ def run_autotune(train: TrainConfig, ns, launch, out_dir: Path) -> dict:
             except ValueError as e:  # no CUDA, stage 0, a flag DeepCompile refuses: say so, go on without it
                 print(f"  DeepCompile not tried: {e}", flush=True)
                 break
-            row = search.run(cfg)
+            row = search.run_freeing_memory(cfg)
             if row is None or row["status"] != "ok" or (
                     previous and row["tokens_per_s_per_gpu"] < previous["tokens_per_s_per_gpu"]):
                 break
@@ -174,6 +186,8 @@ def run_autotune(train: TrainConfig, ns, launch, out_dir: Path) -> dict:
             flags.append(f"--compile {cfg.compile}")
         if cfg.compile == "deepcompile":
             flags.append(f"--deepcompile_schedule {cfg.deepcompile_schedule}")
+        if cfg.fused_loss:
+            flags.append("--fused_loss")
         report["winner_flags"] = " ".join(flags)
     (out_dir / "autotune.json").write_text(json.dumps(report, indent=1))
     return report
@@ -185,6 +199,7 @@ def format_autotune(report: dict) -> str:
         k = r["knobs"]
         conf = (f"mb {k['micro_batch']}{' +ckpt' if k['activation_checkpointing'] else ''}"
                 f"{' +' + k['compile'] if k.get('compile', 'none') != 'none' else ''}"
+                f"{' +fused_loss' if k.get('fused_loss') else ''}"
                 + "".join(f" {label} {k[key]:.0e}" for label, key in (
                     ("prefetch", "prefetch_bucket_size"), ("reduce", "reduce_bucket_size"),
                     ("persist", "param_persistence_threshold")) if k[key] is not None))  # None: not of this stage

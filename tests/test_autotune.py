@@ -11,12 +11,14 @@ from shared.train.config import TrainConfig
 from tests.helpers import FAST, LIGHTNING, RAW, ROOT, load, run
 
 
-def fake_launch(fits_up_to: int, calls: list):
-    """Throughput grows with the micro-batch; larger than `fits_up_to` runs out of memory without checkpointing."""
+def fake_launch(fits_up_to: int, calls: list, fits_with_fused_loss: int | None = None):
+    """Throughput grows with the micro-batch; larger than `fits_up_to` (`fits_with_fused_loss` with the chunked
+    loss) runs out of memory without checkpointing."""
 
     def launch(path, cfg, out, log):
         calls.append(cfg)
-        if cfg.micro_batch > fits_up_to and not cfg.activation_checkpointing:
+        fits = fits_with_fused_loss if cfg.fused_loss and fits_with_fused_loss else fits_up_to
+        if cfg.micro_batch > fits and not cfg.activation_checkpointing:
             raise CompareError("deepspeed run failed; reason: error: micro_batch 16 does not fit in H200")
         speed = 1000.0 * cfg.micro_batch * (0.7 if cfg.activation_checkpointing else 1.0)
         speed *= 1.1 if cfg.prefetch_bucket_size == 1_000_000_000 else 1.0
@@ -31,17 +33,35 @@ def test_search_stops_at_the_first_oom_then_tries_checkpointing_then_the_knobs(t
     calls = []
     ns = SimpleNamespace(mb_grid="4,8,16,32", budget_s=1e9, world=1)
     report = autotune.run_autotune(TrainConfig(preset="tiny"), ns, fake_launch(8, calls), tmp_path)
-    tried = [(c.micro_batch, c.activation_checkpointing) for c in calls]
-    assert tried[:5] == [(4, False), (8, False), (16, False), (16, True), (32, True)]  # 32 w/o ckpt never tried
-    assert [c.compile for c in calls[:6]] == ["none"] * 5 + ["blocks"]  # then compiled blocks on the best
-    assert all(c.compile == "blocks" for c in calls[6:])  # the knobs are tuned on the compiled model
+    tried = [(c.micro_batch, c.activation_checkpointing, c.fused_loss) for c in calls]
+    # 16 runs out of memory, with the chunked loss too; 32 without checkpointing is never tried
+    assert tried[:6] == [(4, False, False), (8, False, False), (16, False, False), (16, False, True),
+                         (16, True, False), (32, True, False)]
+    assert [c.compile for c in calls[:7]] == ["none"] * 6 + ["blocks"]  # then compiled blocks on the best
+    assert all(c.compile == "blocks" for c in calls[7:])  # the knobs are tuned on the compiled model
     statuses = {r["i"]: r["status"] for r in report["ranking"]}
-    assert statuses[2] == "oom"
+    assert statuses[2] == statuses[3] == "oom"
     w = report["winner"]["knobs"]
     assert (w["micro_batch"], w["activation_checkpointing"], w["prefetch_bucket_size"]) == (32, True, 1_000_000_000)
     assert "--micro_batch 32 --activation_checkpointing --compile blocks" in report["winner_flags"]
     assert "+blocks" in autotune.format_autotune(report)
     assert (tmp_path / "winner_ds_config.json").is_file() and (tmp_path / "autotune.json").is_file()
+
+
+def test_search_keeps_the_chunked_loss_where_it_makes_a_micro_batch_fit(tmp_path, capsys):
+    calls = []
+    ns = SimpleNamespace(mb_grid="4,8,16,32", budget_s=1e9, world=1)
+    report = autotune.run_autotune(TrainConfig(preset="tiny"), ns, fake_launch(8, calls, fits_with_fused_loss=16),
+                                   tmp_path)
+    tried = [(c.micro_batch, c.activation_checkpointing, c.fused_loss) for c in calls]
+    # 16 fits only with the chunked loss, so 32 (out of memory with it) and the checkpointed 32 keep it
+    assert tried[:5] == [(4, False, False), (8, False, False), (16, False, False), (16, False, True),
+                         (32, False, True)]
+    assert tried[5] == (32, True, True)
+    assert "out of memory: the same with --fused_loss" in capsys.readouterr().out
+    w = report["winner"]["knobs"]
+    assert (w["micro_batch"], w["activation_checkpointing"], w["fused_loss"]) == (32, True, True)
+    assert "--fused_loss" in report["winner_flags"] and "+fused_loss" in autotune.format_autotune(report)
 
 
 def test_search_tries_deepcompile_from_the_best_micro_batch_upwards_where_cuda_is(tmp_path, monkeypatch):
@@ -62,7 +82,8 @@ def test_search_tries_deepcompile_from_the_best_micro_batch_upwards_where_cuda_i
     ns = SimpleNamespace(mb_grid="4,8,16,32", budget_s=1e9, world=1)
     report = autotune.run_autotune(TrainConfig(preset="tiny", warmup_steps=2), ns, launch, tmp_path)
     dc = [(c.micro_batch, c.deepcompile_schedule) for c in calls if c.compile == "deepcompile"]
-    assert dc[:3] == [(8, "once"), (16, "once"), (32, "once")]  # from the best (8) up to the first OOM
+    assert dc[:4] == [(8, "once"), (16, "once"), (32, "once"), (32, "once")]  # from the best (8) up to OOM
+    assert [c.fused_loss for c in calls if c.compile == "deepcompile"][2:4] == [False, True]  # and its retry
     w = report["winner"]["knobs"]
     assert (w["compile"], w["micro_batch"]) == ("deepcompile", 16)
     assert "--micro_batch 16 --compile deepcompile --deepcompile_schedule once" in report["winner_flags"]
