@@ -39,6 +39,7 @@ from harness.launch import (
 from harness.order import round_order
 from harness.report import build_report, format_table, plot_phases, write_markdown
 from lightning_app.overheads import check_overheads
+from shared.model.config import GRAPH_BREAKING_BACKENDS
 from shared.train.cli import add_config_args, config_from_args
 from shared.train.config import TrainConfig
 from shared.train.distributed import check_before_start
@@ -51,7 +52,7 @@ GPU_DEFAULTS = {"preset": "1.5b", "micro_batch": 8, "steps": 30, "warmup_steps":
 GPU_DEEPCOMPILE_DEFAULTS = {"compile": "deepcompile", "deepcompile_schedule": "once", "micro_batch": 16}
 DEEPCOMPILE_DEFAULT_HELP = ("(default on GPUs: deepcompile, with --deepcompile_schedule once and --micro_batch 16, "
                             "where it can run: ZeRO stage 1-3, no --val_every/--save_every, --ds_config, "
-                            "--fused_layernorm, --explain or --autotune; else none)")
+                            "--fused_layernorm, --attention blocksparse/xformers, --explain or --autotune; else none)")
 
 
 def deepcompile_by_default(ns: argparse.Namespace) -> bool:
@@ -59,7 +60,7 @@ def deepcompile_by_default(ns: argparse.Namespace) -> bool:
     DeepCompile refuses (TrainConfig) or that measures something else (--explain, --autotune)."""
     return (ns.compile is None and ns.ds_config is None and not (ns.explain or ns.autotune)
             and (ns.stage is None or ns.stage >= 1) and not ns.val_every and not ns.save_every
-            and not ns.fused_layernorm)
+            and not ns.fused_layernorm and ns.attention not in GRAPH_BREAKING_BACKENDS)
 
 
 def _fill_unset(ns: argparse.Namespace, defaults: dict) -> None:

@@ -16,8 +16,9 @@ counters) and ablation.md (the table). A configuration that fails is recorded wi
 `--set last_mile` starts from compare.py's GPU default instead (DeepCompile, --deepcompile_schedule once, micro-batch
 16, the tuned ZeRO-3 buckets; 20 steps of which 10 warm-up) and changes one lever per configuration: the chunked
 linear + cross-entropy (`+fused_loss`), that with the micro-batch it frees (`+fused_loss_mb24`), a padded
-vocabulary (`+vocab128`), the block-sparse kernel on the causal layout (`+blocksparse`), DeepSpeed's own optimizer
-step instead of the fast one (`-fast_zero3_step`). `baseline` runs first and again last (`baseline_again`): each
+vocabulary (`+vocab128`), DeepSpeed's own optimizer step instead of the fast one (`-fast_zero3_step`). The
+block-sparse kernel is not a lever here: it runs between compiled graphs, which DeepCompile's ZeRO-3 pass refuses
+(shared/train/config.py); benchmarks/attention.py compares it with SDPA at the model's shape. `baseline` runs first and again last (`baseline_again`): each
 configuration's ratio is against the mean of the baseline runs, whose two values give the noise. Raw path only by
 default (`--paths`): a lever changes the shared model or step, which both paths run alike (compare.py measures
 their ratio). Each DeepCompile run warms up for ~2 min, so on one GPU a call of 10 minutes holds three; `--keep`
@@ -64,7 +65,6 @@ LAST_MILE = {
     "+fused_loss": {"fused_loss": True},
     "+fused_loss_mb24": {"fused_loss": True, "micro_batch": 24},
     "+vocab128": {"vocab_multiple": 128},
-    "+blocksparse": {"attention": "blocksparse", "layout": "causal"},
     "-fast_zero3_step": {"zero3_step": "deepspeed"},
     "baseline_again": {},
 }

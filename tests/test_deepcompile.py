@@ -62,10 +62,17 @@ def test_deepcompile_turns_the_pass_on_in_the_one_ds_dict(pretend_cuda):
     (dict(fused_layernorm=True), "liger"),
     (dict(steps=20, val_every=10), "--val_every 10 .< --steps 20.*DoubleBufferedReduceBucket"),
     (dict(steps=20, save_every=10, ckpt_dir="ck"), "--save_every 10 .< --steps 20"),
+    (dict(attention="blocksparse"), "--attention blocksparse does not combine with --compile deepcompile"),
+    (dict(attention="xformers"), "--attention xformers does not combine with --compile deepcompile"),
 ])
 def test_what_deepcompile_cannot_run_is_refused(pretend_cuda, kwargs, match):
     with pytest.raises(ValueError, match=match):
         TrainConfig(compile="deepcompile", **{"warmup_steps": 6, **kwargs})
+
+
+def test_graph_breaking_attention_is_refused_under_zero3_only(pretend_cuda):
+    TrainConfig(compile="deepcompile", warmup_steps=6, stage=2, attention="blocksparse")  # nothing partitioned
+    TrainConfig(compile="blocks", attention="blocksparse")  # runs between the compiled blocks
 
 
 def test_the_once_schedule_compiles_once_and_needs_only_step_0_excluded(pretend_cuda):
@@ -291,6 +298,6 @@ def test_compare_on_gpus_defaults_to_deepcompile_where_it_can_run(pretend_gpus, 
     # a flag the user gave wins; what DeepCompile refuses or measures something else keeps the eager default
     assert pretend_gpus.parse(["--micro_batch", "8"])[0].micro_batch == 8
     for args in (["--compile", "blocks"], ["--stage", "0"], ["--save_every", "5", "--ckpt_dir", "ck"],
-                 ["--val_every", "5"], ["--explain"]):
+                 ["--val_every", "5"], ["--explain"], ["--attention", "blocksparse"]):
         train, _ = pretend_gpus.parse(args)
         assert train.compile != "deepcompile" and train.micro_batch == 8, args

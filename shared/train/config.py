@@ -237,6 +237,14 @@ class TrainConfig(FusedSwitches):
         # Built once, here: the model overrides are validated now, not after the process group is up, and every
         # caller reads the same object (dataclasses.replace runs __post_init__ again, so a copy gets its own).
         self._model = self._build_model()
+        if self.compile == "deepcompile" and self.stage == 3 and \
+                self._model.attention in model_config.GRAPH_BREAKING_BACKENDS:
+            raise ValueError(
+                f"--attention {self._model.attention} does not combine with --compile deepcompile under ZeRO-3: its "
+                "kernel runs between compiled graphs (torch.compiler.disable), and DeepCompile's ZeRO-3 pass then "
+                "leaves parameters ungathered outside its graph (seen on the H200 with blocksparse: \"RuntimeError: "
+                "'weight' must be 2-D\" at the token embedding); use --attention sdpa with DeepCompile, or "
+                "--compile blocks (the kernel runs between the compiled blocks)")
 
     def model(self) -> GPTConfig:
         """The GPTConfig this run trains: the preset with this run's overrides (built once, in __post_init__)."""
