@@ -18,12 +18,13 @@ counters) and ablation.md (the table). A configuration that fails is recorded wi
 linear + cross-entropy (`+fused_loss`), that with the micro-batch it frees (`+fused_loss_mb24`), a padded
 vocabulary (`+vocab128`), DeepSpeed's own optimizer step instead of the fast one (`-fast_zero3_step`). The
 block-sparse kernel is not a lever here: it runs between compiled graphs, which DeepCompile's ZeRO-3 pass refuses
-(shared/train/config.py); benchmarks/attention.py compares it with SDPA at the model's shape. `baseline` runs first and again last (`baseline_again`): each
-configuration's ratio is against the mean of the baseline runs, whose two values give the noise. Raw path only by
-default (`--paths`): a lever changes the shared model or step, which both paths run alike (compare.py measures
-their ratio). Each DeepCompile run warms up for ~2 min, so on one GPU a call of 10 minutes holds three; `--keep`
-continues an ablation in the same --out, keeping the configurations already measured with the same base
-settings, device and package versions.
+(shared/train/config.py); benchmarks/attention.py compares it with SDPA at the model's shape. `baseline` runs
+first and again last (`baseline_again`): each configuration's ratio is against the mean of the baseline runs,
+whose two values give the noise. Raw path only by default (`--paths`): a lever changes the shared model or step,
+which both paths run alike (compare.py measures their ratio). A DeepCompile run of the 1.5b preset takes ~3 min
+with its start-up and warm-up, so on one GPU a call of 10 minutes holds two or three; `--keep` continues an
+ablation in the same --out, keeping the configurations already measured with the same base settings, device and
+package versions.
 """
 
 from __future__ import annotations
