@@ -22,9 +22,9 @@ block-sparse kernel is not a lever here: it runs between compiled graphs, which 
 first and again last (`baseline_again`): each configuration's ratio is against the mean of the baseline runs,
 whose two values give the noise. Raw path only by default (`--paths`): a lever changes the shared model or step,
 which both paths run alike (compare.py measures their ratio). A DeepCompile run of the 1.5b preset takes ~3 min
-with its start-up and warm-up, so on one GPU a call of 10 minutes holds two or three; `--keep` continues an
-ablation in the same --out, keeping the configurations already measured with the same base settings, device and
-package versions.
+with its start-up and warm-up, so under a 10-minute time limit one GPU measures two or three; `--keep` continues
+an ablation in the same --out: the configurations it already measured with the same base settings, device and
+package versions are kept (and not run again if named), the others run.
 """
 
 from __future__ import annotations
@@ -116,8 +116,8 @@ def main(argv: list[str] | None = None) -> dict:
                    "with --set last_mile)")
     p.add_argument("--mb_sweep", default=None, help="micro-batches above --micro_batch to try without activation "
                    "checkpointing, for naive and all ('' to skip; default 12,16,24 on GPUs with --set fusions)")
-    p.add_argument("--keep", action="store_true", help="keep the configurations --out/ablation.json already "
-                   "measured with the same base settings, device and versions; run the others")
+    p.add_argument("--keep", action="store_true", help="keep what --out/ablation.json already measured with the "
+                   "same base settings, device and versions (named configurations that ran are not run again)")
     p.add_argument("--timeout", type=int, default=600)
     p.add_argument("--out", default="reports/ablation")
     ns = p.parse_args(argv)
@@ -127,9 +127,16 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = [n for n in names if n not in all_configs]
     if unknown:
         p.error(f"unknown configuration(s) {unknown}; choose from {list(all_configs)}")
-    paths = [x.strip() for x in (ns.paths or ("deepspeed" if last_mile else ",".join(PATHS))).split(",") if x.strip()]
+    paths = list(dict.fromkeys(x.strip() for x in (ns.paths or ("deepspeed" if last_mile else ",".join(PATHS)))
+                               .split(",") if x.strip()))
     if not paths or set(paths) - set(PATHS):
         p.error(f"--paths takes a comma-separated subset of {PATHS}, got {ns.paths!r}")
+    if last_mile and ns.mb_sweep:
+        p.error("--mb_sweep sweeps the naive and all configurations of --set fusions; with --set last_mile a "
+                "micro-batch is a lever (+fused_loss_mb24) or --micro_batch")
+    if last_mile and not cuda:
+        p.error("--set last_mile measures levers on top of DeepCompile, which needs a CUDA GPU; on this machine use "
+                "--set fusions (the default)")
     if last_mile:  # compare.py's GPU default: DeepCompile (one compile), micro-batch 16, tuned buckets
         defaults = {**GPU_DEEPCOMPILE_DEFAULTS, "steps": 20, "warmup_steps": 10, "zero_profile": "tuned"}
     else:
@@ -148,13 +155,16 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
     try:
-        kept = kept_rows(out / "ablation.json", base, names) if ns.keep else []
+        earlier = earlier_report(out / "ablation.json", base) if ns.keep else {}
     except ValueError as e:
         p.error(str(e))
     parallel = cuda and torch.cuda.device_count() >= 2 and len(paths) == 2
     gpus = {"deepspeed": 0, "lightning": 1} if parallel else dict.fromkeys(PATHS, 0 if cuda else None)
     t0 = time.perf_counter()
-    rows, sweeps = [], {}
+    # --keep: the earlier rows of other configurations stay as they are; those of `names` are reused where they ran
+    kept = [dict(r, kept=True) for r in earlier.get("rows", [])]
+    rows = [r for r in kept if r["config"] not in names or r["path"] not in paths]
+    sweeps = dict(earlier.get("mb_sweep", {}))
 
     def write() -> dict:  # after every configuration: a run cut short keeps what it measured
         report = {
@@ -178,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     with ThreadPoolExecutor(max_workers=2 if parallel else 1) as pool:
         for name in names:
-            done = [r for r in kept if r["config"] == name and r["path"] in paths]
+            done = [r for r in kept if r["config"] == name and r["path"] in paths and r["ok"]]
             if {r["path"] for r in done} == set(paths):
                 print(f"== {name}: kept from {out / 'ablation.json'}", flush=True)
                 rows += done
@@ -208,11 +218,11 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
-def kept_rows(path: Path, base: TrainConfig, names: list[str]) -> list[dict]:
-    """The measured rows of an earlier ablation in the same --out that may stand beside new runs: same base
-    settings, package versions and device (else a ValueError names what differs), configurations in `names`."""
+def earlier_report(path: Path, base: TrainConfig) -> dict:
+    """The earlier ablation in the same --out, if its rows may stand beside new runs: same base settings, package
+    versions and device (else a ValueError names what differs); {} when there is none."""
     if not path.exists():
-        return []
+        return {}
     old = json.loads(path.read_text())
     here = {"base settings": dataclasses.asdict(base), "versions": versions()}
     for what, value in here.items():
@@ -223,7 +233,7 @@ def kept_rows(path: Path, base: TrainConfig, names: list[str]) -> list[dict]:
     device = device_info(torch.device("cuda" if torch.cuda.is_available() else "cpu"))["name"]
     if old.get("device") not in (None, device):
         raise ValueError(f"--keep: {path} was measured on {old['device']}, this machine has {device}")
-    return [dict(r, kept=True) for r in old["rows"] if r.get("ok") and r["config"] in names]
+    return old
 
 
 def baseline_values(report: dict, path: str) -> list[float]:

@@ -143,11 +143,11 @@ def run_autotune(train: TrainConfig, ns, launch, out_dir: Path) -> dict:
     # 3. DeepCompile, from the best micro-batch so far upwards
     best = search.best()
     if best is not None:
-        previous = None
+        previous, fused = None, best["knobs"]["fused_loss"]
         for mb in [m for m in grid if m >= best["knobs"]["micro_batch"]]:
             try:
                 cfg = dataclasses.replace(base, **{**best["knobs"], "micro_batch": mb, "compile": "deepcompile",
-                                                   "deepcompile_schedule": "once"})
+                                                   "deepcompile_schedule": "once", "fused_loss": fused})
             except ValueError as e:  # no CUDA, stage 0, a flag DeepCompile refuses: say so, go on without it
                 print(f"  DeepCompile not tried: {e}", flush=True)
                 break
@@ -155,7 +155,7 @@ def run_autotune(train: TrainConfig, ns, launch, out_dir: Path) -> dict:
             if row is None or row["status"] != "ok" or (
                     previous and row["tokens_per_s_per_gpu"] < previous["tokens_per_s_per_gpu"]):
                 break
-            previous = row
+            previous, fused = row, row["knobs"]["fused_loss"]
 
     # 4. ZeRO-3 knobs, one at a time from the best so far
     if base.stage == 3:

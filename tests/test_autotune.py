@@ -90,6 +90,30 @@ def test_search_tries_deepcompile_from_the_best_micro_batch_upwards_where_cuda_i
     assert "+deepcompile" in autotune.format_autotune(report)
 
 
+def test_deepcompile_step_keeps_the_chunked_loss_once_it_made_a_micro_batch_fit(tmp_path, monkeypatch):
+    from shared.model import config as model_config
+
+    monkeypatch.setattr(model_config, "cuda_available", lambda: True)
+    calls = []
+
+    def launch(path, cfg, out, log):
+        calls.append(cfg)
+        fits = (32 if cfg.fused_loss else 8) if cfg.compile == "deepcompile" else 8
+        if cfg.micro_batch > fits:
+            raise CompareError("deepspeed run failed; reason: error: out of memory")
+        speed = (1300.0 if cfg.compile == "deepcompile" else 1000.0) * cfg.micro_batch
+        return SimpleNamespace(tokens_per_s_per_gpu=speed, tflops_per_gpu=speed / 100, mfu=None, peak_mem_gib=1.0,
+                               step_time_s={"median": 1.0 / speed})
+
+    ns = SimpleNamespace(mb_grid="4,8,16,24", budget_s=1e9, world=1)
+    report = autotune.run_autotune(TrainConfig(preset="tiny", warmup_steps=2), ns, launch, tmp_path)
+    dc = [(c.micro_batch, c.fused_loss) for c in calls if c.compile == "deepcompile"]
+    # 16 fits only with the chunked loss; 24 starts with it (no out-of-memory run first)
+    assert dc[:4] == [(8, False), (16, False), (16, True), (24, True)]
+    w = report["winner"]["knobs"]
+    assert (w["compile"], w["micro_batch"], w["fused_loss"]) == ("deepcompile", 24, True)
+
+
 def test_search_without_cuda_says_deepcompile_was_not_tried(tmp_path, capsys):
     calls = []
     ns = SimpleNamespace(mb_grid="4", budget_s=1e9, world=1)

@@ -18,16 +18,17 @@ DS_AUTOTUNER = ROOT / "benchmarks" / "ds_autotuner.py"
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # above the sum of its subprocess timeouts (tests/test_timeouts.py)
 def test_ablation_runs_both_paths_per_configuration_and_sweeps_the_micro_batch(tmp_path):
-    # a first call measures naive; the second keeps it (--keep) and runs the rest
-    run([sys.executable, ABLATION, "--configs", "naive", "--mb_sweep", "", "--out", tmp_path], timeout=300)
-    first = {r["path"]: r["tflops_per_gpu"] for r in load(tmp_path / "ablation.json")["rows"]}
-    proc = run([sys.executable, ABLATION, "--configs", "naive,+bias_dropout_add,all", "--mb_sweep", "4",
-                "--keep", "--out", tmp_path], timeout=600)
+    # a first call measures naive and +bias_dropout_add; the second keeps both (--keep), reusing the one it names
+    run([sys.executable, ABLATION, "--configs", "naive,+bias_dropout_add", "--mb_sweep", "", "--out", tmp_path],
+        timeout=300)
+    first = {r["path"]: r["tflops_per_gpu"] for r in load(tmp_path / "ablation.json")["rows"] if r["config"] == "naive"}
+    proc = run([sys.executable, ABLATION, "--configs", "+bias_dropout_add,all", "--mb_sweep", "4", "--keep",
+                "--out", tmp_path], timeout=600)
     report = load(tmp_path / "ablation.json")
     rows = {(r["config"], r["path"]): r for r in report["rows"]}
     assert set(rows) == {(c, p) for c in ("naive", "+bias_dropout_add", "all") for p in ("deepspeed", "lightning")}
     assert all(r["ok"] for r in rows.values()), [r.get("error") for r in rows.values()]
-    assert report["kept"] == ["naive"] and "naive: kept from" in proc.stdout
+    assert report["kept"] == ["+bias_dropout_add", "naive"] and "+bias_dropout_add: kept from" in proc.stdout
     assert {p: rows[("naive", p)]["tflops_per_gpu"] for p in first} == first
     assert not rows[("all", "deepspeed")].get("kept")
     assert rows[("+bias_dropout_add", "deepspeed")]["fused"]["bias_dropout_add"] is True
@@ -37,7 +38,7 @@ def test_ablation_runs_both_paths_per_configuration_and_sweeps_the_micro_batch(t
     assert rows[("all", "deepspeed")]["flags"]["zero3_step"] == "fast"
     assert rows[("all", "lightning")]["fused"]["dynamo_graph_breaks"] == 0
     assert "fused_layernorm" not in rows[("all", "deepspeed")]["flags"]  # the CUDA-only switch is left out on CPU
-    assert report["largest_micro_batch_without_checkpointing"] == {"naive": 4, "all": 4}
+    assert report["largest_micro_batch_without_checkpointing"] == {"all": 4}  # naive, not named, is not swept
     assert "| naive |" in proc.stdout and (tmp_path / "ablation.md").read_text().count("\n|") >= 4
 
 
@@ -50,8 +51,11 @@ def test_ablation_refuses_an_unknown_configuration(tmp_path):
 
 def test_ablation_last_mile_set_needs_cuda_and_keep_refuses_other_settings(tmp_path):
     proc = run([sys.executable, ABLATION, "--set", "last_mile", "--out", tmp_path], check=False, timeout=60)
-    assert proc.returncode == 2 and "--compile deepcompile needs a CUDA GPU" in proc.stderr  # one line, no run
+    assert proc.returncode == 2 and "DeepCompile, which needs a CUDA GPU" in proc.stderr  # one line, no run
     assert not (tmp_path / "ablation.json").exists()
+    proc = run([sys.executable, ABLATION, "--set", "last_mile", "--mb_sweep", "24", "--out", tmp_path], check=False,
+               timeout=60)
+    assert proc.returncode == 2 and "--mb_sweep sweeps the naive and all configurations" in proc.stderr
     # an ablation.json of other settings (here another micro-batch) is never mixed in
     ablation = load_module("ablation", ABLATION)
     cpu_base = TrainConfig(preset="tiny", stage=3, precision="fp32", micro_batch=2, steps=6, warmup_steps=2,

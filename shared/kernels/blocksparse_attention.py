@@ -35,8 +35,9 @@ Design (Triton's fused-attention tutorial, tutorials/06-fused-attention.py, FA2 
 
 Limits (each raises ValueError naming the value): head dims SUPPORTED_HEAD_DIMS, sparse blocks SUPPORTED_BLOCKS,
 dtypes fp16/bf16/fp32 (fp32 uses exact fp32 dots: correct but slow), T a multiple of the sparse block and at most
-the layout's size; with dropout T <= 32768 (the Philox counter q * T / 4 + k / 4 must fit 31 bits). On a CPU the
-kernels run only under the Triton interpreter (TRITON_INTERPRET=1 set before triton is imported).
+the layout's size; with dropout T <= 32768 (the mask kernel for tests addresses q * T + k in int32; the Philox
+counter q * T / 4 + k / 4 stays below 2^28). On a CPU the kernels run only under the Triton interpreter
+(TRITON_INTERPRET=1 set before triton is imported).
 """
 
 from __future__ import annotations
@@ -671,7 +672,8 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lut: BlockL
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if dropout_p > 0 and T > MAX_DROPOUT_T:
-        raise ValueError(f"attention dropout supports T <= {MAX_DROPOUT_T} (31-bit Philox counter), got T = {T}")
+        raise ValueError(f"attention dropout supports T <= {MAX_DROPOUT_T} (int32 offsets of its keep mask), "
+                         f"got T = {T}")
     if q.device.type != "cuda" and not _interpreted():
         raise ValueError(f"blocksparse attention runs on CUDA tensors, got {q.device}; on a CPU set "
                          "TRITON_INTERPRET=1 before triton is imported to run the kernels in Triton's interpreter")
