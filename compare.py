@@ -199,7 +199,7 @@ def kept_runs(ns: argparse.Namespace, train: TrainConfig) -> dict[tuple[str, int
     it trained with this command's settings (every TrainConfig field but its output path) and world size, on the
     same kind of device with the same package versions."""
     want = {k: v for k, v in dataclasses.asdict(train).items() if k != "out"}
-    here_device = device_info(torch.device("cuda" if torch.cuda.is_available() else "cpu"))["name"]
+    here_device = device_info()["name"]
     here_versions = versions()
     kept = {}
     for i in range(ns.repeats):

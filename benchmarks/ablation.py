@@ -224,13 +224,12 @@ def earlier_report(path: Path, base: TrainConfig) -> dict:
     if not path.exists():
         return {}
     old = json.loads(path.read_text())
-    here = {"base settings": dataclasses.asdict(base), "versions": versions()}
-    for what, value in here.items():
-        theirs = old.get("base" if what == "base settings" else what)
+    for what, key, value in (("base settings", "base", dataclasses.asdict(base)), ("versions", "versions", versions())):
+        theirs = old.get(key)
         if theirs != value:
             diff = sorted(k for k in set(value) | set(theirs or {}) if (theirs or {}).get(k) != value.get(k))
             raise ValueError(f"--keep: {path} was measured with other {what} ({', '.join(diff)}); use another --out")
-    device = device_info(torch.device("cuda" if torch.cuda.is_available() else "cpu"))["name"]
+    device = device_info()["name"]
     if old.get("device") not in (None, device):
         raise ValueError(f"--keep: {path} was measured on {old['device']}, this machine has {device}")
     return old

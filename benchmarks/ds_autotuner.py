@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> dict:
             "command": " ".join(["python", "benchmarks/ds_autotuner.py", *argv]),
             "autotuner_command": " ".join(cmd), "autotuner_exit": rc, "autotuner_s": tuner_s,
             "versions": versions(),
-            "device": device_info(torch.device("cuda" if torch.cuda.is_available() else "cpu")),
+            "device": device_info(),
             "world_size": ns.world, "mode": "fast (micro-batch only; see the docstring for full mode)",
             "experiments": read_experiments(results, train.model().seq_len, ns.world) if results.is_dir() else [],
             "optimal": optimal,

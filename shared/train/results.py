@@ -39,7 +39,10 @@ def versions() -> dict[str, str | None]:
     return out
 
 
-def device_info(device: torch.device) -> dict:
+def device_info(device: torch.device | None = None) -> dict:
+    """What `device` is (default: this machine's, the first GPU where there is one, else the CPU)."""
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         return {"type": "cuda", "name": props.name, "count": torch.cuda.device_count(),
