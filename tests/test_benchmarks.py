@@ -285,3 +285,26 @@ def test_attention_benchmark_compares_backends_at_the_same_dropout_rate():
         bench.parse_args(["--dropouts", "1.0"])
     args = bench.parse_args(["--backends", "sdpa:cudnn", "blocksparse", "--dropouts", "0", "0.1"])
     assert args.dropouts == [0.0, 0.1] and bench.model_cfg(args, 2048, "causal", "sdpa:cudnn", 0.1).attn_dropout == 0.1
+
+
+def test_attention_tiles_sums_each_kernels_fastest_tile_per_path_and_rate():
+    tiles = load_module("attention_tiles", ROOT / "benchmarks" / "attention_tiles.py")
+    row = lambda kernel, path, p, bm, ms, status="ok": {"kernel": kernel, "path": path, "dropout": p, "block_m": bm,
+                                                       "block_n": 64, "num_warps": 4, "num_stages": 2,
+                                                       "pad_d": False, "status": status, "ms": ms}
+    rows = [row("fwd", "affine", 0.0, 64, 1.0), row("fwd", "affine", 0.0, 128, 0.9), row("dq", "affine", 0.0, 64, 1.2),
+            row("dkdv", "affine", 0.0, 32, 2.0), row("dkdv", "affine", 0.0, 64, 0.1, status="error"),
+            row("fwd", "affine", 0.1, 64, 2.0), row("dq", "affine", 0.1, 64, 2.2)]  # no dk/dv at 0.1: no sum
+    sdpa = {"0.0": {"fwd_ms": 0.72, "fwd_bwd_ms": 3.1}, "0.1": {"fwd_ms": 1.5, "fwd_bwd_ms": 4.2}}
+    (summary,) = tiles.summarize(rows, sdpa)
+    assert summary["dropout"] == 0.0 and summary["best_sum_ms"] == pytest.approx(0.9 + 1.2 + 2.0)
+    assert summary["best"]["fwd"]["block_m"] == 128  # the failed 0.1 ms row is not a candidate
+    assert summary["speedup_vs_sdpa_cudnn"] == pytest.approx(3.1 / 4.1)
+    assert summary["fwd_speedup_vs_sdpa_cudnn"] == pytest.approx(0.72 / 0.9)
+    for kind in tiles.KINDS:  # the wide grid holds the tuner's candidates' shapes class and Hopper-sized tiles
+        grid = tiles.wide_grid(kind, 96)
+        assert grid and len(set(grid)) == len(grid) and any(t.pad_d for t in grid)
+    with pytest.raises(SystemExit):
+        tiles.parse_args(["--seq", "2000"])
+    with pytest.raises(SystemExit):
+        tiles.parse_args(["--inputs", "bthd"])

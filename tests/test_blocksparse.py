@@ -15,6 +15,7 @@ Tolerances (absolute, on outputs of O(1) and gradients of O(1) from unit-varianc
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -105,6 +106,16 @@ def test_lut_lists_exactly_the_layout_blocks():
                 assert lut.col_cum[r, t] == sum(1 for q in col if q <= t)
 
 
+def test_lut_marks_layouts_whose_rows_and_columns_are_runs():
+    assert BlockLUT.from_layout(layouts.causal(6), 64).contiguous
+    assert BlockLUT.from_layout(layouts.local(6, 2), 64).contiguous
+    assert not BlockLUT.from_layout(layouts.strided(6, 2), 64).contiguous
+    assert not BlockLUT.from_layout(random_layout(3, 6, seed=1), 64).contiguous
+    gap = layouts.causal(4).clone()
+    gap[0, 3, 1] = False  # row 3 keeps blocks 0 and 2 (and its diagonal): not one run
+    assert not BlockLUT.from_layout(gap, 64).contiguous
+
+
 # ------------------------------------------------------------------------------------------------ numerics (CPU)
 
 
@@ -154,6 +165,28 @@ def test_tiles_of_a_whole_block_and_uneven_tiles():
     q, k, v, do = inputs(1, 2, 256, 64, torch.float32, seed=6)
     tiles = {"fwd": Tile(64, 16, 4, 1), "dq": Tile(16, 64, 4, 1), "dkdv": Tile(16, 64, 4, 1)}
     check_against_reference(layout, 64, q, k, v, do, tiles=tiles)
+
+
+@pytest.mark.parametrize("kind,T", [("causal", 256), ("local", 256), ("local", 192)])
+def test_run_layouts_step_affinely_like_the_lookup_path(kind, T):
+    """Causal and local layouts take the affine path (CONTIG); forcing the lookup path gives the same numbers,
+    also on a shorter T (the columns' run is cut at T's last block)."""
+    layout = make_layout(kind, 2, 4)
+    lut = BlockLUT.from_layout(layout, 64).to(DEVICE)
+    assert lut.contiguous
+    q, k, v, do = inputs(1, 2, T, 64, torch.float32, seed=T)
+    grads = []
+    for table in (lut, dataclasses.replace(lut, contiguous=False)):
+        for x in (q, k, v):
+            x.grad = None
+        out = blocksparse_attention(q, k, v, table, tiles=bsa.interpreter_tiles(64) if DEVICE == "cpu" else None)
+        out.backward(do)
+        grads.append([out.detach(), q.grad, k.grad, v.grad])
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    for x in (q, k, v):
+        x.grad = None
+    check_against_reference(layout, 64, q, k, v, do)
 
 
 def test_shorter_sequence_uses_the_top_left_of_the_layout():

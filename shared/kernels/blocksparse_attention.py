@@ -73,6 +73,13 @@ def _sorted_positions(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(ordered < n, ordered, 0).to(torch.int32).contiguous(), counts.to(torch.int32).contiguous()
 
 
+def _runs(idx: torch.Tensor, counts: torch.Tensor) -> bool:
+    """True when each row's first counts[r] entries of idx are consecutive: idx[r, 0], idx[r, 0] + 1, ..."""
+    steps = torch.arange(idx.shape[1], dtype=idx.dtype, device=idx.device)  # also under a default device
+    valid = steps[None, :] < counts[:, None]
+    return bool(((idx == idx[:, :1] + steps) | ~valid).all())
+
+
 def check_layout(layout: torch.Tensor) -> torch.Tensor:
     """The layout as a contiguous CPU bool tensor (n_heads or 1, n_blocks, n_blocks), or a ValueError naming what the
     kernels cannot run: another shape, non-0/1 values, a block above the diagonal, a row without any block."""
@@ -119,6 +126,9 @@ class BlockLUT:
     """(n_heads * n_blocks, col_width) int32: off-diagonal query blocks of each key block, ascending"""
     col_cum: torch.Tensor
     """(n_heads * n_blocks, n_blocks) int32: [r, t] = entries of col_idx row r that are <= t (for T = (t+1) blocks)"""
+    contiguous: bool = False
+    """every row's and every column's off-diagonal blocks are one run (causal, local): the kernels then step over
+    keys/queries from the run's first block with affine addresses instead of reading each block index"""
 
     @staticmethod
     def from_layout(layout: torch.Tensor, block: int) -> BlockLUT:
@@ -129,18 +139,19 @@ class BlockLUT:
         off_diag = layout & ~torch.eye(nb, dtype=torch.bool, device=layout.device)  # [h, q, k]; none above diagonal
         row_idx, row_off = _sorted_positions(off_diag.reshape(n_heads * nb, nb))
         by_column = off_diag.transpose(1, 2).reshape(n_heads * nb, nb)  # [h, k block, q block]
-        col_idx, _ = _sorted_positions(by_column)
+        col_idx, col_cnt = _sorted_positions(by_column)
         return BlockLUT(
             block=block, n_blocks=nb, n_heads=n_heads, nnz=int(layout.sum()),
             row_idx=row_idx, row_off=row_off,
             diag=layout.diagonal(dim1=1, dim2=2).reshape(-1).to(torch.int32).contiguous(),
             col_idx=col_idx, col_cum=by_column.to(torch.int32).cumsum(dim=-1).to(torch.int32).contiguous(),
+            contiguous=_runs(row_idx, row_off) and _runs(col_idx, col_cnt),
         )
 
     def to(self, device: torch.device | str) -> BlockLUT:
         move = lambda t: t.to(device, non_blocking=False)
         return BlockLUT(self.block, self.n_blocks, self.n_heads, self.nnz, move(self.row_idx), move(self.row_off),
-                        move(self.diag), move(self.col_idx), move(self.col_cum))
+                        move(self.diag), move(self.col_idx), move(self.col_cum), self.contiguous)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -224,7 +235,8 @@ def _attn_fwd(Q, K, V, Out, LSE, ROW_IDX, ROW_OFF, DIAG,
               stride_vz, stride_vh, stride_vt, stride_oz, stride_oh, stride_ot,
               H, T, NB, LUT_HEADS, ROW_WIDTH,
               HEAD_DIM: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr):
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
+              CONTIG: tl.constexpr):
     # Query tiles in reverse: under a causal layout the last rows have the most blocks, so they start first and
     # the short rows fill the tail of the grid.
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
@@ -263,9 +275,13 @@ def _attn_fwd(Q, K, V, Out, LSE, ROW_IDX, ROW_OFF, DIAG,
     SUB: tl.constexpr = SPARSE_BLOCK // BLOCK_N
     # Blocks strictly left of the diagonal: no mask.
     n_off = tl.load(ROW_OFF + row)
+    lo = tl.load(ROW_IDX + row * ROW_WIDTH) * SPARSE_BLOCK  # the run's first key when CONTIG
     for it in range(0, n_off * SUB):
-        kb = tl.load(ROW_IDX + row * ROW_WIDTH + it // SUB)
-        start_n = tl.multiple_of(kb * SPARSE_BLOCK + (it % SUB) * BLOCK_N, BLOCK_N)
+        if CONTIG:
+            start_n = tl.multiple_of(lo + it * BLOCK_N, BLOCK_N)
+        else:
+            kb = tl.load(ROW_IDX + row * ROW_WIDTH + it // SUB)
+            start_n = tl.multiple_of(kb * SPARSE_BLOCK + (it % SUB) * BLOCK_N, BLOCK_N)
         acc_a, acc_b, l_i, m_i = _fwd_tile(acc_a, acc_b, l_i, m_i, q_a, q_b, K_a, K_b, V_a, V_b, start_n, offs_m,
                                            offs_n, qk_scale, stride_kt, stride_vt, key, dropout_p, T, dm_row,
                                            dm_col, DB, False, DROPOUT, PREC, PADDED)
@@ -324,7 +340,8 @@ def _attn_bwd_dq(Q, K, V, Out, DO, DQ, LSE, DELTA, ROW_IDX, ROW_OFF, DIAG,
                  stride_doz, stride_doh, stride_dot,
                  H, T, NB, LUT_HEADS, ROW_WIDTH,
                  HEAD_DIM: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
+                 CONTIG: tl.constexpr):
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     off_hz = tl.program_id(1)
     off_z = off_hz // H
@@ -369,9 +386,13 @@ def _attn_bwd_dq(Q, K, V, Out, DO, DQ, LSE, DELTA, ROW_IDX, ROW_OFF, DIAG,
     row = (off_h % LUT_HEADS) * NB + start_m // SPARSE_BLOCK
     SUB: tl.constexpr = SPARSE_BLOCK // BLOCK_N
     n_off = tl.load(ROW_OFF + row)
+    lo = tl.load(ROW_IDX + row * ROW_WIDTH) * SPARSE_BLOCK  # the run's first key when CONTIG
     for it in range(0, n_off * SUB):
-        kb = tl.load(ROW_IDX + row * ROW_WIDTH + it // SUB)
-        start_n = tl.multiple_of(kb * SPARSE_BLOCK + (it % SUB) * BLOCK_N, BLOCK_N)
+        if CONTIG:
+            start_n = tl.multiple_of(lo + it * BLOCK_N, BLOCK_N)
+        else:
+            kb = tl.load(ROW_IDX + row * ROW_WIDTH + it // SUB)
+            start_n = tl.multiple_of(kb * SPARSE_BLOCK + (it % SUB) * BLOCK_N, BLOCK_N)
         dq_a, dq_b = _dq_tile(dq_a, dq_b, q_a, q_b, do_a, do_b, lse, delta, K_a, K_b, V_a, V_b, start_n, offs_m,
                               offs_n, qk_scale, stride_kt, stride_vt, key, dropout_p, T, dm_row, DB, False, DROPOUT,
                               PREC, PADDED)
@@ -433,7 +454,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, COL_IDX, COL_CUM, DIAG,
                    stride_gz, stride_gh, stride_gt,
                    H, T, NB, LUT_HEADS, COL_WIDTH,
                    HEAD_DIM: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
+                   CONTIG: tl.constexpr):
     # Key tiles in order: under a causal layout the first columns have the most blocks.
     start_n = tl.program_id(0) * BLOCK_N
     off_hz = tl.program_id(1)
@@ -484,9 +506,13 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, COL_IDX, COL_CUM, DIAG,
     # Query blocks strictly below the diagonal, only those inside the runtime T.
     n_off = tl.load(COL_CUM + col * NB + T // SPARSE_BLOCK - 1)
     SUB: tl.constexpr = SPARSE_BLOCK // BLOCK_M
+    lo = tl.load(COL_IDX + col * COL_WIDTH) * SPARSE_BLOCK  # the run's first query when CONTIG
     for it in range(0, n_off * SUB):
-        qb = tl.load(COL_IDX + col * COL_WIDTH + it // SUB)
-        start_m = tl.multiple_of(qb * SPARSE_BLOCK + (it % SUB) * BLOCK_M, BLOCK_M)
+        if CONTIG:
+            start_m = tl.multiple_of(lo + it * BLOCK_M, BLOCK_M)
+        else:
+            qb = tl.load(COL_IDX + col * COL_WIDTH + it // SUB)
+            start_m = tl.multiple_of(qb * SPARSE_BLOCK + (it % SUB) * BLOCK_M, BLOCK_M)
         dk_a, dk_b, dv_a, dv_b = _dkdv_tile(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, Q_a, Q_b, DO_a, DO_b, LSE,
                                             DELTA, start_m, start_n, offs_m, offs_n, qk_scale, stride_qt, stride_dot,
                                             key, dropout_p, T, dm_row, DB, False, DROPOUT, PREC, PADDED)
@@ -557,13 +583,16 @@ _SMALL_D = {  # D <= 64
     "dkdv": (Tile(32, 128, 8, 3), Tile(64, 128, 8, 3, **_NO_DROP), Tile(64, 64, 4, 3, **_NO_DROP),
              Tile(32, 64, 4, 4)),
 }
-_D96 = {  # D = 96: shapes as two parts (64 + 32, no wasted MMA work) and padded to 128; the tuner picks
-    "fwd": (Tile(128, 64, 8, 3), Tile(128, 64, 8, 3, True), Tile(128, 128, 8, 2, **_NO_DROP), Tile(64, 64, 4, 3),
-            Tile(64, 64, 4, 3, True, **_NO_DROP)),
-    "dq": (Tile(128, 64, 8, 2), Tile(128, 64, 8, 2, True), Tile(128, 32, 8, 3), Tile(64, 64, 4, 3, **_NO_DROP),
-           Tile(64, 32, 4, 3, True)),
-    "dkdv": (Tile(64, 128, 8, 2, **_NO_DROP), Tile(32, 128, 8, 3), Tile(32, 128, 8, 3, True, **_NO_DROP),
-             Tile(32, 64, 4, 3, **_NO_DROP), Tile(32, 64, 4, 3, True, **_NO_DROP), Tile(16, 64, 4, 3, True)),
+_D96 = {  # D = 96 as two parts (64 + 32, no wasted MMA work) or padded to 128. The first tiles of each kernel
+    # were the fastest of a wider grid timed on an H200 at the 1.5b model's shape (benchmarks/attention_tiles.py,
+    # benchmarks/results/attention_tiles_h200.json); the rest are the spill-free set above.
+    "fwd": (Tile(64, 64, 4, 2), Tile(64, 128, 4, 2), Tile(128, 64, 8, 3), Tile(128, 64, 8, 3, True),
+            Tile(128, 128, 8, 2, **_NO_DROP), Tile(64, 64, 4, 3), Tile(64, 64, 4, 3, True, **_NO_DROP)),
+    "dq": (Tile(64, 32, 4, 3), Tile(128, 64, 8, 3), Tile(128, 64, 8, 2), Tile(128, 64, 8, 2, True),
+           Tile(128, 32, 8, 3), Tile(64, 64, 4, 3, **_NO_DROP), Tile(64, 32, 4, 3, True)),
+    "dkdv": (Tile(64, 128, 8, 3), Tile(32, 64, 4, 2), Tile(32, 128, 8, 3), Tile(64, 128, 8, 2, **_NO_DROP),
+             Tile(32, 128, 8, 3, True, **_NO_DROP), Tile(32, 64, 4, 3, **_NO_DROP),
+             Tile(32, 64, 4, 3, True, **_NO_DROP), Tile(16, 64, 4, 3, True)),
 }
 _D128 = {
     "fwd": (Tile(128, 64, 8, 3), Tile(128, 128, 8, 2, **_NO_DROP), Tile(64, 64, 4, 3, **_NO_DROP),
@@ -605,7 +634,7 @@ def _tuned(kernel, kind: str, head_dim: int, tiles: tuple[Tile, ...]):
     key = (kind, head_dim, tiles)
     if key not in _TUNERS:
         configs = [triton.Config(t.meta(head_dim), num_warps=t.num_warps, num_stages=t.num_stages) for t in tiles]
-        _TUNERS[key] = triton.autotune(configs=configs, key=["T", "DROPOUT"])(kernel)
+        _TUNERS[key] = triton.autotune(configs=configs, key=["T", "DROPOUT", "CONTIG"])(kernel)
     return _TUNERS[key]
 
 
@@ -700,27 +729,40 @@ def _forward(q, k, v, lut: BlockLUT, dropout_p: float, seed: int, tiles):
     args = (q, k, v, o, lse, lut.row_idx, lut.row_off, lut.diag, 1.0 / math.sqrt(D), float(dropout_p), int(seed),
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
             H, T, lut.n_blocks, lut.n_heads, lut.row_idx.shape[1])
-    consts = dict(HEAD_DIM=D, SPARSE_BLOCK=lut.block, DROPOUT=dropout_p > 0, PREC=prec)
+    consts = dict(HEAD_DIM=D, SPARSE_BLOCK=lut.block, DROPOUT=dropout_p > 0, PREC=prec, CONTIG=lut.contiguous)
     _launch(_attn_fwd, "fwd", T, B * H, tiles, lut.block, D, q.dtype, args, consts)
     return o, lse
 
 
-def _backward(do, q, k, v, o, lse, lut: BlockLUT, dropout_p: float, seed: int, tiles):
+def _backward_dq(do, q, k, v, o, lse, lut: BlockLUT, dropout_p: float, seed: int, tiles):
+    """dq, and delta = rowsum(o * do) for the dk/dv kernel."""
     B, H, T, D = q.shape
-    do = _unit_last(do)
-    dq, dk, dv = _empty_bthd(q), _empty_bthd(q), _empty_bthd(q)
-    delta = torch.empty_like(lse)
+    dq, delta = _empty_bthd(q), torch.empty_like(lse)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    consts = dict(HEAD_DIM=D, SPARSE_BLOCK=lut.block, DROPOUT=dropout_p > 0, PREC=prec)
-    scale = 1.0 / math.sqrt(D)
-    dq_args = (q, k, v, o, do, dq, lse, delta, lut.row_idx, lut.row_off, lut.diag, scale, float(dropout_p),
-               int(seed), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *do.stride()[:3],
-               H, T, lut.n_blocks, lut.n_heads, lut.row_idx.shape[1])
-    _launch(_attn_bwd_dq, "dq", T, B * H, tiles, lut.block, D, q.dtype, dq_args, consts)
-    dkdv_args = (q, k, v, do, dk, dv, lse, delta, lut.col_idx, lut.col_cum, lut.diag, scale, float(dropout_p),
-                 int(seed), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3],
-                 H, T, lut.n_blocks, lut.n_heads, lut.col_idx.shape[1])
-    _launch(_attn_bwd_dkdv, "dkdv", T, B * H, tiles, lut.block, D, q.dtype, dkdv_args, consts)
+    consts = dict(HEAD_DIM=D, SPARSE_BLOCK=lut.block, DROPOUT=dropout_p > 0, PREC=prec, CONTIG=lut.contiguous)
+    args = (q, k, v, o, do, dq, lse, delta, lut.row_idx, lut.row_off, lut.diag, 1.0 / math.sqrt(D), float(dropout_p),
+            int(seed), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *do.stride()[:3],
+            H, T, lut.n_blocks, lut.n_heads, lut.row_idx.shape[1])
+    _launch(_attn_bwd_dq, "dq", T, B * H, tiles, lut.block, D, q.dtype, args, consts)
+    return dq, delta
+
+
+def _backward_dkdv(do, q, k, v, lse, delta, lut: BlockLUT, dropout_p: float, seed: int, tiles):
+    B, H, T, D = q.shape
+    dk, dv = _empty_bthd(q), _empty_bthd(q)
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    consts = dict(HEAD_DIM=D, SPARSE_BLOCK=lut.block, DROPOUT=dropout_p > 0, PREC=prec, CONTIG=lut.contiguous)
+    args = (q, k, v, do, dk, dv, lse, delta, lut.col_idx, lut.col_cum, lut.diag, 1.0 / math.sqrt(D),
+            float(dropout_p), int(seed), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
+            *dk.stride()[:3], H, T, lut.n_blocks, lut.n_heads, lut.col_idx.shape[1])
+    _launch(_attn_bwd_dkdv, "dkdv", T, B * H, tiles, lut.block, D, q.dtype, args, consts)
+    return dk, dv
+
+
+def _backward(do, q, k, v, o, lse, lut: BlockLUT, dropout_p: float, seed: int, tiles):
+    do = _unit_last(do)
+    dq, delta = _backward_dq(do, q, k, v, o, lse, lut, dropout_p, seed, tiles)
+    dk, dv = _backward_dkdv(do, q, k, v, lse, delta, lut, dropout_p, seed, tiles)
     return dq, dk, dv
 
 
