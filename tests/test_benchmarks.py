@@ -238,8 +238,11 @@ def test_readme_quotes_the_committed_ablation_ratios_and_targets_as_measured():
         ratios += [v["lightning"] / v["deepspeed"] for v in by.values() if v.get("lightning") and v.get("deepspeed")]
     readme = "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
     assert f"({min(ratios):.3f}-{max(ratios):.3f}, each one run" in readme  # 0.916-1.083
-    flex = load(ROOT / "benchmarks" / "results" / "attention_h200.json")
-    assert "1.2975" in json.dumps(flex) and "1.3x FlexAttention on causal at 2048 is missed" in readme
+    rows = load(ROOT / "benchmarks" / "results" / "attention_h200.json")["rows"]
+    vs_flex = sorted(r["speedup_vs_flex"] for r in rows if "speedup_vs_flex" in r)
+    assert len(vs_flex) == 9 and vs_flex[0] < 1.3 <= vs_flex[1]  # one row narrowly under the target, as quoted
+    assert f"met on 8 of the 9 rows ({vs_flex[1]:.2f}-{vs_flex[-1]:.2f}x)" in readme
+    assert f"({vs_flex[0]:.4f}x)" in readme
 
 
 OPTIMIZER_STEP = ROOT / "benchmarks" / "optimizer_step.py"
