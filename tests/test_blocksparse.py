@@ -60,7 +60,7 @@ def masked_reference(q, k, v, layout, block, keep=None, p=0.0):
     att = (q.double() @ k.double().transpose(-2, -1)) / math.sqrt(q.shape[-1])
     att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
     if keep is not None:
-        att = att * keep / (1.0 - p)
+        att = att * keep / (1.0 - bsa.applied_dropout(p))  # the rate the kernels apply (a multiple of 1/65536)
     return att @ v.double()
 
 
@@ -237,10 +237,20 @@ def test_dropout_keep_rate_and_streams():
     assert (a != bsa.dropout_keep_mask(B, H, T, 0.5, seed=12, device=DEVICE)).float().mean() > 0.4
     assert (a[0, 0] != a[0, 1]).float().mean() > 0.4  # heads draw independent streams
     assert (a[0, 0] != a[1, 0]).float().mean() > 0.4  # so do batch elements
-    # One Philox call feeds four neighbouring columns: each of them, and the next group, draws its own bits.
-    for shift in (1, 2, 3, 4):
+    # One Philox call feeds eight neighbouring columns (four numbers, two halves each): each of them, and the
+    # next group, draws its own bits.
+    for shift in (1, 2, 3, 4, 5, 6, 7, 8):
         assert (a[..., :-shift] != a[..., shift:]).float().mean() > 0.4, f"columns {shift} apart agree"
     assert (a[..., :-1, :] != a[..., 1:, :]).float().mean() > 0.4  # and rows
+
+
+def test_applied_dropout_is_the_rate_rounded_to_sixteen_bits():
+    assert bsa.applied_dropout(0.1) == 6554 / 65536 and abs(bsa.applied_dropout(0.1) - 0.1) < 1e-5
+    assert bsa.applied_dropout(0.5) == 0.5 and bsa.applied_dropout(0.0) == 0.0
+    assert bsa.applied_dropout(0.9999999) == 65535 / 65536  # never 1: some scores are always kept
+    keep = bsa.dropout_keep_mask(1, 4, 512, 0.9999999, seed=3, device=DEVICE)
+    # 2^20 scores, 16 kept on average (P(none) ~ 1e-7); a threshold wrapping to 0 would keep them all
+    assert 0 < keep.sum() < 64
 
 
 @pytest.mark.parametrize("kind,head_dim", [("strided", 96), ("random", 64)])

@@ -26,17 +26,19 @@ Design (Triton's fused-attention tutorial, tutorials/06-fused-attention.py, FA2 
     variant are chosen per (kernel, sparse block, head dim, dtype, dropout) among a few candidates by Triton's
     autotuner on the first call on a GPU (`candidate_tiles`; pruned offline by compiling for sm_90a and rejecting
     shapes that spill registers or exceed shared memory); `chosen_configs()` records the choices.
-  - Dropout: Philox counter-based random numbers (tl.rand4x: four per call). The key is (per-call seed,
-    batch*head index); score (q, k) takes number k % 4 of counter q * T / 4 + k // 4. Forward, dq and dk/dv
-    therefore regenerate the same keep mask element by element whatever their tile shapes. The per-call seed is
-    drawn from torch's CPU generator (reproducible under torch.manual_seed, restored by torch.utils.checkpoint on
-    recompute, and no GPU sync).
-    `dropout_keep_mask` returns the mask of a seed, for tests.
+  - Dropout: Philox counter-based random numbers (tl.randint4x: four 32-bit numbers per call, used as eight
+    16-bit halves). The key is (per-call seed, batch*head index); score (q, k) takes half k % 8 of counter
+    q * T / 8 + k // 8 and is kept when it is >= p * 65536, so the rate applied is p rounded to a multiple of
+    1/65536 (`applied_dropout`: 0.1 -> 0.100006), and kept probabilities are scaled by 1 / (1 - that rate).
+    Forward, dq and dk/dv therefore regenerate the same keep mask element by element whatever their tile shapes.
+    The per-call seed is drawn from torch's CPU generator (reproducible under torch.manual_seed, restored by
+    torch.utils.checkpoint on recompute, and no GPU sync). `dropout_keep_mask` returns the mask of a seed, for
+    tests.
 
 Limits (each raises ValueError naming the value): head dims SUPPORTED_HEAD_DIMS, sparse blocks SUPPORTED_BLOCKS,
 dtypes fp16/bf16/fp32 (fp32 uses exact fp32 dots: correct but slow), T a multiple of the sparse block and at most
 the layout's size; with dropout T <= 32768 (the mask kernel for tests addresses q * T + k in int32; the Philox
-counter q * T / 4 + k / 4 stays below 2^28). On a CPU the kernels run only under the Triton interpreter
+counter q * T / 8 + k / 8 stays below 2^27). On a CPU the kernels run only under the Triton interpreter
 (TRITON_INTERPRET=1 set before triton is imported).
 """
 
@@ -168,13 +170,19 @@ def _philox_key(seed, off_hz):
 
 @triton.jit
 def _keep(key, rows, col0, N: tl.constexpr, T, dropout_p):
-    """Dropout keep mask (len(rows), N) of the scores (rows, col0 .. col0 + N - 1), col0 a multiple of 4: the same
-    bits in every kernel whatever its tile shape. One Philox call gives four numbers: score (q, k) takes number
-    k % 4 of counter q * T / 4 + k // 4, so a tile costs a quarter of the Philox rounds of one call per score."""
-    counters = rows[:, None] * (T // 4) + (col0 // 4 + tl.arange(0, N // 4))[None, :]
-    r0, r1, r2, r3 = tl.rand4x(key, counters)
-    # interleave(interleave(r0, r2), interleave(r1, r3)) puts r_i[j] in column 4 j + i
-    return tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3)) >= dropout_p
+    """Dropout keep mask (len(rows), N) of the scores (rows, col0 .. col0 + N - 1), col0 a multiple of 8: the same
+    bits in every kernel whatever its tile shape. One Philox call gives four 32-bit numbers, eight 16-bit halves:
+    score (q, k) takes half k % 8 of counter q * T / 8 + k // 8 (number (k % 8) // 2, low half for even k) and is
+    kept when it is >= p * 65536 (`applied_dropout`: p is a multiple of 1/65536). A tile costs an eighth of the
+    Philox rounds of one call per score; those integer rounds are what dropout costs the kernels."""
+    counters = rows[:, None] * (T // 8) + (col0 // 8 + tl.arange(0, N // 8))[None, :]
+    r0, r1, r2, r3 = tl.randint4x(key, counters)
+    t = tl.cast(dropout_p * 65536.0 + 0.5, tl.uint32) << 16
+    # interleave(interleave(r0, r2), interleave(r1, r3)) puts r_i[j] in column 4 j + i; the outer interleave then
+    # puts the low half of r_i[j] in column 8 j + 2 i and its high half in 8 j + 2 i + 1. Low half >= p * 65536
+    # is (r << 16) >= t, high half >= p * 65536 is r >= t.
+    r = tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3))
+    return tl.interleave((r << 16) >= t, r >= t)
 
 
 @triton.jit
@@ -794,7 +802,13 @@ def blocksparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lut
     _check_inputs(q, k, v, lut, dropout_p)
     if tiles is None and _interpreted():
         tiles = interpreter_tiles(lut.block)
-    return _BlockSparseAttentionFn.apply(q, k, v, lut, float(dropout_p), int(seed), tiles)
+    return _BlockSparseAttentionFn.apply(q, k, v, lut, applied_dropout(dropout_p), int(seed), tiles)
+
+
+def applied_dropout(dropout_p: float) -> float:
+    """The rate the kernels apply for `dropout_p`: the nearest multiple of 1/65536 below 1 (a 16-bit random number
+    per score is compared with it), e.g. 0.1 -> 6554/65536 = 0.100006."""
+    return min(round(float(dropout_p) * 65536), 65535) / 65536
 
 
 def dropout_keep_mask(batch: int, heads: int, seq_len: int, dropout_p: float, seed: int,
@@ -802,8 +816,8 @@ def dropout_keep_mask(batch: int, heads: int, seq_len: int, dropout_p: float, se
     """The bool keep mask (B, H, T, T) that blocksparse_attention applies for (dropout_p, seed): for tests."""
     block = 16 if seq_len % 64 else 64
     mask = torch.empty(batch * heads, seq_len, seq_len, dtype=torch.int8, device=device)
-    _dropout_mask_kernel[(seq_len // block, seq_len // block, batch * heads)](mask, float(dropout_p), int(seed),
-                                                                             seq_len, BLOCK=block)
+    grid = (seq_len // block, seq_len // block, batch * heads)
+    _dropout_mask_kernel[grid](mask, applied_dropout(dropout_p), int(seed), seq_len, BLOCK=block)
     return mask.view(batch, heads, seq_len, seq_len).bool()
 
 
