@@ -11,7 +11,9 @@ Design (Triton's fused-attention tutorial, tutorials/06-fused-attention.py, FA2 
     which, and loops only over those. Blocks strictly below the diagonal need no mask; the diagonal block is kept
     apart and visited last (rows) or first (columns) with the causal mask: the mask is applied in diagonal blocks
     only, and the unmasked loop stays a plain software-pipelined loop. Columns carry a cumulative count so that
-    a shorter runtime T (the layout's top-left sub-grid) needs no new table.
+    a shorter runtime T (the layout's top-left sub-grid) needs no new table. Where every row's and column's
+    blocks are one run (causal, local: `BlockLUT.contiguous`, the CONTIG constexpr) the loops step from the run's
+    first block with affine addresses instead of reading each block index.
   - Forward: one program per BLOCK_M queries, online softmax over BLOCK_N-key tiles in base 2 (scale folded into
     log2(e)), saves the log-sum-exp (base 2) for backward. Programs of the longest rows are launched first.
   - Backward, no atomics: the dq kernel (one program per query tile, same row table) also computes
@@ -24,8 +26,9 @@ Design (Triton's fused-attention tutorial, tutorials/06-fused-attention.py, FA2 
   - Kernel tiles may be smaller than the sparse block (e.g. 64x64 tiles in 128-token blocks): a block is then
     visited as SPARSE_BLOCK // BLOCK_N sub-tiles in one flattened loop. Tile sizes, warps, stages and the D = 96
     variant are chosen per (kernel, sparse block, head dim, dtype, dropout) among a few candidates by Triton's
-    autotuner on the first call on a GPU (`candidate_tiles`; pruned offline by compiling for sm_90a and rejecting
-    shapes that spill registers or exceed shared memory); `chosen_configs()` records the choices.
+    autotuner on the first call on a GPU (`candidate_tiles`: pruned offline by compiling for sm_90a and rejecting
+    shapes that spill registers or exceed shared memory, and for D = 96 led by the fastest tiles of a sweep on an
+    H200, benchmarks/attention_tiles.py); `chosen_configs()` records the choices.
   - Dropout: Philox counter-based random numbers (tl.randint4x: four 32-bit numbers per call, used as eight
     16-bit halves). The key is (per-call seed, batch*head index); score (q, k) takes half k % 8 of counter
     q * T / 8 + k // 8 and is kept when it is >= p * 65536, so the rate applied is p rounded to a multiple of
