@@ -596,7 +596,7 @@ _SMALL_D = {  # D <= 64
 }
 _D96 = {  # D = 96 as two parts (64 + 32, no wasted MMA work) or padded to 128. The first tiles of each kernel
     # were the fastest of a wider grid timed on an H200 at the 1.5b model's shape (benchmarks/attention_tiles.py,
-    # benchmarks/results/attention_tiles_h200.json); the rest are the spill-free set above.
+    # benchmarks/results/blocksparse_tiles_h200/); the rest are the spill-free set above.
     "fwd": (Tile(64, 64, 4, 2), Tile(64, 128, 4, 2), Tile(128, 64, 8, 3), Tile(128, 64, 8, 3, True),
             Tile(128, 128, 8, 2, **_NO_DROP), Tile(64, 64, 4, 3), Tile(64, 64, 4, 3, True, **_NO_DROP)),
     "dq": (Tile(64, 32, 4, 3), Tile(128, 64, 8, 3), Tile(128, 64, 8, 2), Tile(128, 64, 8, 2, True),
