@@ -16,7 +16,9 @@ Tolerances (absolute, on outputs of O(1) and gradients of O(1) from unit-varianc
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -455,3 +457,19 @@ def test_lookup_table_is_built_on_the_cpu_under_a_default_device_context():
         model = GPT(preset("tiny", attention="blocksparse"))
     lut = model.blocks[0].attn.attn.lut
     assert lut.row_idx.device.type == "cpu" and lut.col_cum.device.type == "cpu"
+
+
+def test_head_dim_96_candidates_hold_the_fastest_tiles_of_the_committed_h200_sweep():
+    """The autotuner can only pick what it is offered: the sweep's fastest tile of each kernel, with and without
+    dropout, is a candidate, and the no-dropout ones lead (benchmarks/results/blocksparse_tiles_h200/)."""
+    sweep = Path(__file__).parents[1] / "benchmarks" / "results" / "blocksparse_tiles_h200"
+    summary = json.loads((sweep / "attention_tiles_h200.json").read_text())["summary"]
+    assert {s["dropout"] for s in summary} == {0.0, 0.1}
+    for s in summary:
+        for kind, best in s["best"].items():
+            tile = Tile(best["block_m"], best["block_n"], best["num_warps"], best["num_stages"], best["pad_d"])
+            shapes = [dataclasses.replace(t, dropout=True)
+                      for t in bsa.candidate_tiles(kind, 128, 96, torch.bfloat16, s["dropout"] > 0)]
+            assert tile in shapes, (kind, s["dropout"], tile)
+            if s["dropout"] == 0.0:
+                assert shapes[0] == tile, (kind, "the fastest tile is not the first candidate")
