@@ -203,6 +203,10 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
     args = p.parse_args(argv)
+    if args.head_dim not in bsa.SUPPORTED_HEAD_DIMS:
+        p.error(f"--head_dim {args.head_dim}: the kernels support {bsa.SUPPORTED_HEAD_DIMS}")
+    if args.block not in bsa.SUPPORTED_BLOCKS:
+        p.error(f"--block {args.block}: the kernels support {bsa.SUPPORTED_BLOCKS}")
     if args.seq % args.block:
         p.error(f"--seq {args.seq} must be a multiple of --block {args.block}")
     if bad := [d for d in args.dropouts if not 0.0 <= d < 1.0]:

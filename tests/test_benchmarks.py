@@ -309,5 +309,6 @@ def test_attention_tiles_sums_each_kernels_fastest_tile_per_path_and_rate():
         assert grid and len(set(grid)) == len(grid) and any(t.pad_d for t in grid)
     with pytest.raises(SystemExit):
         tiles.parse_args(["--seq", "2000"])
-    with pytest.raises(SystemExit):
-        tiles.parse_args(["--inputs", "bthd"])
+    for bad in (["--inputs", "bthd"], ["--head_dim", "80"], ["--block", "96", "--seq", "1920"]):
+        with pytest.raises(SystemExit):
+            tiles.parse_args(bad)
