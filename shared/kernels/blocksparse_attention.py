@@ -732,15 +732,20 @@ def _unit_last(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _constexprs(q: torch.Tensor, lut: BlockLUT, dropout_p: float) -> dict:
+    """The constexprs every kernel takes besides its tile (fp32 inputs take exact "ieee" dots)."""
+    return dict(HEAD_DIM=q.shape[-1], SPARSE_BLOCK=lut.block, DROPOUT=dropout_p > 0,
+                PREC="ieee" if q.dtype == torch.float32 else "tf32", CONTIG=lut.contiguous)
+
+
 def _forward(q, k, v, lut: BlockLUT, dropout_p: float, seed: int, tiles):
     B, H, T, D = q.shape
     o = _empty_bthd(q)
     lse = torch.empty(B * H, T, dtype=torch.float32, device=q.device)
-    prec = "ieee" if q.dtype == torch.float32 else "tf32"
     args = (q, k, v, o, lse, lut.row_idx, lut.row_off, lut.diag, 1.0 / math.sqrt(D), float(dropout_p), int(seed),
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
             H, T, lut.n_blocks, lut.n_heads, lut.row_idx.shape[1])
-    consts = dict(HEAD_DIM=D, SPARSE_BLOCK=lut.block, DROPOUT=dropout_p > 0, PREC=prec, CONTIG=lut.contiguous)
+    consts = _constexprs(q, lut, dropout_p)
     _launch(_attn_fwd, "fwd", T, B * H, tiles, lut.block, D, q.dtype, args, consts)
     return o, lse
 
@@ -749,8 +754,7 @@ def _backward_dq(do, q, k, v, o, lse, lut: BlockLUT, dropout_p: float, seed: int
     """dq, and delta = rowsum(o * do) for the dk/dv kernel."""
     B, H, T, D = q.shape
     dq, delta = _empty_bthd(q), torch.empty_like(lse)
-    prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    consts = dict(HEAD_DIM=D, SPARSE_BLOCK=lut.block, DROPOUT=dropout_p > 0, PREC=prec, CONTIG=lut.contiguous)
+    consts = _constexprs(q, lut, dropout_p)
     args = (q, k, v, o, do, dq, lse, delta, lut.row_idx, lut.row_off, lut.diag, 1.0 / math.sqrt(D), float(dropout_p),
             int(seed), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *do.stride()[:3],
             H, T, lut.n_blocks, lut.n_heads, lut.row_idx.shape[1])
@@ -761,8 +765,7 @@ def _backward_dq(do, q, k, v, o, lse, lut: BlockLUT, dropout_p: float, seed: int
 def _backward_dkdv(do, q, k, v, lse, delta, lut: BlockLUT, dropout_p: float, seed: int, tiles):
     B, H, T, D = q.shape
     dk, dv = _empty_bthd(q), _empty_bthd(q)
-    prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    consts = dict(HEAD_DIM=D, SPARSE_BLOCK=lut.block, DROPOUT=dropout_p > 0, PREC=prec, CONTIG=lut.contiguous)
+    consts = _constexprs(q, lut, dropout_p)
     args = (q, k, v, do, dk, dv, lse, delta, lut.col_idx, lut.col_cum, lut.diag, 1.0 / math.sqrt(D),
             float(dropout_p), int(seed), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
             *dk.stride()[:3], H, T, lut.n_blocks, lut.n_heads, lut.col_idx.shape[1])
