@@ -10,6 +10,10 @@ as 64 + 32 or padded to 128) of a larger grid. A tile that fails to compile or l
 records its error. Each result is compared with the first tile's (max abs difference; the kernels' tiles sum in
 different orders, so small bf16 differences are expected; with dropout the mask is the same in every tile).
 
+`--tma off|on|both` loads each tile's loop operands with pointers, through TMA descriptors, or times each tile
+both ways. `--atomic_dq` also times the one-pass backward at every dk/dv tile (`dkdv_dq` rows: delta, zeroed fp32
+dq, the dk/dv kernel adding dq atomically, the cast back), against the two-kernel backward's best dq + dk/dv.
+
 Layouts whose rows and columns are runs (causal, local) are also timed with the lookup-table path forced
 (`lookup` rows): the ratio says what the affine path gains. The yardstick in the same run is SDPA with the cuDNN
 kernel (forward, and forward + backward) at the same shape; `best_sum_ms` adds each kernel's fastest tile
@@ -41,6 +45,8 @@ from shared.model.config import GPTConfig
 from shared.train.results import device_info, versions
 
 KINDS = ("fwd", "dq", "dkdv")
+ATOMIC = "dkdv_dq"  # the whole backward in one pass over the keys, dq added atomically (--atomic_dq)
+FIELDS = ("block_m", "block_n", "num_warps", "num_stages", "pad_d", "tma", "ms")
 
 
 def wide_grid(kind: str, head_dim: int) -> list[bsa.Tile]:
@@ -59,11 +65,16 @@ def wide_grid(kind: str, head_dim: int) -> list[bsa.Tile]:
 
 
 def grid(args, kind: str, dropout: bool) -> list[bsa.Tile]:
+    kind = "dkdv" if kind == ATOMIC else kind
     cands = list(bsa.candidate_tiles(kind, args.block, args.head_dim, torch.bfloat16, dropout))
     if args.grid == "wide":
         cands += [t for t in wide_grid(kind, args.head_dim) if t not in cands and t.block_m <= args.block
                   and t.block_n <= args.block]
-    return cands
+    loads = {"off": (False,), "on": (True,), "both": (False, True)}[args.tma]
+    out = []
+    for tma in loads:
+        out += [t for t in (dataclasses.replace(c, tma=tma) for c in cands) if t not in out]
+    return out
 
 
 def time_kernels(args, lut, q, k, v, do, p: float, seed: int, path: str) -> list[dict]:
@@ -76,8 +87,9 @@ def time_kernels(args, lut, q, k, v, do, p: float, seed: int, path: str) -> list
         "fwd": lambda t: bsa._forward(q, k, v, lut, p, seed, {"fwd": t})[0],
         "dq": lambda t: bsa._backward_dq(do, q, k, v, o, lse, lut, p, seed, {"dq": t})[0],
         "dkdv": lambda t: torch.cat(bsa._backward_dkdv(do, q, k, v, lse, delta, lut, p, seed, {"dkdv": t}), -1),
+        ATOMIC: lambda t: torch.cat(bsa._backward_atomic_dq(do, q, k, v, o, lse, lut, p, seed, {"dkdv": t}), -1),
     }
-    for kind in KINDS:
+    for kind in KINDS + ((ATOMIC,) if args.atomic_dq else ()):
         first = None
         for tile in grid(args, kind, p > 0):
             shape = {f: v for f, v in dataclasses.asdict(tile).items() if f != "dropout"}  # not the tile's flag
@@ -136,13 +148,18 @@ def summarize(rows: list[dict], sdpa: dict) -> list[dict]:
         if any(b is None for b in best.values()):
             continue
         total = sum(b["ms"] for b in best.values())
+        atomic = min((r for r in group if r["kernel"] == ATOMIC), key=lambda r: r["ms"], default=None)
         ref = sdpa[str(p)]
-        out.append({"path": path, "dropout": p, "best": {k: {x: b[x] for x in ("block_m", "block_n", "num_warps",
-                                                                                 "num_stages", "pad_d", "ms")}
-                                                          for k, b in best.items()},
+        out.append({"path": path, "dropout": p,
+                    "best": {k: {x: b.get(x, False) for x in FIELDS} for k, b in best.items()},
                     "best_sum_ms": total, "sdpa_cudnn_fwd_bwd_ms": ref["fwd_bwd_ms"],
                     "speedup_vs_sdpa_cudnn": ref["fwd_bwd_ms"] / total,
                     "fwd_speedup_vs_sdpa_cudnn": ref["fwd_ms"] / best["fwd"]["ms"]})
+        if atomic is not None:  # the forward's best plus the one-pass backward's best (delta, zeros and cast included)
+            out[-1]["atomic_dq"] = {"best": {x: atomic.get(x, False) for x in FIELDS},
+                                    "sum_ms": best["fwd"]["ms"] + atomic["ms"],
+                                    "speedup_vs_sdpa_cudnn": ref["fwd_bwd_ms"] / (best["fwd"]["ms"] + atomic["ms"]),
+                                    "vs_two_kernel_backward": (best["dq"]["ms"] + best["dkdv"]["ms"]) / atomic["ms"]}
     return out
 
 
@@ -170,7 +187,7 @@ def main(args) -> dict:
         "versions": versions(), "device": device_info(),
         "settings": {"batch": args.batch, "heads": args.heads, "head_dim": args.head_dim, "seq": args.seq,
                      "block": args.block, "layout": args.layout, "dtype": "bf16", "dropouts": args.dropouts,
-                     "inputs": args.inputs,
+                     "inputs": args.inputs, "tma": args.tma, "atomic_dq": args.atomic_dq,
                      "grid": args.grid, "warmup_ms": args.warmup, "rep_ms": args.rep,
                      "timing": "triton.testing.do_bench median, one kernel per row"},
         "sdpa_cudnn": sdpa, "summary": summary, "rows": rows, "wall_s": time.time() - started,
@@ -179,6 +196,10 @@ def main(args) -> dict:
         print(f"{s['path']:6} p={s['dropout']}: best sum {s['best_sum_ms']:.3f} ms, sdpa cudnn "
               f"{s['sdpa_cudnn_fwd_bwd_ms']:.3f} ms -> {s['speedup_vs_sdpa_cudnn']:.3f}x; "
               + ", ".join(f"{k} {b['ms']:.3f}" for k, b in s["best"].items()))
+        if "atomic_dq" in s:
+            a = s["atomic_dq"]
+            print(f"{'':6} one-pass backward {a['best']['ms']:.3f} ms ({a['vs_two_kernel_backward']:.3f}x the two "
+                  f"kernels): sum {a['sum_ms']:.3f} ms -> {a['speedup_vs_sdpa_cudnn']:.3f}x sdpa cudnn")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2, default=str))
@@ -199,6 +220,10 @@ def parse_args(argv=None):
     p.add_argument("--dropouts", type=float, nargs="+", default=[0.0])
     p.add_argument("--inputs", choices=("model", "bhtd"), default="model",
                    help="q, k, v as the model's views of one (B, T, 3C) projection, or contiguous (B, H, T, D)")
+    p.add_argument("--tma", choices=("off", "on", "both"), default="both",
+                   help="tiles loaded with pointers, through TMA descriptors, or each tile both ways")
+    p.add_argument("--atomic-dq", "--atomic_dq", dest="atomic_dq", action="store_true",
+                   help="also time the one-pass backward (dk/dv kernel adding dq atomically) at every dk/dv tile")
     p.add_argument("--lookup", action="store_true", help="also time the lookup-table path on a causal/local layout")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")

@@ -224,6 +224,52 @@ def test_module_strided_input_views_like_the_model():
                                rtol=0)
 
 
+@pytest.mark.parametrize("head_dim,pad_d,dropout_p", [(96, False, 0.0), (96, True, 0.1), (64, False, 0.1)])
+def test_tma_loads_give_the_numbers_of_pointer_loads(head_dim, pad_d, dropout_p):
+    """Tiles read through TMA tensor descriptors (the two parts of D = 96, or one part padded with zeros past the
+    head dim) give bit-identical outputs and gradients, on the model's strided views."""
+    B, H, T = 1, 2, 128
+    x = torch.randn(B, T, 3 * H * head_dim, generator=torch.Generator().manual_seed(head_dim)).to(DEVICE, torch.float16)
+    q, k, v = (t.view(B, T, H, head_dim).transpose(1, 2).detach().requires_grad_() for t in x.split(H * head_dim, 2))
+    do = torch.randn(B, T, H, head_dim, device=DEVICE, dtype=torch.float16).transpose(1, 2)
+    lut = BlockLUT.from_layout(layouts.causal(2), 64).to(DEVICE)
+    runs = []
+    for tma in (False, True):
+        tiles = {kind: dataclasses.replace(t, tma=tma) for kind, t in bsa.interpreter_tiles(64, pad_d).items()}
+        out = blocksparse_attention(q, k, v, lut, dropout_p=dropout_p, seed=11, tiles=tiles)
+        runs.append((out, *torch.autograd.grad(out, (q, k, v), do)))
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("head_dim,pad_d,dropout_p", [(96, False, 0.0), (96, True, 0.1), (64, False, 0.1)])
+def test_one_pass_backward_with_atomic_dq_matches_the_two_kernel_backward(head_dim, pad_d, dropout_p):
+    """The alternative backward benchmarks/attention_tiles.py --atomic_dq times (the dk/dv kernel also adds dq
+    atomically in fp32; delta from its own kernel) gives the two-kernel backward's gradients."""
+    q, k, v, do = (x.detach() for x in inputs(1, 2, 128, head_dim, torch.float32, seed=head_dim))
+    lut = BlockLUT.from_layout(random_layout(2, 2, seed=4), 64).to(DEVICE)
+    tiles = bsa.interpreter_tiles(64, pad_d) if DEVICE == "cpu" else None  # the autotuned candidates on a GPU
+    o, lse = bsa._forward(q, k, v, lut, dropout_p, 9, tiles)
+    two = bsa._backward(do, q, k, v, o, lse, lut, dropout_p, 9, tiles)
+    one = bsa._backward_atomic_dq(do, q, k, v, o, lse, lut, dropout_p, 9, tiles)
+    for name, a, b in zip(("dq", "dk", "dv"), two, one):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_tma_tiles_refuse_inputs_descriptors_cannot_read():
+    q, k, v, do = inputs(1, 2, 128, 64, torch.float16)
+    assert bsa.tma_ok(q, k, v, do) is None
+    assert "dtype torch.float32" in bsa.tma_ok(q.float())
+    shifted = torch.randn(1 * 2 * 128 * 64 + 1, dtype=torch.float16, device=DEVICE)[1:].view(1, 2, 128, 64)
+    assert "16-byte aligned" in bsa.tma_ok(shifted, k, v)
+    odd = torch.randn(1, 2, 128, 65, dtype=torch.float16, device=DEVICE)[..., :64]  # rows of 130 bytes
+    assert "16-byte aligned" in bsa.tma_ok(odd)
+    lut = BlockLUT.from_layout(layouts.causal(2), 64).to(DEVICE)
+    tiles = {kind: dataclasses.replace(t, tma=True) for kind, t in bsa.interpreter_tiles(64).items()}
+    with pytest.raises(ValueError, match="loads through TMA.*16-byte aligned"):
+        blocksparse_attention(shifted, k, v, lut, tiles=tiles)
+
+
 # ------------------------------------------------------------------------------------------------ dropout
 
 
@@ -395,16 +441,18 @@ def test_gpu_fp16_and_block_64(block, kind):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
 @pytest.mark.parametrize("dropout_p", [0.0, 0.1], ids=["no_dropout", "dropout"])
 @pytest.mark.parametrize("kernel", ["fwd", "dq", "dkdv"])
-def test_gpu_every_candidate_tile_is_correct(kernel, dropout_p):
+def test_gpu_every_candidate_tile_is_correct(kernel, dropout_p, tma):
     """The autotuner may pick any candidate: each must compile and agree (D = 96, the benchmark's head dim; its
     padded variants run the D = 128 code path), with dropout too (each tile shape draws the mask's four-column
-    Philox groups from its own offsets, the dk/dv kernel transposed)."""
+    Philox groups from its own offsets, the dk/dv kernel transposed), its tiles loaded with pointers or TMA."""
     layout = random_layout(4, 4, seed=21)
     q, k, v, do = inputs(1, 4, 512, 96, torch.bfloat16, seed=22)
     tiles = {name: bsa.candidate_tiles(name, 128, 96, torch.bfloat16, dropout_p > 0)[0] for name in GPU_TILES[96]}
     for tile in bsa.candidate_tiles(kernel, 128, 96, torch.bfloat16, dropout_p > 0):
+        tile = dataclasses.replace(tile, tma=tma)
         for x in (q, k, v):
             x.grad = None
         check_against_reference(layout, 128, q, k, v, do, tiles={**tiles, kernel: tile}, dropout_p=dropout_p,
@@ -425,6 +473,30 @@ def test_gpu_autotuned_path_and_model_layout_inputs():
     out.float().square().sum().backward()
     assert torch.isfinite(x.grad).all()
     assert bsa.chosen_configs(), "the autotuner recorded no choice"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+def test_gpu_tma_tiles_read_the_models_strided_views(head_dim):
+    """q, k, v as views of one (B, T, 3C) projection and dO in (B, T, H, D) storage, loaded through TMA: the same
+    outputs and gradients as pointer loads, bit for bit, and the reference's."""
+    B, H, T = 2, 4, 1024
+    x = torch.randn(B, T, 3 * H * head_dim, device="cuda", dtype=torch.bfloat16)
+    q, k, v = (t.view(B, T, H, head_dim).transpose(1, 2).detach().requires_grad_() for t in x.split(H * head_dim, 2))
+    do = torch.randn(B, T, H, head_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    lut = BlockLUT.from_layout(make_layout("strided", H, 8), 128).to("cuda")
+    assert bsa.tma_ok(q, k, v, do) is None
+    runs = []
+    for tma in (False, True):
+        tiles = {kind: dataclasses.replace(t, tma=tma) for kind, t in GPU_TILES[head_dim].items()}
+        out = blocksparse_attention(q, k, v, lut, dropout_p=0.1, seed=3, tiles=tiles)
+        runs.append((out, *torch.autograd.grad(out, (q, k, v), do)))
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    for x_ in (q, k, v):
+        x_.grad = None
+    tiles = {kind: dataclasses.replace(t, tma=True) for kind, t in GPU_TILES[head_dim].items()}
+    check_against_reference(make_layout("strided", H, 8), 128, q, k, v, do, tiles=tiles, dropout_p=0.1, seed=3)
 
 
 @pytest.mark.gpu
@@ -459,17 +531,22 @@ def test_lookup_table_is_built_on_the_cpu_under_a_default_device_context():
     assert lut.row_idx.device.type == "cpu" and lut.col_cum.device.type == "cpu"
 
 
-def test_head_dim_96_candidates_hold_the_fastest_tiles_of_the_committed_h200_sweep():
-    """The autotuner can only pick what it is offered: the sweep's fastest tile of each kernel, with and without
-    dropout, is a candidate, and the no-dropout ones lead (benchmarks/results/blocksparse_tiles_h200/)."""
-    sweep = Path(__file__).parents[1] / "benchmarks" / "results" / "blocksparse_tiles_h200"
-    summary = json.loads((sweep / "attention_tiles_h200.json").read_text())["summary"]
+@pytest.mark.parametrize("sweep,files", [
+    ("blocksparse_tiles_h200", ["attention_tiles_h200.json"]),  # pointer loads only
+    ("blocksparse_tma_h200", ["tiles_tma_wide.json", "tiles_tma_dropout.json"]),  # each tile with and without TMA
+])
+def test_head_dim_96_candidates_hold_the_fastest_tiles_of_the_committed_h200_sweeps(sweep, files):
+    """The autotuner can only pick what it is offered: each sweep's fastest tile of each kernel, with and without
+    dropout, is a candidate, and the fastest without dropout of the latest sweep (with TMA) lead."""
+    folder = Path(__file__).parents[1] / "benchmarks" / "results" / sweep
+    summary = [s for f in files for s in json.loads((folder / f).read_text())["summary"]]
     assert {s["dropout"] for s in summary} == {0.0, 0.1}
     for s in summary:
         for kind, best in s["best"].items():
-            tile = Tile(best["block_m"], best["block_n"], best["num_warps"], best["num_stages"], best["pad_d"])
+            tile = Tile(best["block_m"], best["block_n"], best["num_warps"], best["num_stages"], best["pad_d"],
+                        tma=best.get("tma", False))
             shapes = [dataclasses.replace(t, dropout=True)
                       for t in bsa.candidate_tiles(kind, 128, 96, torch.bfloat16, s["dropout"] > 0)]
             assert tile in shapes, (kind, s["dropout"], tile)
-            if s["dropout"] == 0.0:
+            if s["dropout"] == 0.0 and sweep == "blocksparse_tma_h200":
                 assert shapes[0] == tile, (kind, "the fastest tile is not the first candidate")

@@ -19,6 +19,8 @@ Design (Triton's fused-attention tutorial, tutorials/06-fused-attention.py, FA2 
   - Backward, no atomics: the dq kernel (one program per query tile, same row table) also computes
     delta = rowsum(o * do) for its rows (the tutorial's separate preprocess pass, fused); then the dk/dv kernel
     (one program per key tile, column table) reads delta. Each gradient element is written by exactly one program.
+    `_backward_atomic_dq` is the one-pass alternative (the dk/dv kernel also adds dq atomically in fp32, DQ_ATOMIC:
+    5 products instead of 7), kept for benchmarks/attention_tiles.py --atomic_dq: it measured slower on an H200.
   - Head dims: Triton tiles are powers of two. D = 96 runs either as two parts, 64 + 32 wide (q_a/q_b,
     acc_a/acc_b, ...: no wasted tensor-core work, a second chained dot per product), or as one part zero-padded
     to 128 with masked loads and stores (4/3 of the work, one dot); both are autotuning candidates, since which
@@ -29,6 +31,11 @@ Design (Triton's fused-attention tutorial, tutorials/06-fused-attention.py, FA2 
     autotuner on the first call on a GPU (`candidate_tiles`: pruned offline by compiling for sm_90a and rejecting
     shapes that spill registers or exceed shared memory, and for D = 96 led by the fastest tiles of a sweep on an
     H200, benchmarks/attention_tiles.py); `chosen_configs()` records the choices.
+  - TMA: a tile may load the tiles of its loop (keys and values in the forward and dq kernels, queries and dO in
+    dk/dv) through tensor descriptors the program creates on the device (`Tile.tma`; Hopper's tensor memory
+    accelerator copies a whole tile to shared memory, no per-thread addresses). Such tiles are candidates only
+    where `tma_ok` accepts the inputs (fp16/bf16, 16-byte aligned bases and strides, compute capability >= 9);
+    a fixed TMA tile on other inputs raises ValueError.
   - Dropout: Philox counter-based random numbers (tl.randint4x: four 32-bit numbers per call, used as eight
     16-bit halves). The key is (per-call seed, batch*head index); score (q, k) takes half k % 8 of counter
     q * T / 8 + k // 8 and is kept when it is >= p * 65536, so the rate applied is p rounded to a multiple of
@@ -207,15 +214,44 @@ def _store_a(ptrs, x, dmask, PADDED: tl.constexpr):
 
 
 @triton.jit
+def _load_kv(src, row, stride, dmask, PADDED: tl.constexpr, TMA: tl.constexpr):
+    """The (rows, part) tile starting at token `row`: from a tensor descriptor (TMA; zero past the head dim) or a
+    pointer tile based at token 0."""
+    if TMA:
+        x = src.load([row, 0])
+    else:
+        x = _load_a(src + row * stride, dmask, PADDED)
+    return x
+
+
+@triton.jit
+def _descriptors(X, T, stride_t, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr):
+    """TMA descriptors of one (T, HEAD_DIM) head, tiles of (ROWS, DA) columns [0, DA) and (ROWS, DB) columns
+    [DA, DA + DB); a padded part (DA > HEAD_DIM) reads zeros past the head dim."""
+    xa = tl.make_tensor_descriptor(X, shape=[T, HEAD_DIM - DB], strides=[stride_t, 1], block_shape=[ROWS, DA])
+    xb = xa
+    if DB > 0:
+        xb = tl.make_tensor_descriptor(X + DA, shape=[T, DB], strides=[stride_t, 1], block_shape=[ROWS, DB])
+    return xa, xb
+
+
+@triton.jit
 def _fwd_tile(acc_a, acc_b, l_i, m_i, q_a, q_b, K_a, K_b, V_a, V_b, start_n, offs_m, offs_n, qk_scale,
               stride_kt, stride_vt, key, dropout_p, T, dm_row, dm_col,
               DB: tl.constexpr, MASK: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
-              PADDED: tl.constexpr):
-    """One (BLOCK_M x BLOCK_N) step of the online softmax (FA2 algorithm 1), in base 2."""
-    kT_a = _load_a(K_a + start_n * stride_kt, dm_col, PADDED)  # (DA, BLOCK_N)
+              PADDED: tl.constexpr, TMA: tl.constexpr):
+    """One (BLOCK_M x BLOCK_N) step of the online softmax (FA2 algorithm 1), in base 2. With TMA, K_*/V_* are
+    tensor descriptors of (BLOCK_N, part) tiles instead of pointer tiles."""
+    if TMA:
+        kT_a = K_a.load([start_n, 0]).T
+    else:
+        kT_a = _load_a(K_a + start_n * stride_kt, dm_col, PADDED)  # (DA, BLOCK_N)
     qk = tl.dot(q_a, kT_a, input_precision=PREC)
     if DB > 0:
-        kT_b = tl.load(K_b + start_n * stride_kt)
+        if TMA:
+            kT_b = K_b.load([start_n, 0]).T
+        else:
+            kT_b = tl.load(K_b + start_n * stride_kt)
         qk = tl.dot(q_b, kT_b, qk, input_precision=PREC)
     if MASK:
         causal = offs_m[:, None] >= (start_n + offs_n)[None, :]
@@ -231,10 +267,10 @@ def _fwd_tile(acc_a, acc_b, l_i, m_i, q_a, q_b, K_a, K_b, V_a, V_b, start_n, off
     if DROPOUT:
         p = tl.where(_keep(key, offs_m, start_n, offs_n.shape[0], T, dropout_p), p, 0.0)
     p = p.to(q_a.dtype)
-    v_a = _load_a(V_a + start_n * stride_vt, dm_row, PADDED)  # (BLOCK_N, DA)
+    v_a = _load_kv(V_a, start_n, stride_vt, dm_row, PADDED, TMA)  # (BLOCK_N, DA)
     acc_a = tl.dot(p, v_a, acc_a * alpha[:, None], input_precision=PREC)
     if DB > 0:
-        v_b = tl.load(V_b + start_n * stride_vt)
+        v_b = _load_kv(V_b, start_n, stride_vt, dm_row, False, TMA)
         acc_b = tl.dot(p, v_b, acc_b * alpha[:, None], input_precision=PREC)
     return acc_a, acc_b, l_i, m_ij
 
@@ -247,7 +283,7 @@ def _attn_fwd(Q, K, V, Out, LSE, ROW_IDX, ROW_OFF, DIAG,
               H, T, NB, LUT_HEADS, ROW_WIDTH,
               HEAD_DIM: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
-              CONTIG: tl.constexpr):
+              CONTIG: tl.constexpr, TMA: tl.constexpr = False):
     # Query tiles in reverse: under a causal layout the last rows have the most blocks, so they start first and
     # the short rows fill the tail of the grid.
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
@@ -277,6 +313,9 @@ def _attn_fwd(Q, K, V, Out, LSE, ROW_IDX, ROW_OFF, DIAG,
         K_b = K + offs_n[None, :] * stride_kt + offs_db[:, None]
         V_b = V + offs_n[:, None] * stride_vt + offs_db[None, :]
         acc_b = tl.zeros([BLOCK_M, DB], dtype=tl.float32)
+    if TMA:  # keys and values of the loops through the tensor memory accelerator
+        K_a, K_b = _descriptors(K, T, stride_kt, BLOCK_N, HEAD_DIM, DA, DB)
+        V_a, V_b = _descriptors(V, T, stride_vt, BLOCK_N, HEAD_DIM, DA, DB)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     qk_scale = sm_scale * 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
@@ -295,7 +334,7 @@ def _attn_fwd(Q, K, V, Out, LSE, ROW_IDX, ROW_OFF, DIAG,
             start_n = tl.multiple_of(kb * SPARSE_BLOCK + (it % SUB) * BLOCK_N, BLOCK_N)
         acc_a, acc_b, l_i, m_i = _fwd_tile(acc_a, acc_b, l_i, m_i, q_a, q_b, K_a, K_b, V_a, V_b, start_n, offs_m,
                                            offs_n, qk_scale, stride_kt, stride_vt, key, dropout_p, T, dm_row,
-                                           dm_col, DB, False, DROPOUT, PREC, PADDED)
+                                           dm_col, DB, False, DROPOUT, PREC, PADDED, TMA)
     # The diagonal block, causal mask, up to this tile's last query. Its first key is at or before every query
     # of the tile, so no row is ever fully masked and the running max stays finite.
     diag_start = (start_m // SPARSE_BLOCK) * SPARSE_BLOCK
@@ -304,7 +343,7 @@ def _attn_fwd(Q, K, V, Out, LSE, ROW_IDX, ROW_OFF, DIAG,
         start_n = tl.multiple_of(diag_start + it * BLOCK_N, BLOCK_N)
         acc_a, acc_b, l_i, m_i = _fwd_tile(acc_a, acc_b, l_i, m_i, q_a, q_b, K_a, K_b, V_a, V_b, start_n, offs_m,
                                            offs_n, qk_scale, stride_kt, stride_vt, key, dropout_p, T, dm_row,
-                                           dm_col, DB, True, DROPOUT, PREC, PADDED)
+                                           dm_col, DB, True, DROPOUT, PREC, PADDED, TMA)
 
     l_rcp = 1.0 / l_i
     if DROPOUT:
@@ -319,15 +358,16 @@ def _attn_fwd(Q, K, V, Out, LSE, ROW_IDX, ROW_OFF, DIAG,
 @triton.jit
 def _dq_tile(dq_a, dq_b, q_a, q_b, do_a, do_b, lse, delta, K_a, K_b, V_a, V_b, start_n, offs_m, offs_n, qk_scale,
              stride_kt, stride_vt, key, dropout_p, T, dm_row,
-             DB: tl.constexpr, MASK: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr, PADDED: tl.constexpr):
+             DB: tl.constexpr, MASK: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr, PADDED: tl.constexpr,
+             TMA: tl.constexpr):
     """dq += dS K for one (BLOCK_M x BLOCK_N) tile, with P recomputed from the saved log-sum-exp."""
-    k_a = _load_a(K_a + start_n * stride_kt, dm_row, PADDED)  # (BLOCK_N, DA)
-    v_a = _load_a(V_a + start_n * stride_vt, dm_row, PADDED)
+    k_a = _load_kv(K_a, start_n, stride_kt, dm_row, PADDED, TMA)  # (BLOCK_N, DA)
+    v_a = _load_kv(V_a, start_n, stride_vt, dm_row, PADDED, TMA)
     qk = tl.dot(q_a, tl.trans(k_a), input_precision=PREC)
     dp = tl.dot(do_a, tl.trans(v_a), input_precision=PREC)
     if DB > 0:
-        k_b = tl.load(K_b + start_n * stride_kt)
-        v_b = tl.load(V_b + start_n * stride_vt)
+        k_b = _load_kv(K_b, start_n, stride_kt, dm_row, False, TMA)
+        v_b = _load_kv(V_b, start_n, stride_vt, dm_row, False, TMA)
         qk = tl.dot(q_b, tl.trans(k_b), qk, input_precision=PREC)
         dp = tl.dot(do_b, tl.trans(v_b), dp, input_precision=PREC)
     p = tl.math.exp2(qk * qk_scale - lse[:, None])
@@ -352,7 +392,7 @@ def _attn_bwd_dq(Q, K, V, Out, DO, DQ, LSE, DELTA, ROW_IDX, ROW_OFF, DIAG,
                  H, T, NB, LUT_HEADS, ROW_WIDTH,
                  HEAD_DIM: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
-                 CONTIG: tl.constexpr):
+                 CONTIG: tl.constexpr, TMA: tl.constexpr = False):
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     off_hz = tl.program_id(1)
     off_z = off_hz // H
@@ -388,6 +428,9 @@ def _attn_bwd_dq(Q, K, V, Out, DO, DQ, LSE, DELTA, ROW_IDX, ROW_OFF, DIAG,
         K_b = K + offs_n[:, None] * stride_kt + offs_db[None, :]
         V_b = V + offs_n[:, None] * stride_vt + offs_db[None, :]
         dq_b = tl.zeros([BLOCK_M, DB], dtype=tl.float32)
+    if TMA:
+        K_a, K_b = _descriptors(K, T, stride_kt, BLOCK_N, HEAD_DIM, DA, DB)
+        V_a, V_b = _descriptors(V, T, stride_vt, BLOCK_N, HEAD_DIM, DA, DB)
     # delta = rowsum(dO * O) = rowsum(P * dP) even with dropout (O already carries the mask); dk/dv reads it.
     tl.store(DELTA + offs_m, delta)
     lse = tl.load(LSE + offs_m)
@@ -406,14 +449,14 @@ def _attn_bwd_dq(Q, K, V, Out, DO, DQ, LSE, DELTA, ROW_IDX, ROW_OFF, DIAG,
             start_n = tl.multiple_of(kb * SPARSE_BLOCK + (it % SUB) * BLOCK_N, BLOCK_N)
         dq_a, dq_b = _dq_tile(dq_a, dq_b, q_a, q_b, do_a, do_b, lse, delta, K_a, K_b, V_a, V_b, start_n, offs_m,
                               offs_n, qk_scale, stride_kt, stride_vt, key, dropout_p, T, dm_row, DB, False, DROPOUT,
-                              PREC, PADDED)
+                              PREC, PADDED, TMA)
     diag_start = (start_m // SPARSE_BLOCK) * SPARSE_BLOCK
     n_diag = tl.load(DIAG + row) * tl.cdiv(start_m + BLOCK_M - diag_start, BLOCK_N)
     for it in range(0, n_diag):
         start_n = tl.multiple_of(diag_start + it * BLOCK_N, BLOCK_N)
         dq_a, dq_b = _dq_tile(dq_a, dq_b, q_a, q_b, do_a, do_b, lse, delta, K_a, K_b, V_a, V_b, start_n, offs_m,
                               offs_n, qk_scale, stride_kt, stride_vt, key, dropout_p, T, dm_row, DB, True, DROPOUT,
-                              PREC, PADDED)
+                              PREC, PADDED, TMA)
 
     _store_a(DQ + offs_m[:, None] * stride_ot + offs_da[None, :], (dq_a * sm_scale).to(DQ.dtype.element_ty), dm_row,
              PADDED)
@@ -425,18 +468,18 @@ def _attn_bwd_dq(Q, K, V, Out, DO, DQ, LSE, DELTA, ROW_IDX, ROW_OFF, DIAG,
 def _dkdv_tile(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, Q_a, Q_b, DO_a, DO_b, LSE, DELTA, start_m, start_n,
                offs_m, offs_n, qk_scale, stride_qt, stride_dot, key, dropout_p, T, dm_row,
                DB: tl.constexpr, MASK: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
-               PADDED: tl.constexpr):
+               PADDED: tl.constexpr, TMA: tl.constexpr):
     """dv += P^T dO and dk += dS^T Q for one (BLOCK_N keys x BLOCK_M queries) tile, computed transposed."""
-    q_a = _load_a(Q_a + start_m * stride_qt, dm_row, PADDED)  # (BLOCK_M, DA)
-    do_a = _load_a(DO_a + start_m * stride_dot, dm_row, PADDED)
+    q_a = _load_kv(Q_a, start_m, stride_qt, dm_row, PADDED, TMA)  # (BLOCK_M, DA)
+    do_a = _load_kv(DO_a, start_m, stride_dot, dm_row, PADDED, TMA)
     q_idx = start_m + offs_m
     lse = tl.load(LSE + q_idx)
     delta = tl.load(DELTA + q_idx)
     qkT = tl.dot(k_a, tl.trans(q_a), input_precision=PREC)  # (BLOCK_N, BLOCK_M)
     dpT = tl.dot(v_a, tl.trans(do_a), input_precision=PREC)
     if DB > 0:
-        q_b = tl.load(Q_b + start_m * stride_qt)
-        do_b = tl.load(DO_b + start_m * stride_dot)
+        q_b = _load_kv(Q_b, start_m, stride_qt, dm_row, False, TMA)
+        do_b = _load_kv(DO_b, start_m, stride_dot, dm_row, False, TMA)
         qkT = tl.dot(k_b, tl.trans(q_b), qkT, input_precision=PREC)
         dpT = tl.dot(v_b, tl.trans(do_b), dpT, input_precision=PREC)
     pT = tl.math.exp2(qkT * qk_scale - lse[None, :])
@@ -454,11 +497,42 @@ def _dkdv_tile(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, Q_a, Q_b, DO_a, DO_b,
     if DB > 0:
         dv_b = tl.dot(ppT.to(q_a.dtype), do_b, dv_b, input_precision=PREC)
         dk_b = tl.dot(dsT, q_b, dk_b, input_precision=PREC)
-    return dk_a, dk_b, dv_a, dv_b
+    return dk_a, dk_b, dv_a, dv_b, dsT
+
+
+@triton.jit
+def _add_dq(DQ_a, DQ_b, dsT, k_a, k_b, start_m, stride_t, sm_scale, dm_row,
+            DB: tl.constexpr, PREC: tl.constexpr, PADDED: tl.constexpr):
+    """dq[start_m .. + BLOCK_M] += sm_scale * dS K of one tile, added atomically into fp32 (DQ_ATOMIC)."""
+    ds = tl.trans(dsT)  # (BLOCK_M, BLOCK_N)
+    dq_a = tl.dot(ds, k_a, input_precision=PREC) * sm_scale
+    if PADDED:
+        tl.atomic_add(DQ_a + start_m * stride_t, dq_a, mask=dm_row, sem="relaxed")
+    else:
+        tl.atomic_add(DQ_a + start_m * stride_t, dq_a, sem="relaxed")
+    if DB > 0:
+        tl.atomic_add(DQ_b + start_m * stride_t, tl.dot(ds, k_b, input_precision=PREC) * sm_scale, sem="relaxed")
+
+
+@triton.jit
+def _attn_bwd_delta(Out, DO, DELTA, stride_oz, stride_oh, stride_ot, stride_doz, stride_doh, stride_dot, H, T,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """delta = rowsum(o * do) for the dk/dv kernel when no dq kernel computes it (DQ_ATOMIC)."""
+    off_hz = tl.program_id(1)
+    off_z = off_hz // H
+    off_h = off_hz % H
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d[None, :] < HEAD_DIM
+    o = tl.load(Out + off_z.to(tl.int64) * stride_oz + off_h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_ot
+                + offs_d[None, :], mask=dmask, other=0.0)
+    do = tl.load(DO + off_z.to(tl.int64) * stride_doz + off_h.to(tl.int64) * stride_doh
+                 + offs_m[:, None] * stride_dot + offs_d[None, :], mask=dmask, other=0.0)
+    tl.store(DELTA + off_hz.to(tl.int64) * T + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1))
 
 
 @triton.jit(do_not_specialize=["seed"])
-def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, COL_IDX, COL_CUM, DIAG,
+def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, DQ, LSE, DELTA, COL_IDX, COL_CUM, DIAG,
                    sm_scale, dropout_p, seed,
                    stride_qz, stride_qh, stride_qt, stride_kz, stride_kh, stride_kt,
                    stride_vz, stride_vh, stride_vt, stride_doz, stride_doh, stride_dot,
@@ -466,7 +540,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, COL_IDX, COL_CUM, DIAG,
                    H, T, NB, LUT_HEADS, COL_WIDTH,
                    HEAD_DIM: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
-                   CONTIG: tl.constexpr):
+                   CONTIG: tl.constexpr, TMA: tl.constexpr = False, DQ_ATOMIC: tl.constexpr = False):
     # Key tiles in order: under a causal layout the first columns have the most blocks.
     start_n = tl.program_id(0) * BLOCK_N
     off_hz = tl.program_id(1)
@@ -478,6 +552,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, COL_IDX, COL_CUM, DIAG,
     DO += off_z.to(tl.int64) * stride_doz + off_h.to(tl.int64) * stride_doh
     DK += off_z.to(tl.int64) * stride_gz + off_h.to(tl.int64) * stride_gh  # DK and DV share one layout
     DV += off_z.to(tl.int64) * stride_gz + off_h.to(tl.int64) * stride_gh
+    DQ += off_z.to(tl.int64) * stride_gz + off_h.to(tl.int64) * stride_gh  # fp32, DK's layout (DQ_ATOMIC)
     LSE += off_hz.to(tl.int64) * T
     DELTA += off_hz.to(tl.int64) * T
 
@@ -501,6 +576,13 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, COL_IDX, COL_CUM, DIAG,
         DO_b = DO + offs_m[:, None] * stride_dot + offs_db[None, :]
         dk_b = tl.zeros([BLOCK_N, DB], dtype=tl.float32)
         dv_b = tl.zeros([BLOCK_N, DB], dtype=tl.float32)
+    DQ_a = DQ + offs_m[:, None] * stride_gt + offs_da[None, :]
+    DQ_b = DQ_a
+    if DB > 0:
+        DQ_b = DQ + offs_m[:, None] * stride_gt + offs_db[None, :]
+    if TMA:
+        Q_a, Q_b = _descriptors(Q, T, stride_qt, BLOCK_M, HEAD_DIM, DA, DB)
+        DO_a, DO_b = _descriptors(DO, T, stride_dot, BLOCK_M, HEAD_DIM, DA, DB)
     qk_scale = sm_scale * 1.4426950408889634
     key = _philox_key(seed, off_hz)
 
@@ -511,9 +593,12 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, COL_IDX, COL_CUM, DIAG,
     n_diag = tl.load(DIAG + col) * (((kb + 1) * SPARSE_BLOCK - diag_lo) // BLOCK_M)
     for it in range(0, n_diag):
         start_m = tl.multiple_of(diag_lo + it * BLOCK_M, BLOCK_M)
-        dk_a, dk_b, dv_a, dv_b = _dkdv_tile(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, Q_a, Q_b, DO_a, DO_b, LSE,
-                                            DELTA, start_m, start_n, offs_m, offs_n, qk_scale, stride_qt, stride_dot,
-                                            key, dropout_p, T, dm_row, DB, True, DROPOUT, PREC, PADDED)
+        dk_a, dk_b, dv_a, dv_b, dsT = _dkdv_tile(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, Q_a, Q_b, DO_a, DO_b,
+                                                 LSE, DELTA, start_m, start_n, offs_m, offs_n, qk_scale, stride_qt,
+                                                 stride_dot, key, dropout_p, T, dm_row, DB, True, DROPOUT, PREC,
+                                                 PADDED, TMA)
+        if DQ_ATOMIC:
+            _add_dq(DQ_a, DQ_b, dsT, k_a, k_b, start_m, stride_gt, sm_scale, dm_row, DB, PREC, PADDED)
     # Query blocks strictly below the diagonal, only those inside the runtime T.
     n_off = tl.load(COL_CUM + col * NB + T // SPARSE_BLOCK - 1)
     SUB: tl.constexpr = SPARSE_BLOCK // BLOCK_M
@@ -524,9 +609,12 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, COL_IDX, COL_CUM, DIAG,
         else:
             qb = tl.load(COL_IDX + col * COL_WIDTH + it // SUB)
             start_m = tl.multiple_of(qb * SPARSE_BLOCK + (it % SUB) * BLOCK_M, BLOCK_M)
-        dk_a, dk_b, dv_a, dv_b = _dkdv_tile(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, Q_a, Q_b, DO_a, DO_b, LSE,
-                                            DELTA, start_m, start_n, offs_m, offs_n, qk_scale, stride_qt, stride_dot,
-                                            key, dropout_p, T, dm_row, DB, False, DROPOUT, PREC, PADDED)
+        dk_a, dk_b, dv_a, dv_b, dsT = _dkdv_tile(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, Q_a, Q_b, DO_a, DO_b,
+                                                 LSE, DELTA, start_m, start_n, offs_m, offs_n, qk_scale, stride_qt,
+                                                 stride_dot, key, dropout_p, T, dm_row, DB, False, DROPOUT, PREC,
+                                                 PADDED, TMA)
+        if DQ_ATOMIC:
+            _add_dq(DQ_a, DQ_b, dsT, k_a, k_b, start_m, stride_gt, sm_scale, dm_row, DB, PREC, PADDED)
 
     dv_scale = 1.0
     if DROPOUT:
@@ -569,6 +657,9 @@ class Tile:
     num_stages: int
     pad_d: bool = False
     dropout: bool = True
+    tma: bool = False
+    """load the loops' tiles (keys/values in forward and dq, queries/dO in dk/dv) through TMA tensor descriptors
+    (Hopper and later; `tma_ok` says when the inputs allow it) instead of pointer tiles"""
 
     def meta(self, head_dim: int) -> dict:
         """The kernel's tile constexprs for `head_dim`."""
@@ -576,7 +667,7 @@ class Tile:
             da, db = triton.next_power_of_2(head_dim), 0
         else:
             da, db = split_head_dim(head_dim)
-        return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, DA=da, DB=db)
+        return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, DA=da, DB=db, TMA=self.tma)
 
 
 # Candidates per kernel and head-dim class, first = default. Every one was compiled offline for sm_90a with Triton
@@ -594,13 +685,17 @@ _SMALL_D = {  # D <= 64
     "dkdv": (Tile(32, 128, 8, 3), Tile(64, 128, 8, 3, **_NO_DROP), Tile(64, 64, 4, 3, **_NO_DROP),
              Tile(32, 64, 4, 4)),
 }
+_TMA = dict(tma=True)
 _D96 = {  # D = 96 as two parts (64 + 32, no wasted MMA work) or padded to 128. The first tiles of each kernel
     # were the fastest of a wider grid timed on an H200 at the 1.5b model's shape (benchmarks/attention_tiles.py,
-    # benchmarks/results/blocksparse_tiles_h200/); the rest are the spill-free set above.
-    "fwd": (Tile(64, 64, 4, 2), Tile(64, 128, 4, 2), Tile(128, 64, 8, 3), Tile(128, 64, 8, 3, True),
-            Tile(128, 128, 8, 2, **_NO_DROP), Tile(64, 64, 4, 3), Tile(64, 64, 4, 3, True, **_NO_DROP)),
-    "dq": (Tile(64, 32, 4, 3), Tile(128, 64, 8, 3), Tile(128, 64, 8, 2), Tile(128, 64, 8, 2, True),
-           Tile(128, 32, 8, 3), Tile(64, 64, 4, 3, **_NO_DROP), Tile(64, 32, 4, 3, True)),
+    # benchmarks/results/blocksparse_tiles_h200/ and, with TMA loads, blocksparse_tma_h200/: TMA made the forward
+    # and dq faster, not dk/dv); the rest are the spill-free set above.
+    "fwd": (Tile(128, 64, 8, 3, **_TMA), Tile(64, 64, 4, 2, **_TMA), Tile(64, 64, 4, 2), Tile(64, 128, 4, 2),
+            Tile(128, 64, 8, 3), Tile(128, 64, 8, 3, True), Tile(128, 128, 8, 2, **_NO_DROP), Tile(64, 64, 4, 3),
+            Tile(64, 64, 4, 3, True, **_NO_DROP)),
+    "dq": (Tile(64, 64, 4, 2, **_TMA, **_NO_DROP), Tile(64, 32, 4, 3, **_TMA), Tile(64, 32, 4, 3),
+           Tile(128, 64, 8, 3), Tile(128, 64, 8, 2), Tile(128, 64, 8, 2, True), Tile(128, 32, 8, 3),
+           Tile(64, 64, 4, 3, **_NO_DROP), Tile(64, 32, 4, 3, True)),
     "dkdv": (Tile(64, 128, 8, 3), Tile(32, 64, 4, 2), Tile(32, 128, 8, 3), Tile(64, 128, 8, 2, **_NO_DROP),
              Tile(32, 128, 8, 3, True, **_NO_DROP), Tile(32, 64, 4, 3, **_NO_DROP),
              Tile(32, 64, 4, 3, True, **_NO_DROP), Tile(16, 64, 4, 3, True)),
@@ -659,16 +754,48 @@ def chosen_configs() -> list[dict]:
     return out
 
 
+def tma_ok(*tensors: torch.Tensor) -> str | None:
+    """None when TMA descriptors can read these (B, H, T, D) tensors, else why not: a GPU of compute capability 9
+    or later (or the interpreter), 16-bit dtypes, base addresses and the strides of B, H, T 16-byte aligned."""
+    x = tensors[0]
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {x.dtype} (TMA tiles are used for fp16/bf16)"
+    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 9:
+        return f"compute capability {torch.cuda.get_device_capability(x.device)} < (9, 0)"
+    for t in tensors:
+        size = t.element_size()
+        if t.data_ptr() % 16 or any(st * size % 16 for st in t.stride()[:3]) or t.stride(-1) != 1:
+            return f"a tensor of strides {tuple(t.stride())} at address {t.data_ptr():#x} is not 16-byte aligned"
+    return None
+
+
+def _allocator(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global scratch for the descriptors the kernels create on the device."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
 def _launch(kernel, kind: str, T: int, BH: int, tiles: dict[str, Tile] | None, block: int, head_dim: int,
             dtype: torch.dtype, args: tuple, consts: dict) -> None:
     """Launch `kernel` on a (T // tile, B*H) grid: autotuned on a GPU, fixed tiles when `tiles` is given."""
-    owned = "BLOCK_N" if kind == "dkdv" else "BLOCK_M"  # dk/dv programs own BLOCK_N keys, the others BLOCK_M queries
+    owned = "BLOCK_N" if kind.startswith("dkdv") else "BLOCK_M"  # dk/dv programs own keys, the others queries
     if tiles is not None:
-        t = tiles[kind]
+        t = tiles[kind if kind in tiles else "dkdv"]
         meta = t.meta(head_dim)
+        if t.tma:
+            why = tma_ok(*(a for a in args if isinstance(a, torch.Tensor) and a.dim() == 4))
+            if why:
+                raise ValueError(f"tile {t} loads through TMA, which cannot read these inputs: {why}")
+            if not _interpreted():
+                triton.set_allocator(_allocator)
         kernel[(T // meta[owned], BH)](*args, **consts, **meta, num_warps=t.num_warps, num_stages=t.num_stages)
         return
-    tuner = _tuned(kernel, kind, head_dim, candidate_tiles(kind, block, head_dim, dtype, consts["DROPOUT"]))
+    candidates = candidate_tiles(kind.split("_")[0], block, head_dim, dtype, consts["DROPOUT"])
+    if any(t.tma for t in candidates):
+        if tma_ok(*(a for a in args if isinstance(a, torch.Tensor) and a.dim() == 4)) is None:
+            triton.set_allocator(_allocator)
+        else:  # inputs TMA cannot read (alignment, dtype, GPU): the pointer tiles only
+            candidates = tuple(t for t in candidates if not t.tma)
+    tuner = _tuned(kernel, kind, head_dim, candidates)
     tuner[lambda meta: (T // meta[owned], BH)](*args, **consts)
 
 
@@ -762,15 +889,32 @@ def _backward_dq(do, q, k, v, o, lse, lut: BlockLUT, dropout_p: float, seed: int
     return dq, delta
 
 
-def _backward_dkdv(do, q, k, v, lse, delta, lut: BlockLUT, dropout_p: float, seed: int, tiles):
+def _backward_dkdv(do, q, k, v, lse, delta, lut: BlockLUT, dropout_p: float, seed: int, tiles, dq32=None):
+    """dk, dv; with `dq32` (fp32 zeros in dk's layout) the kernel also adds dq into it atomically."""
     B, H, T, D = q.shape
     dk, dv = _empty_bthd(q), _empty_bthd(q)
     consts = _constexprs(q, lut, dropout_p)
-    args = (q, k, v, do, dk, dv, lse, delta, lut.col_idx, lut.col_cum, lut.diag, 1.0 / math.sqrt(D),
-            float(dropout_p), int(seed), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
-            *dk.stride()[:3], H, T, lut.n_blocks, lut.n_heads, lut.col_idx.shape[1])
-    _launch(_attn_bwd_dkdv, "dkdv", T, B * H, tiles, lut.block, D, q.dtype, args, consts)
+    if dq32 is not None:
+        consts["DQ_ATOMIC"] = True
+    args = (q, k, v, do, dk, dv, dk if dq32 is None else dq32, lse, delta, lut.col_idx, lut.col_cum, lut.diag,
+            1.0 / math.sqrt(D), float(dropout_p), int(seed), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+            *do.stride()[:3], *dk.stride()[:3], H, T, lut.n_blocks, lut.n_heads, lut.col_idx.shape[1])
+    kind = "dkdv" if dq32 is None else "dkdv_dq"
+    _launch(_attn_bwd_dkdv, kind, T, B * H, tiles, lut.block, D, q.dtype, args, consts)
     return dk, dv
+
+
+def _backward_atomic_dq(do, q, k, v, o, lse, lut: BlockLUT, dropout_p: float, seed: int, tiles):
+    """The backward in one pass over the keys: delta from its own small kernel, then dk, dv and dq from the dk/dv
+    kernel (dq added atomically in fp32, so in an order that varies from run to run), then dq cast."""
+    B, H, T, D = q.shape
+    delta = torch.empty_like(lse)
+    block_m = 64 if T % 64 == 0 else 16
+    _attn_bwd_delta[(T // block_m, B * H)](o, do, delta, *o.stride()[:3], *do.stride()[:3], H, T, HEAD_DIM=D,
+                                           BLOCK_D=triton.next_power_of_2(D), BLOCK_M=block_m)
+    dq32 = torch.zeros(B, T, H, D, dtype=torch.float32, device=q.device).transpose(1, 2)
+    dk, dv = _backward_dkdv(do, q, k, v, lse, delta, lut, dropout_p, seed, tiles, dq32)
+    return dq32.to(q.dtype), dk, dv
 
 
 def _backward(do, q, k, v, o, lse, lut: BlockLUT, dropout_p: float, seed: int, tiles):
