@@ -264,6 +264,7 @@ def test_tma_tiles_refuse_inputs_descriptors_cannot_read():
     assert "16-byte aligned" in bsa.tma_ok(shifted, k, v)
     odd = torch.randn(1, 2, 128, 65, dtype=torch.float16, device=DEVICE)[..., :64]  # rows of 130 bytes
     assert "16-byte aligned" in bsa.tma_ok(odd)
+    assert "not contiguous" in bsa.tma_ok(q.detach().transpose(-2, -1))
     lut = BlockLUT.from_layout(layouts.causal(2), 64).to(DEVICE)
     tiles = {kind: dataclasses.replace(t, tma=True) for kind, t in bsa.interpreter_tiles(64).items()}
     with pytest.raises(ValueError, match="loads through TMA.*16-byte aligned"):

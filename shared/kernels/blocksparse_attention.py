@@ -764,7 +764,9 @@ def tma_ok(*tensors: torch.Tensor) -> str | None:
         return f"compute capability {torch.cuda.get_device_capability(x.device)} < (9, 0)"
     for t in tensors:
         size = t.element_size()
-        if t.data_ptr() % 16 or any(st * size % 16 for st in t.stride()[:3]) or t.stride(-1) != 1:
+        if t.stride(-1) != 1:
+            return f"a tensor of strides {tuple(t.stride())} has a head dim that is not contiguous"
+        if t.data_ptr() % 16 or any(st * size % 16 for st in t.stride()[:3]):
             return f"a tensor of strides {tuple(t.stride())} at address {t.data_ptr():#x} is not 16-byte aligned"
     return None
 
