@@ -256,6 +256,14 @@ def test_one_pass_backward_with_atomic_dq_matches_the_two_kernel_backward(head_d
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def test_the_one_pass_backwards_autotuner_zeroes_dq_before_every_trial():
+    """Each autotuning trial of the one-pass backward adds dq into the same buffer: its tuner resets it (an H200 run
+    without the reset returned dq summed over the trials); the other kernels' tuners reset nothing."""
+    tiles = bsa.candidate_tiles("dkdv", 128, 96, torch.bfloat16)
+    assert bsa._tuned(bsa._attn_bwd_dkdv, "dkdv_dq", 96, tiles).reset_to_zero == ["DQ"]
+    assert bsa._tuned(bsa._attn_bwd_dkdv, "dkdv", 96, tiles).reset_to_zero == []
+
+
 def test_tma_tiles_refuse_inputs_descriptors_cannot_read():
     q, k, v, do = inputs(1, 2, 128, 64, torch.float16)
     assert bsa.tma_ok(q, k, v, do) is None

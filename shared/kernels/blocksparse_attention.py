@@ -465,11 +465,12 @@ def _attn_bwd_dq(Q, K, V, Out, DO, DQ, LSE, DELTA, ROW_IDX, ROW_OFF, DIAG,
 
 
 @triton.jit
-def _dkdv_tile(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, Q_a, Q_b, DO_a, DO_b, LSE, DELTA, start_m, start_n,
-               offs_m, offs_n, qk_scale, stride_qt, stride_dot, key, dropout_p, T, dm_row,
+def _dkdv_tile(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, Q_a, Q_b, DO_a, DO_b, DQ_a, DQ_b, LSE, DELTA, start_m,
+               start_n, offs_m, offs_n, sm_scale, qk_scale, stride_qt, stride_dot, stride_gt, key, dropout_p, T, dm_row,
                DB: tl.constexpr, MASK: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
-               PADDED: tl.constexpr, TMA: tl.constexpr):
-    """dv += P^T dO and dk += dS^T Q for one (BLOCK_N keys x BLOCK_M queries) tile, computed transposed."""
+               PADDED: tl.constexpr, TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr):
+    """dv += P^T dO and dk += dS^T Q for one (BLOCK_N keys x BLOCK_M queries) tile, computed transposed; with
+    DQ_ATOMIC also dq += dS K, added atomically."""
     q_a = _load_kv(Q_a, start_m, stride_qt, dm_row, PADDED, TMA)  # (BLOCK_M, DA)
     do_a = _load_kv(DO_a, start_m, stride_dot, dm_row, PADDED, TMA)
     q_idx = start_m + offs_m
@@ -497,7 +498,9 @@ def _dkdv_tile(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, Q_a, Q_b, DO_a, DO_b,
     if DB > 0:
         dv_b = tl.dot(ppT.to(q_a.dtype), do_b, dv_b, input_precision=PREC)
         dk_b = tl.dot(dsT, q_b, dk_b, input_precision=PREC)
-    return dk_a, dk_b, dv_a, dv_b, dsT
+    if DQ_ATOMIC:
+        _add_dq(DQ_a, DQ_b, dsT, k_a, k_b, start_m, stride_gt, sm_scale, dm_row, DB, PREC, PADDED)
+    return dk_a, dk_b, dv_a, dv_b
 
 
 @triton.jit
@@ -593,12 +596,10 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, DQ, LSE, DELTA, COL_IDX, COL_CUM, DIAG,
     n_diag = tl.load(DIAG + col) * (((kb + 1) * SPARSE_BLOCK - diag_lo) // BLOCK_M)
     for it in range(0, n_diag):
         start_m = tl.multiple_of(diag_lo + it * BLOCK_M, BLOCK_M)
-        dk_a, dk_b, dv_a, dv_b, dsT = _dkdv_tile(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, Q_a, Q_b, DO_a, DO_b,
-                                                 LSE, DELTA, start_m, start_n, offs_m, offs_n, qk_scale, stride_qt,
-                                                 stride_dot, key, dropout_p, T, dm_row, DB, True, DROPOUT, PREC,
-                                                 PADDED, TMA)
-        if DQ_ATOMIC:
-            _add_dq(DQ_a, DQ_b, dsT, k_a, k_b, start_m, stride_gt, sm_scale, dm_row, DB, PREC, PADDED)
+        dk_a, dk_b, dv_a, dv_b = _dkdv_tile(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, Q_a, Q_b, DO_a, DO_b, DQ_a,
+                                            DQ_b, LSE, DELTA, start_m, start_n, offs_m, offs_n, sm_scale, qk_scale,
+                                            stride_qt, stride_dot, stride_gt, key, dropout_p, T, dm_row, DB, True,
+                                            DROPOUT, PREC, PADDED, TMA, DQ_ATOMIC)
     # Query blocks strictly below the diagonal, only those inside the runtime T.
     n_off = tl.load(COL_CUM + col * NB + T // SPARSE_BLOCK - 1)
     SUB: tl.constexpr = SPARSE_BLOCK // BLOCK_M
@@ -609,12 +610,10 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, DQ, LSE, DELTA, COL_IDX, COL_CUM, DIAG,
         else:
             qb = tl.load(COL_IDX + col * COL_WIDTH + it // SUB)
             start_m = tl.multiple_of(qb * SPARSE_BLOCK + (it % SUB) * BLOCK_M, BLOCK_M)
-        dk_a, dk_b, dv_a, dv_b, dsT = _dkdv_tile(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, Q_a, Q_b, DO_a, DO_b,
-                                                 LSE, DELTA, start_m, start_n, offs_m, offs_n, qk_scale, stride_qt,
-                                                 stride_dot, key, dropout_p, T, dm_row, DB, False, DROPOUT, PREC,
-                                                 PADDED, TMA)
-        if DQ_ATOMIC:
-            _add_dq(DQ_a, DQ_b, dsT, k_a, k_b, start_m, stride_gt, sm_scale, dm_row, DB, PREC, PADDED)
+        dk_a, dk_b, dv_a, dv_b = _dkdv_tile(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, Q_a, Q_b, DO_a, DO_b, DQ_a,
+                                            DQ_b, LSE, DELTA, start_m, start_n, offs_m, offs_n, sm_scale, qk_scale,
+                                            stride_qt, stride_dot, stride_gt, key, dropout_p, T, dm_row, DB, False,
+                                            DROPOUT, PREC, PADDED, TMA, DQ_ATOMIC)
 
     dv_scale = 1.0
     if DROPOUT:
@@ -740,7 +739,9 @@ def _tuned(kernel, kind: str, head_dim: int, tiles: tuple[Tile, ...]):
     key = (kind, head_dim, tiles)
     if key not in _TUNERS:
         configs = [triton.Config(t.meta(head_dim), num_warps=t.num_warps, num_stages=t.num_stages) for t in tiles]
-        _TUNERS[key] = triton.autotune(configs=configs, key=["T", "DROPOUT", "CONTIG"])(kernel)
+        # The one-pass backward adds into DQ: every trial of the tuner must start from zeros, and so must the call.
+        reset = ["DQ"] if kind == "dkdv_dq" else None
+        _TUNERS[key] = triton.autotune(configs=configs, key=["T", "DROPOUT", "CONTIG"], reset_to_zero=reset)(kernel)
     return _TUNERS[key]
 
 
