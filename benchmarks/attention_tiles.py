@@ -71,9 +71,12 @@ def grid(args, kind: str, dropout: bool) -> list[bsa.Tile]:
         cands += [t for t in wide_grid(kind, args.head_dim) if t not in cands and t.block_m <= args.block
                   and t.block_n <= args.block]
     loads = {"off": (False,), "on": (True,), "both": (False, True)}[args.tma]
-    out = []
-    for tma in loads:
-        out += [t for t in (dataclasses.replace(c, tma=tma) for c in cands) if t not in out]
+    out, shapes = [], set()
+    for tile in (dataclasses.replace(c, tma=tma) for tma in loads for c in cands):
+        shape = dataclasses.replace(tile, dropout=True)  # the flag says when a tile is offered, not how it runs
+        if shape not in shapes:
+            shapes.add(shape)
+            out.append(tile)
     return out
 
 

@@ -316,6 +316,11 @@ def test_attention_tiles_sums_each_kernels_fastest_tile_per_path_and_rate():
     for kind in tiles.KINDS:  # the wide grid holds the tuner's candidates' shapes class and Hopper-sized tiles
         grid = tiles.wide_grid(kind, 96)
         assert grid and len(set(grid)) == len(grid) and any(t.pad_d for t in grid)
+    args = tiles.parse_args(["--grid", "wide", "--tma", "both"])
+    for kind in (*tiles.KINDS, tiles.ATOMIC):  # each shape timed once per load, whatever its dropout flag
+        shapes = [dataclasses.replace(t, dropout=True) for t in tiles.grid(args, kind, False)]
+        assert len(shapes) == len(set(shapes)) and {t.tma for t in shapes} == {False, True}
+        assert len(shapes) == 2 * len({dataclasses.replace(t, tma=False) for t in shapes})
     with pytest.raises(SystemExit):
         tiles.parse_args(["--seq", "2000"])
     for bad in (["--inputs", "bthd"], ["--head_dim", "80"], ["--block", "96", "--seq", "1920"]):

@@ -251,17 +251,45 @@ def test_one_pass_backward_with_atomic_dq_matches_the_two_kernel_backward(head_d
     tiles = bsa.interpreter_tiles(64, pad_d) if DEVICE == "cpu" else None  # the autotuned candidates on a GPU
     o, lse = bsa._forward(q, k, v, lut, dropout_p, 9, tiles)
     two = bsa._backward(do, q, k, v, o, lse, lut, dropout_p, 9, tiles)
-    one = bsa._backward_atomic_dq(do, q, k, v, o, lse, lut, dropout_p, 9, tiles)
+    strided_do = torch.stack([do, do], dim=-1)[..., 0]  # the same values, head dim not contiguous
+    one = bsa._backward_atomic_dq(strided_do, q, k, v, o, lse, lut, dropout_p, 9, tiles)
     for name, a, b in zip(("dq", "dk", "dv"), two, one):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_the_one_pass_backwards_autotuner_zeroes_dq_before_every_trial():
-    """Each autotuning trial of the one-pass backward adds dq into the same buffer: its tuner resets it (an H200 run
-    without the reset returned dq summed over the trials); the other kernels' tuners reset nothing."""
-    tiles = bsa.candidate_tiles("dkdv", 128, 96, torch.bfloat16)
-    assert bsa._tuned(bsa._attn_bwd_dkdv, "dkdv_dq", 96, tiles).reset_to_zero == ["DQ"]
-    assert bsa._tuned(bsa._attn_bwd_dkdv, "dkdv", 96, tiles).reset_to_zero == []
+def test_the_one_pass_backwards_autotuner_zeroes_dq_before_every_trial(monkeypatch):
+    """Each autotuning trial of the one-pass backward adds dq into the same buffer: its tuner resets it before every
+    trial and before the call (an H200 run without the reset returned dq summed over the trials). The tuner runs
+    here with a stand-in for do_bench that launches each candidate three times."""
+    q, k, v, do = (x.detach() for x in inputs(1, 2, 128, 64, torch.float32, seed=13))
+    lut = BlockLUT.from_layout(layouts.causal(2), 64).to(DEVICE)
+    o, lse = bsa._forward(q, k, v, lut, 0.0, 0, bsa.interpreter_tiles(64))
+    want = bsa._backward(do, q, k, v, o, lse, lut, 0.0, 0, bsa.interpreter_tiles(64))
+    candidates = bsa.candidate_tiles("dkdv", 64, 64, torch.float32)
+    tuner = bsa._tuned(bsa._attn_bwd_dkdv, "dkdv_dq", 64, candidates)
+    assert len(candidates) > 1 and tuner.reset_to_zero == ["DQ"]
+    trials = []
+
+    def bench(kernel_call, quantiles):
+        for _ in range(3):
+            kernel_call()
+        trials.append(kernel_call)
+        return [float(len(trials))] * len(quantiles)
+
+    monkeypatch.setattr(tuner, "_do_bench", bench)
+    monkeypatch.setattr(tuner, "cache", {})
+    got = bsa._backward_atomic_dq(do, q, k, v, o, lse, lut, 0.0, 0, tiles=None)
+    assert len(trials) == len(candidates)
+    for name, a, b in zip(("dq", "dk", "dv"), want, got):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    assert bsa._tuned(bsa._attn_bwd_dkdv, "dkdv", 64, candidates).reset_to_zero == []
+
+
+def test_fixed_tiles_must_name_every_kernel():
+    q, k, v, _ = inputs(1, 2, 128, 64, torch.float32)
+    lut = BlockLUT.from_layout(layouts.causal(2), 64).to(DEVICE)
+    with pytest.raises(ValueError, match=r"missing \['dq', 'fwd'\]"):
+        blocksparse_attention(q, k, v, lut, tiles={"dkdv": bsa.interpreter_tiles(64)["dkdv"]})
 
 
 def test_tma_tiles_refuse_inputs_descriptors_cannot_read():

@@ -54,6 +54,7 @@ counter q * T / 8 + k / 8 stays below 2^27). On a CPU the kernels run only under
 
 from __future__ import annotations
 
+import contextvars
 import math
 from dataclasses import dataclass
 
@@ -779,27 +780,31 @@ def _allocator(size: int, alignment: int, stream) -> torch.Tensor:
 
 def _launch(kernel, kind: str, T: int, BH: int, tiles: dict[str, Tile] | None, block: int, head_dim: int,
             dtype: torch.dtype, args: tuple, consts: dict) -> None:
-    """Launch `kernel` on a (T // tile, B*H) grid: autotuned on a GPU, fixed tiles when `tiles` is given."""
+    """Launch `kernel` on a (T // tile, B*H) grid: autotuned on a GPU, fixed tiles when `tiles` is given. A launch
+    with TMA tiles runs with the descriptors' scratch allocator set in a copy of the current context, so that an
+    allocator the caller set stays as it was."""
     owned = "BLOCK_N" if kind.startswith("dkdv") else "BLOCK_M"  # dk/dv programs own keys, the others queries
+    tile_kind = "dkdv" if kind == "dkdv_dq" else kind  # the one-pass backward runs the dk/dv kernel's tiles
+    inputs = [a for a in args if isinstance(a, torch.Tensor) and a.dim() == 4]
     if tiles is not None:
-        t = tiles[kind if kind in tiles else "dkdv"]
+        t = tiles[tile_kind]
         meta = t.meta(head_dim)
-        if t.tma:
-            why = tma_ok(*(a for a in args if isinstance(a, torch.Tensor) and a.dim() == 4))
-            if why:
-                raise ValueError(f"tile {t} loads through TMA, which cannot read these inputs: {why}")
-            if not _interpreted():
-                triton.set_allocator(_allocator)
-        kernel[(T // meta[owned], BH)](*args, **consts, **meta, num_warps=t.num_warps, num_stages=t.num_stages)
-        return
-    candidates = candidate_tiles(kind.split("_")[0], block, head_dim, dtype, consts["DROPOUT"])
-    if any(t.tma for t in candidates):
-        if tma_ok(*(a for a in args if isinstance(a, torch.Tensor) and a.dim() == 4)) is None:
-            triton.set_allocator(_allocator)
-        else:  # inputs TMA cannot read (alignment, dtype, GPU): the pointer tiles only
-            candidates = tuple(t for t in candidates if not t.tma)
-    tuner = _tuned(kernel, kind, head_dim, candidates)
-    tuner[lambda meta: (T // meta[owned], BH)](*args, **consts)
+        if t.tma and (why := tma_ok(*inputs)):
+            raise ValueError(f"tile {t} loads through TMA, which cannot read these inputs: {why}")
+        launch = lambda: kernel[(T // meta[owned], BH)](*args, **consts, **meta, num_warps=t.num_warps,
+                                                        num_stages=t.num_stages)
+        tma = t.tma
+    else:
+        candidates = candidate_tiles(tile_kind, block, head_dim, dtype, consts["DROPOUT"])
+        if any(c.tma for c in candidates) and tma_ok(*inputs) is not None:
+            candidates = tuple(c for c in candidates if not c.tma)  # inputs TMA cannot read: pointer tiles only
+        tuner = _tuned(kernel, kind, head_dim, candidates)
+        launch = lambda: tuner[lambda meta: (T // meta[owned], BH)](*args, **consts)
+        tma = any(c.tma for c in candidates)
+    if tma and not _interpreted():
+        contextvars.copy_context().run(lambda: (triton.set_allocator(_allocator), launch()))
+    else:
+        launch()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -910,6 +915,7 @@ def _backward_dkdv(do, q, k, v, lse, delta, lut: BlockLUT, dropout_p: float, see
 def _backward_atomic_dq(do, q, k, v, o, lse, lut: BlockLUT, dropout_p: float, seed: int, tiles):
     """The backward in one pass over the keys: delta from its own small kernel, then dk, dv and dq from the dk/dv
     kernel (dq added atomically in fp32, so in an order that varies from run to run), then dq cast."""
+    do = _unit_last(do)
     B, H, T, D = q.shape
     delta = torch.empty_like(lse)
     block_m = 64 if T % 64 == 0 else 16
@@ -953,6 +959,8 @@ def blocksparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lut
     `interpreter_tiles` is used under the interpreter.
     """
     _check_inputs(q, k, v, lut, dropout_p)
+    if tiles is not None and (missing := {"fwd", "dq", "dkdv"} - set(tiles)):
+        raise ValueError(f"tiles must give a Tile for each of fwd, dq and dkdv; missing {sorted(missing)}")
     if tiles is None and _interpreted():
         tiles = interpreter_tiles(lut.block)
     return _BlockSparseAttentionFn.apply(q, k, v, lut, applied_dropout(dropout_p), int(seed), tiles)
