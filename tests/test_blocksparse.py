@@ -72,6 +72,26 @@ def inputs(B, H, T, D, dtype, seed=0, device=DEVICE):
     return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), do
 
 
+def model_views(B, H, T, D, dtype, seed=0, device=DEVICE):
+    """q, k, v (B, H, T, D) as the model hands them over, views of one (B, T, 3C) projection, and dO in (B, T, H, D)
+    storage (the gradient of y.transpose(1, 2).reshape(B, T, C))."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(B, T, 3 * H * D, generator=g).to(device, dtype)
+    q, k, v = (t.view(B, T, H, D).transpose(1, 2).detach().requires_grad_() for t in x.split(H * D, dim=2))
+    return q, k, v, torch.randn(B, T, H, D, generator=g).to(device, dtype).transpose(1, 2)
+
+
+def assert_tma_loads_match_pointer_loads(q, k, v, do, lut, tiles, dropout_p, seed):
+    """Outputs and gradients with every kernel's tile loading through TMA equal those of pointer loads, bit for bit."""
+    runs = []
+    for tma in (False, True):
+        fixed = {kind: dataclasses.replace(t, tma=tma) for kind, t in tiles.items()}
+        out = blocksparse_attention(q, k, v, lut, dropout_p=dropout_p, seed=seed, tiles=fixed)
+        runs.append((out, *torch.autograd.grad(out, (q, k, v), do)))
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
 def check_against_reference(layout, block, q, k, v, do, tiles=None, dropout_p=0.0, seed=0):
     lut = BlockLUT.from_layout(layout, block).to(q.device)
     out = blocksparse_attention(q, k, v, lut, dropout_p=dropout_p, seed=seed, tiles=tiles)
@@ -228,18 +248,9 @@ def test_module_strided_input_views_like_the_model():
 def test_tma_loads_give_the_numbers_of_pointer_loads(head_dim, pad_d, dropout_p):
     """Tiles read through TMA tensor descriptors (the two parts of D = 96, or one part padded with zeros past the
     head dim) give bit-identical outputs and gradients, on the model's strided views."""
-    B, H, T = 1, 2, 128
-    x = torch.randn(B, T, 3 * H * head_dim, generator=torch.Generator().manual_seed(head_dim)).to(DEVICE, torch.float16)
-    q, k, v = (t.view(B, T, H, head_dim).transpose(1, 2).detach().requires_grad_() for t in x.split(H * head_dim, 2))
-    do = torch.randn(B, T, H, head_dim, device=DEVICE, dtype=torch.float16).transpose(1, 2)
+    q, k, v, do = model_views(1, 2, 128, head_dim, torch.float16, seed=head_dim)
     lut = BlockLUT.from_layout(layouts.causal(2), 64).to(DEVICE)
-    runs = []
-    for tma in (False, True):
-        tiles = {kind: dataclasses.replace(t, tma=tma) for kind, t in bsa.interpreter_tiles(64, pad_d).items()}
-        out = blocksparse_attention(q, k, v, lut, dropout_p=dropout_p, seed=11, tiles=tiles)
-        runs.append((out, *torch.autograd.grad(out, (q, k, v), do)))
-    for a, b in zip(*runs):
-        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert_tma_loads_match_pointer_loads(q, k, v, do, lut, bsa.interpreter_tiles(64, pad_d), dropout_p, seed=11)
 
 
 @pytest.mark.parametrize("head_dim,pad_d,dropout_p", [(96, False, 0.0), (96, True, 0.1), (64, False, 0.1)])
@@ -517,19 +528,11 @@ def test_gpu_autotuned_path_and_model_layout_inputs():
 def test_gpu_tma_tiles_read_the_models_strided_views(head_dim):
     """q, k, v as views of one (B, T, 3C) projection and dO in (B, T, H, D) storage, loaded through TMA: the same
     outputs and gradients as pointer loads, bit for bit, and the reference's."""
-    B, H, T = 2, 4, 1024
-    x = torch.randn(B, T, 3 * H * head_dim, device="cuda", dtype=torch.bfloat16)
-    q, k, v = (t.view(B, T, H, head_dim).transpose(1, 2).detach().requires_grad_() for t in x.split(H * head_dim, 2))
-    do = torch.randn(B, T, H, head_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    H = 4
+    q, k, v, do = model_views(2, H, 1024, head_dim, torch.bfloat16, seed=head_dim)
     lut = BlockLUT.from_layout(make_layout("strided", H, 8), 128).to("cuda")
     assert bsa.tma_ok(q, k, v, do) is None
-    runs = []
-    for tma in (False, True):
-        tiles = {kind: dataclasses.replace(t, tma=tma) for kind, t in GPU_TILES[head_dim].items()}
-        out = blocksparse_attention(q, k, v, lut, dropout_p=0.1, seed=3, tiles=tiles)
-        runs.append((out, *torch.autograd.grad(out, (q, k, v), do)))
-    for a, b in zip(*runs):
-        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert_tma_loads_match_pointer_loads(q, k, v, do, lut, GPU_TILES[head_dim], 0.1, seed=3)
     for x_ in (q, k, v):
         x_.grad = None
     tiles = {kind: dataclasses.replace(t, tma=True) for kind, t in GPU_TILES[head_dim].items()}
