@@ -60,7 +60,7 @@ def wide_grid(kind: str, head_dim: int) -> list[bsa.Tile]:
         shapes += [(64, bn, 4, s, False) for bn in (32, 64) for s in (2, 3)]
     else:  # dk/dv: block_n keys owned, block_m queries per step
         shapes = [(bm, 128, 8, s, pad) for bm in (16, 32, 64) for s in (2, 3) for pad in pads]
-        shapes += [(bm, 64, 4, s, False) for bm in (16, 32) for s in (2, 3)]
+        shapes += [(bm, 64, 4, s, False) for bm in (16, 32, 64) for s in (2, 3)]
     return [bsa.Tile(*shape) for shape in shapes]
 
 
@@ -92,7 +92,7 @@ def time_kernels(args, lut, q, k, v, do, p: float, seed: int, path: str) -> list
         "dkdv": lambda t: torch.cat(bsa._backward_dkdv(do, q, k, v, lse, delta, lut, p, seed, {"dkdv": t}), -1),
         ATOMIC: lambda t: torch.cat(bsa._backward_atomic_dq(do, q, k, v, o, lse, lut, p, seed, {"dkdv": t}), -1),
     }
-    for kind in KINDS + ((ATOMIC,) if args.atomic_dq else ()):
+    for kind in tuple(args.kernels) + ((ATOMIC,) if args.atomic_dq else ()):
         first = None
         for tile in grid(args, kind, p > 0):
             shape = {f: v for f, v in dataclasses.asdict(tile).items() if f != "dropout"}  # not the tile's flag
@@ -141,14 +141,19 @@ def sdpa_ms(args, q, k, v, do, p: float) -> dict:
                 "fwd_bwd_ms": triton.testing.do_bench(fb, warmup=args.warmup, rep=args.rep, return_mode="median")}
 
 
-def summarize(rows: list[dict], sdpa: dict) -> list[dict]:
+def summarize(rows: list[dict], sdpa: dict, kinds: tuple[str, ...] = KINDS) -> list[dict]:
+    """Per (path, dropout): each of `kinds`' fastest tile; with all three kernels also their sum against SDPA."""
     out = []
     for (path, p), group in itertools.groupby(sorted(rows, key=lambda r: (r["path"], r["dropout"])),
                                               key=lambda r: (r["path"], r["dropout"])):
         group = [r for r in group if r["status"] == "ok"]
         best = {kind: min((r for r in group if r["kernel"] == kind), key=lambda r: r["ms"], default=None)
-                for kind in KINDS}
+                for kind in kinds}
         if any(b is None for b in best.values()):
+            continue
+        if set(kinds) != set(KINDS):  # some kernels only (--kernels): their best tiles, no sum
+            out.append({"path": path, "dropout": p, "best": {k: {x: b.get(x, False) for x in FIELDS}
+                                                             for k, b in best.items()}})
             continue
         total = sum(b["ms"] for b in best.values())
         atomic = min((r for r in group if r["kernel"] == ATOMIC), key=lambda r: r["ms"], default=None)
@@ -184,18 +189,22 @@ def main(args) -> dict:
             if path == "lookup" and lut.contiguous and not args.lookup:
                 continue
             rows += time_kernels(args, table, q.detach(), k.detach(), v.detach(), do, p, 1234, path)
-    summary = summarize(rows, sdpa)
+    summary = summarize(rows, sdpa, tuple(args.kernels))
     result = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "versions": versions(), "device": device_info(),
         "settings": {"batch": args.batch, "heads": args.heads, "head_dim": args.head_dim, "seq": args.seq,
                      "block": args.block, "layout": args.layout, "dtype": "bf16", "dropouts": args.dropouts,
-                     "inputs": args.inputs, "tma": args.tma, "atomic_dq": args.atomic_dq,
+                     "inputs": args.inputs, "tma": args.tma, "atomic_dq": args.atomic_dq, "kernels": args.kernels,
                      "grid": args.grid, "warmup_ms": args.warmup, "rep_ms": args.rep,
                      "timing": "triton.testing.do_bench median, one kernel per row"},
         "sdpa_cudnn": sdpa, "summary": summary, "rows": rows, "wall_s": time.time() - started,
     }
     for s in summary:
+        if "best_sum_ms" not in s:
+            print(f"{s['path']:6} p={s['dropout']}: best "
+                  + ", ".join(f"{k} {b['ms']:.3f}" for k, b in s["best"].items()))
+            continue
         print(f"{s['path']:6} p={s['dropout']}: best sum {s['best_sum_ms']:.3f} ms, sdpa cudnn "
               f"{s['sdpa_cudnn_fwd_bwd_ms']:.3f} ms -> {s['speedup_vs_sdpa_cudnn']:.3f}x; "
               + ", ".join(f"{k} {b['ms']:.3f}" for k, b in s["best"].items()))
@@ -227,6 +236,8 @@ def parse_args(argv=None):
                    help="tiles loaded with pointers, through TMA descriptors, or each tile both ways")
     p.add_argument("--atomic-dq", "--atomic_dq", dest="atomic_dq", action="store_true",
                    help="also time the one-pass backward (dk/dv kernel adding dq atomically) at every dk/dv tile")
+    p.add_argument("--kernels", nargs="+", choices=KINDS, default=list(KINDS),
+                   help="time only these kernels (the summary then gives their best tiles, no sum)")
     p.add_argument("--lookup", action="store_true", help="also time the lookup-table path on a causal/local layout")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")

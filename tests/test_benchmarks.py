@@ -3,12 +3,14 @@
 import dataclasses
 import importlib.util
 import json
+import subprocess
 import sys
 
 import pytest
 
 from shared.train.config import TrainConfig
 from tests.helpers import ROOT, load, run
+from tests.helpers import env as run_env
 
 ABLATION = ROOT / "benchmarks" / "ablation.py"
 PLOT = ROOT / "benchmarks" / "plot_training.py"
@@ -313,6 +315,9 @@ def test_attention_tiles_sums_each_kernels_fastest_tile_per_path_and_rate():
     assert atomic["best"]["block_m"] == 64 and atomic["sum_ms"] == pytest.approx(0.9 + 2.5)
     assert atomic["vs_two_kernel_backward"] == pytest.approx((1.2 + 2.0) / 2.5)
     assert atomic["speedup_vs_sdpa_cudnn"] == pytest.approx(3.1 / 3.4)
+    (dkdv_only,) = tiles.summarize(rows, sdpa, ("dkdv",))  # --kernels dkdv: its best tile, no sum
+    assert dkdv_only["best"]["dkdv"]["block_m"] == 32 and "best_sum_ms" not in dkdv_only
+    assert tiles.parse_args(["--kernels", "dkdv"]).kernels == ["dkdv"]
     for kind in tiles.KINDS:  # the wide grid holds the tuner's candidates' shapes class and Hopper-sized tiles
         grid = tiles.wide_grid(kind, 96)
         assert grid and len(set(grid)) == len(grid) and any(t.pad_d for t in grid)
@@ -326,3 +331,26 @@ def test_attention_tiles_sums_each_kernels_fastest_tile_per_path_and_rate():
     for bad in (["--inputs", "bthd"], ["--head_dim", "80"], ["--block", "96", "--seq", "1920"]):
         with pytest.raises(SystemExit):
             tiles.parse_args(bad)
+
+
+def test_kernel_resources_first_candidates_compile_for_hopper_without_spilling(tmp_path):
+    """The autotuner's first tile of each block-sparse kernel (D = 96, bf16, with and without dropout), compiled
+    ahead of time for sm_90 with the installed Triton, spills no registers (benchmarks/kernel_resources.py, in its
+    own process: compiling needs Triton without the interpreter, and no GPU)."""
+    res = load_module("kernel_resources", ROOT / "benchmarks" / "kernel_resources.py")
+    assert res.parse_usage("Function _attn_bwd_dkdv:\n REG:255 STACK:440 SHARED:1024 LOCAL:0") == {
+        "registers": 255, "spill_bytes": 440}
+    with pytest.raises(ValueError, match="no REG/STACK"):
+        res.parse_usage("cuobjdump info    : File 'x.cubin' does not contain device code")
+    for bad in (["--head_dim", "80"], ["--first", "-1"], ["--kernels", "dk"]):
+        with pytest.raises(SystemExit):
+            res.parse_args(bad)
+    out = tmp_path / "resources.json"
+    env = {k: v for k, v in run_env().items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, ROOT / "benchmarks" / "kernel_resources.py", "--first", "1", "--out", out],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["kernel"], r["dropout"]) for r in rows] == [(k, d) for k in ("fwd", "dq", "dkdv") for d in (False, True)]
+    for r in rows:
+        assert "error" not in r and r["spill_bytes"] == 0 and 0 < r["registers"] <= 255, r

@@ -27,10 +27,14 @@ Design (Triton's fused-attention tutorial, tutorials/06-fused-attention.py, FA2 
     wins on Hopper is a measurement. Dims 16, 32, 64 and 128 use one part.
   - Kernel tiles may be smaller than the sparse block (e.g. 64x64 tiles in 128-token blocks): a block is then
     visited as SPARSE_BLOCK // BLOCK_N sub-tiles in one flattened loop. Tile sizes, warps, stages and the D = 96
-    variant are chosen per (kernel, sparse block, head dim, dtype, dropout) among a few candidates by Triton's
-    autotuner on the first call on a GPU (`candidate_tiles`: pruned offline by compiling for sm_90a and rejecting
-    shapes that spill registers or exceed shared memory, and for D = 96 led by the fastest tiles of a sweep on an
-    H200, benchmarks/attention_tiles.py); `chosen_configs()` records the choices.
+    variant are chosen per (kernel, sparse block, head dim, dtype, dropout, sequence length, layout width) among
+    a few candidates by Triton's autotuner on the first call on a GPU (`candidate_tiles`, for D = 96 led by the
+    fastest tiles of a sweep on an H200, benchmarks/attention_tiles.py; their register use and spills per Triton
+    version: benchmarks/kernel_resources.py); `chosen_configs()` records the choices.
+  - Registers: a loop holds no (rows x head dim) tile of pointers. Pointer loads keep one (1, part) row of column
+    addresses across the loop and add the tile's token offsets inside it (`_load_rows`, loops with LICM off so
+    the compiler does not hoist them back out): a tile of 64-bit pointers takes twice the registers of an fp32
+    tile of its shape, and the dk/dv kernel, which already holds dk and dv, spilled with them.
   - TMA: a tile may load the tiles of its loop (keys and values in the forward and dq kernels, queries and dO in
     dk/dv) through tensor descriptors the program creates on the device (`Tile.tma`; Hopper's tensor memory
     accelerator copies a whole tile to shared memory, no per-thread addresses). Such tiles are candidates only
@@ -215,13 +219,13 @@ def _store_a(ptrs, x, dmask, PADDED: tl.constexpr):
 
 
 @triton.jit
-def _load_kv(src, row, stride, dmask, PADDED: tl.constexpr, TMA: tl.constexpr):
-    """The (rows, part) tile starting at token `row`: from a tensor descriptor (TMA; zero past the head dim) or a
-    pointer tile based at token 0."""
+def _load_rows(src, rows, row, dmask, PADDED: tl.constexpr, TMA: tl.constexpr):
+    """The (rows, part) tile of token offsets `rows` (BLOCK, 1): from a tensor descriptor at token `row` (TMA) or
+    from the (1, part) pointer row `src`, so that no (BLOCK, part) pointer tile lives across the loop."""
     if TMA:
         x = src.load([row, 0])
     else:
-        x = _load_a(src + row * stride, dmask, PADDED)
+        x = _load_a(src + rows, dmask, PADDED)
     return x
 
 
@@ -243,16 +247,17 @@ def _fwd_tile(acc_a, acc_b, l_i, m_i, q_a, q_b, K_a, K_b, V_a, V_b, start_n, off
               PADDED: tl.constexpr, TMA: tl.constexpr):
     """One (BLOCK_M x BLOCK_N) step of the online softmax (FA2 algorithm 1), in base 2. With TMA, K_*/V_* are
     tensor descriptors of (BLOCK_N, part) tiles instead of pointer tiles."""
+    cols_k = (start_n + offs_n)[None, :] * stride_kt
     if TMA:
         kT_a = K_a.load([start_n, 0]).T
     else:
-        kT_a = _load_a(K_a + start_n * stride_kt, dm_col, PADDED)  # (DA, BLOCK_N)
+        kT_a = _load_a(K_a + cols_k, dm_col, PADDED)  # (DA, BLOCK_N)
     qk = tl.dot(q_a, kT_a, input_precision=PREC)
     if DB > 0:
         if TMA:
             kT_b = K_b.load([start_n, 0]).T
         else:
-            kT_b = tl.load(K_b + start_n * stride_kt)
+            kT_b = tl.load(K_b + cols_k)
         qk = tl.dot(q_b, kT_b, qk, input_precision=PREC)
     if MASK:
         causal = offs_m[:, None] >= (start_n + offs_n)[None, :]
@@ -268,10 +273,11 @@ def _fwd_tile(acc_a, acc_b, l_i, m_i, q_a, q_b, K_a, K_b, V_a, V_b, start_n, off
     if DROPOUT:
         p = tl.where(_keep(key, offs_m, start_n, offs_n.shape[0], T, dropout_p), p, 0.0)
     p = p.to(q_a.dtype)
-    v_a = _load_kv(V_a, start_n, stride_vt, dm_row, PADDED, TMA)  # (BLOCK_N, DA)
+    rows_v = (start_n + offs_n)[:, None] * stride_vt
+    v_a = _load_rows(V_a, rows_v, start_n, dm_row, PADDED, TMA)  # (BLOCK_N, DA)
     acc_a = tl.dot(p, v_a, acc_a * alpha[:, None], input_precision=PREC)
     if DB > 0:
-        v_b = _load_kv(V_b, start_n, stride_vt, dm_row, False, TMA)
+        v_b = _load_rows(V_b, rows_v, start_n, dm_row, False, TMA)
         acc_b = tl.dot(p, v_b, acc_b * alpha[:, None], input_precision=PREC)
     return acc_a, acc_b, l_i, m_ij
 
@@ -304,15 +310,15 @@ def _attn_fwd(Q, K, V, Out, LSE, ROW_IDX, ROW_OFF, DIAG,
     dm_row = offs_da[None, :] < HEAD_DIM
     dm_col = offs_da[:, None] < HEAD_DIM
     q_a = _load_a(Q + offs_m[:, None] * stride_qt + offs_da[None, :], dm_row, PADDED)
-    K_a = K + offs_n[None, :] * stride_kt + offs_da[:, None]
-    V_a = V + offs_n[:, None] * stride_vt + offs_da[None, :]
+    K_a = K + offs_da[:, None]  # a (DA, 1) column and (1, DA) row: the tile function adds its keys' offsets
+    V_a = V + offs_da[None, :]
     acc_a = tl.zeros([BLOCK_M, DA], dtype=tl.float32)
     q_b, K_b, V_b, acc_b = q_a, K_a, V_a, acc_a  # placeholders, never read when DB == 0
     if DB > 0:
         offs_db = DA + tl.arange(0, DB)
         q_b = tl.load(Q + offs_m[:, None] * stride_qt + offs_db[None, :])
-        K_b = K + offs_n[None, :] * stride_kt + offs_db[:, None]
-        V_b = V + offs_n[:, None] * stride_vt + offs_db[None, :]
+        K_b = K + offs_db[:, None]
+        V_b = V + offs_db[None, :]
         acc_b = tl.zeros([BLOCK_M, DB], dtype=tl.float32)
     if TMA:  # keys and values of the loops through the tensor memory accelerator
         K_a, K_b = _descriptors(K, T, stride_kt, BLOCK_N, HEAD_DIM, DA, DB)
@@ -327,7 +333,7 @@ def _attn_fwd(Q, K, V, Out, LSE, ROW_IDX, ROW_OFF, DIAG,
     # Blocks strictly left of the diagonal: no mask.
     n_off = tl.load(ROW_OFF + row)
     lo = tl.load(ROW_IDX + row * ROW_WIDTH) * SPARSE_BLOCK  # the run's first key when CONTIG
-    for it in range(0, n_off * SUB):
+    for it in tl.range(0, n_off * SUB, disable_licm=True):
         if CONTIG:
             start_n = tl.multiple_of(lo + it * BLOCK_N, BLOCK_N)
         else:
@@ -340,7 +346,7 @@ def _attn_fwd(Q, K, V, Out, LSE, ROW_IDX, ROW_OFF, DIAG,
     # of the tile, so no row is ever fully masked and the running max stays finite.
     diag_start = (start_m // SPARSE_BLOCK) * SPARSE_BLOCK
     n_diag = tl.load(DIAG + row) * tl.cdiv(start_m + BLOCK_M - diag_start, BLOCK_N)
-    for it in range(0, n_diag):
+    for it in tl.range(0, n_diag, disable_licm=True):
         start_n = tl.multiple_of(diag_start + it * BLOCK_N, BLOCK_N)
         acc_a, acc_b, l_i, m_i = _fwd_tile(acc_a, acc_b, l_i, m_i, q_a, q_b, K_a, K_b, V_a, V_b, start_n, offs_m,
                                            offs_n, qk_scale, stride_kt, stride_vt, key, dropout_p, T, dm_row,
@@ -362,13 +368,15 @@ def _dq_tile(dq_a, dq_b, q_a, q_b, do_a, do_b, lse, delta, K_a, K_b, V_a, V_b, s
              DB: tl.constexpr, MASK: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr, PADDED: tl.constexpr,
              TMA: tl.constexpr):
     """dq += dS K for one (BLOCK_M x BLOCK_N) tile, with P recomputed from the saved log-sum-exp."""
-    k_a = _load_kv(K_a, start_n, stride_kt, dm_row, PADDED, TMA)  # (BLOCK_N, DA)
-    v_a = _load_kv(V_a, start_n, stride_vt, dm_row, PADDED, TMA)
+    rows_k = (start_n + offs_n)[:, None] * stride_kt
+    rows_v = (start_n + offs_n)[:, None] * stride_vt
+    k_a = _load_rows(K_a, rows_k, start_n, dm_row, PADDED, TMA)  # (BLOCK_N, DA)
+    v_a = _load_rows(V_a, rows_v, start_n, dm_row, PADDED, TMA)
     qk = tl.dot(q_a, tl.trans(k_a), input_precision=PREC)
     dp = tl.dot(do_a, tl.trans(v_a), input_precision=PREC)
     if DB > 0:
-        k_b = _load_kv(K_b, start_n, stride_kt, dm_row, False, TMA)
-        v_b = _load_kv(V_b, start_n, stride_vt, dm_row, False, TMA)
+        k_b = _load_rows(K_b, rows_k, start_n, dm_row, False, TMA)
+        v_b = _load_rows(V_b, rows_v, start_n, dm_row, False, TMA)
         qk = tl.dot(q_b, tl.trans(k_b), qk, input_precision=PREC)
         dp = tl.dot(do_b, tl.trans(v_b), dp, input_precision=PREC)
     p = tl.math.exp2(qk * qk_scale - lse[:, None])
@@ -416,8 +424,8 @@ def _attn_bwd_dq(Q, K, V, Out, DO, DQ, LSE, DELTA, ROW_IDX, ROW_OFF, DIAG,
     do_a = _load_a(DO + offs_m[:, None] * stride_dot + offs_da[None, :], dm_row, PADDED)
     o_a = _load_a(Out + offs_m[:, None] * stride_ot + offs_da[None, :], dm_row, PADDED)
     delta = tl.sum(o_a.to(tl.float32) * do_a.to(tl.float32), axis=1)
-    K_a = K + offs_n[:, None] * stride_kt + offs_da[None, :]
-    V_a = V + offs_n[:, None] * stride_vt + offs_da[None, :]
+    K_a = K + offs_da[None, :]  # (1, DA) rows: the tile function adds its keys' offsets inside the loop
+    V_a = V + offs_da[None, :]
     dq_a = tl.zeros([BLOCK_M, DA], dtype=tl.float32)
     q_b, do_b, K_b, V_b, dq_b = q_a, do_a, K_a, V_a, dq_a  # placeholders, never read when DB == 0
     if DB > 0:
@@ -426,8 +434,8 @@ def _attn_bwd_dq(Q, K, V, Out, DO, DQ, LSE, DELTA, ROW_IDX, ROW_OFF, DIAG,
         do_b = tl.load(DO + offs_m[:, None] * stride_dot + offs_db[None, :])
         o_b = tl.load(Out + offs_m[:, None] * stride_ot + offs_db[None, :])
         delta += tl.sum(o_b.to(tl.float32) * do_b.to(tl.float32), axis=1)
-        K_b = K + offs_n[:, None] * stride_kt + offs_db[None, :]
-        V_b = V + offs_n[:, None] * stride_vt + offs_db[None, :]
+        K_b = K + offs_db[None, :]
+        V_b = V + offs_db[None, :]
         dq_b = tl.zeros([BLOCK_M, DB], dtype=tl.float32)
     if TMA:
         K_a, K_b = _descriptors(K, T, stride_kt, BLOCK_N, HEAD_DIM, DA, DB)
@@ -442,7 +450,7 @@ def _attn_bwd_dq(Q, K, V, Out, DO, DQ, LSE, DELTA, ROW_IDX, ROW_OFF, DIAG,
     SUB: tl.constexpr = SPARSE_BLOCK // BLOCK_N
     n_off = tl.load(ROW_OFF + row)
     lo = tl.load(ROW_IDX + row * ROW_WIDTH) * SPARSE_BLOCK  # the run's first key when CONTIG
-    for it in range(0, n_off * SUB):
+    for it in tl.range(0, n_off * SUB, disable_licm=True):
         if CONTIG:
             start_n = tl.multiple_of(lo + it * BLOCK_N, BLOCK_N)
         else:
@@ -453,7 +461,7 @@ def _attn_bwd_dq(Q, K, V, Out, DO, DQ, LSE, DELTA, ROW_IDX, ROW_OFF, DIAG,
                               PREC, PADDED, TMA)
     diag_start = (start_m // SPARSE_BLOCK) * SPARSE_BLOCK
     n_diag = tl.load(DIAG + row) * tl.cdiv(start_m + BLOCK_M - diag_start, BLOCK_N)
-    for it in range(0, n_diag):
+    for it in tl.range(0, n_diag, disable_licm=True):
         start_n = tl.multiple_of(diag_start + it * BLOCK_N, BLOCK_N)
         dq_a, dq_b = _dq_tile(dq_a, dq_b, q_a, q_b, do_a, do_b, lse, delta, K_a, K_b, V_a, V_b, start_n, offs_m,
                               offs_n, qk_scale, stride_kt, stride_vt, key, dropout_p, T, dm_row, DB, True, DROPOUT,
@@ -472,16 +480,18 @@ def _dkdv_tile(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, Q_a, Q_b, DO_a, DO_b,
                PADDED: tl.constexpr, TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr):
     """dv += P^T dO and dk += dS^T Q for one (BLOCK_N keys x BLOCK_M queries) tile, computed transposed; with
     DQ_ATOMIC also dq += dS K, added atomically."""
-    q_a = _load_kv(Q_a, start_m, stride_qt, dm_row, PADDED, TMA)  # (BLOCK_M, DA)
-    do_a = _load_kv(DO_a, start_m, stride_dot, dm_row, PADDED, TMA)
+    rows_q = (start_m + offs_m)[:, None] * stride_qt
+    rows_do = (start_m + offs_m)[:, None] * stride_dot
+    q_a = _load_rows(Q_a, rows_q, start_m, dm_row, PADDED, TMA)  # (BLOCK_M, DA)
+    do_a = _load_rows(DO_a, rows_do, start_m, dm_row, PADDED, TMA)
     q_idx = start_m + offs_m
     lse = tl.load(LSE + q_idx)
     delta = tl.load(DELTA + q_idx)
     qkT = tl.dot(k_a, tl.trans(q_a), input_precision=PREC)  # (BLOCK_N, BLOCK_M)
     dpT = tl.dot(v_a, tl.trans(do_a), input_precision=PREC)
     if DB > 0:
-        q_b = _load_kv(Q_b, start_m, stride_qt, dm_row, False, TMA)
-        do_b = _load_kv(DO_b, start_m, stride_dot, dm_row, False, TMA)
+        q_b = _load_rows(Q_b, rows_q, start_m, dm_row, False, TMA)
+        do_b = _load_rows(DO_b, rows_do, start_m, dm_row, False, TMA)
         qkT = tl.dot(k_b, tl.trans(q_b), qkT, input_precision=PREC)
         dpT = tl.dot(v_b, tl.trans(do_b), dpT, input_precision=PREC)
     pT = tl.math.exp2(qkT * qk_scale - lse[None, :])
@@ -567,8 +577,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, DQ, LSE, DELTA, COL_IDX, COL_CUM, DIAG,
     dm_row = offs_da[None, :] < HEAD_DIM
     k_a = _load_a(K + offs_n[:, None] * stride_kt + offs_da[None, :], dm_row, PADDED)  # (BLOCK_N, DA), stays on chip
     v_a = _load_a(V + offs_n[:, None] * stride_vt + offs_da[None, :], dm_row, PADDED)
-    Q_a = Q + offs_m[:, None] * stride_qt + offs_da[None, :]
-    DO_a = DO + offs_m[:, None] * stride_dot + offs_da[None, :]
+    Q_a = Q + offs_da[None, :]  # a (1, DA) row: the tile function adds its queries' offsets inside the loop
+    DO_a = DO + offs_da[None, :]
     dk_a = tl.zeros([BLOCK_N, DA], dtype=tl.float32)
     dv_a = tl.zeros([BLOCK_N, DA], dtype=tl.float32)
     k_b, v_b, Q_b, DO_b, dk_b, dv_b = k_a, v_a, Q_a, DO_a, dk_a, dv_a  # placeholders, never read when DB == 0
@@ -576,8 +586,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, DQ, LSE, DELTA, COL_IDX, COL_CUM, DIAG,
         offs_db = DA + tl.arange(0, DB)
         k_b = tl.load(K + offs_n[:, None] * stride_kt + offs_db[None, :])
         v_b = tl.load(V + offs_n[:, None] * stride_vt + offs_db[None, :])
-        Q_b = Q + offs_m[:, None] * stride_qt + offs_db[None, :]
-        DO_b = DO + offs_m[:, None] * stride_dot + offs_db[None, :]
+        Q_b = Q + offs_db[None, :]
+        DO_b = DO + offs_db[None, :]
         dk_b = tl.zeros([BLOCK_N, DB], dtype=tl.float32)
         dv_b = tl.zeros([BLOCK_N, DB], dtype=tl.float32)
     DQ_a = DQ + offs_m[:, None] * stride_gt + offs_da[None, :]
@@ -595,7 +605,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, DQ, LSE, DELTA, COL_IDX, COL_CUM, DIAG,
     # The diagonal block first, causal mask, from the query tile holding this tile's first key.
     diag_lo = (start_n // BLOCK_M) * BLOCK_M
     n_diag = tl.load(DIAG + col) * (((kb + 1) * SPARSE_BLOCK - diag_lo) // BLOCK_M)
-    for it in range(0, n_diag):
+    for it in tl.range(0, n_diag, disable_licm=True):
         start_m = tl.multiple_of(diag_lo + it * BLOCK_M, BLOCK_M)
         dk_a, dk_b, dv_a, dv_b = _dkdv_tile(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, Q_a, Q_b, DO_a, DO_b, DQ_a,
                                             DQ_b, LSE, DELTA, start_m, start_n, offs_m, offs_n, sm_scale, qk_scale,
@@ -605,7 +615,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, DQ, LSE, DELTA, COL_IDX, COL_CUM, DIAG,
     n_off = tl.load(COL_CUM + col * NB + T // SPARSE_BLOCK - 1)
     SUB: tl.constexpr = SPARSE_BLOCK // BLOCK_M
     lo = tl.load(COL_IDX + col * COL_WIDTH) * SPARSE_BLOCK  # the run's first query when CONTIG
-    for it in range(0, n_off * SUB):
+    for it in tl.range(0, n_off * SUB, disable_licm=True):
         if CONTIG:
             start_m = tl.multiple_of(lo + it * BLOCK_M, BLOCK_M)
         else:
@@ -670,10 +680,12 @@ class Tile:
         return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, DA=da, DB=db, TMA=self.tma)
 
 
-# Candidates per kernel and head-dim class, first = default. Every one was compiled offline for sm_90a with Triton
-# 3.6 and 3.9 (the GPU machine's and this repo's) and kept only where the cubin shows no register spill (cuobjdump
-# STACK/LOCAL; at most 8 bytes in one case) and shared memory fits Hopper's 227 KiB, with and without dropout
-# (`dropout=False`: spills with it); the autotuner then times them on the first call. Hopper's wgmma works on
+# Candidates per kernel and head-dim class, first = default; the autotuner times them on the first call. Their
+# registers, spilled bytes and shared memory, compiled ahead of time for sm_90 with Triton 3.6 (the GPU machine's)
+# and 3.9 (CI's), are recorded by benchmarks/kernel_resources.py (benchmarks/results/blocksparse_spill_h200/): with
+# 3.6, 10 of the 46 D = 96 compilations (candidate x with/without dropout) spill, at most 192 bytes, none of them
+# a first tile; each kernel's first D = 96 tile compiles spill-free with both versions (tests/test_benchmarks.py).
+# `dropout=False` marks tiles left out when dropout is on. Hopper's wgmma works on
 # 64-row warpgroup tiles: 8 warps pair with 128-row tiles, 4 warps with 64 or 128 rows. What limits dk/dv is
 # accumulator pressure: a program holds dk and dv (BLOCK_N x D fp32 each) plus k and v, which is why its 128-key
 # tiles use 8 warps and, at D = 128, step over query tiles of 32 or fewer (64 spills).
@@ -689,15 +701,17 @@ _TMA = dict(tma=True)
 _D96 = {  # D = 96 as two parts (64 + 32, no wasted MMA work) or padded to 128. The first tiles of each kernel
     # were the fastest of a wider grid timed on an H200 at the 1.5b model's shape (benchmarks/attention_tiles.py,
     # benchmarks/results/blocksparse_tiles_h200/ and, with TMA loads, blocksparse_tma_h200/: TMA made the forward
-    # and dq faster, not dk/dv); the rest are the spill-free set above.
+    # and dq faster, not dk/dv; without pointer tiles in its registers, blocksparse_spill_h200/, dk/dv's best is
+    # 32 x 64 on 4 warps on the model's q/k/v views, 64 x 64 on contiguous inputs); the rest are the set above.
     "fwd": (Tile(128, 64, 8, 3, **_TMA), Tile(64, 64, 4, 2, **_TMA), Tile(64, 64, 4, 2), Tile(64, 128, 4, 2),
             Tile(128, 64, 8, 3), Tile(128, 64, 8, 3, True), Tile(128, 128, 8, 2, **_NO_DROP), Tile(64, 64, 4, 3),
             Tile(64, 64, 4, 3, True, **_NO_DROP)),
     "dq": (Tile(64, 64, 4, 2, **_TMA, **_NO_DROP), Tile(64, 32, 4, 3, **_TMA), Tile(64, 32, 4, 3),
            Tile(128, 64, 8, 3), Tile(128, 64, 8, 2), Tile(128, 64, 8, 2, True), Tile(128, 32, 8, 3),
            Tile(64, 64, 4, 3, **_NO_DROP), Tile(64, 32, 4, 3, True)),
-    "dkdv": (Tile(64, 128, 8, 3), Tile(32, 64, 4, 2), Tile(32, 128, 8, 3), Tile(64, 128, 8, 2, **_NO_DROP),
-             Tile(32, 128, 8, 3, True, **_NO_DROP), Tile(32, 64, 4, 3, **_NO_DROP),
+    "dkdv": (Tile(32, 64, 4, 3), Tile(64, 64, 4, 3, **_NO_DROP), Tile(64, 128, 8, 3), Tile(32, 64, 4, 2),
+             Tile(32, 128, 8, 3),
+             Tile(64, 128, 8, 2, **_NO_DROP), Tile(32, 128, 8, 3, True, **_NO_DROP),
              Tile(32, 64, 4, 3, True, **_NO_DROP), Tile(16, 64, 4, 3, True)),
 }
 _D128 = {
@@ -742,7 +756,11 @@ def _tuned(kernel, kind: str, head_dim: int, tiles: tuple[Tile, ...]):
         configs = [triton.Config(t.meta(head_dim), num_warps=t.num_warps, num_stages=t.num_stages) for t in tiles]
         # The one-pass backward adds into DQ: every trial of the tuner must start from zeros, and so must the call.
         reset = ["DQ"] if kind == "dkdv_dq" else None
-        _TUNERS[key] = triton.autotune(configs=configs, key=["T", "DROPOUT", "CONTIG"], reset_to_zero=reset)(kernel)
+        # Tiles are chosen per sequence length, dropout, stepping and layout width (the most off-diagonal blocks in
+        # a row, or column for dk/dv): a causal and a local layout of one length need different tiles.
+        width = "COL_WIDTH" if kind.startswith("dkdv") else "ROW_WIDTH"
+        _TUNERS[key] = triton.autotune(configs=configs, key=["T", "DROPOUT", "CONTIG", width],
+                                       reset_to_zero=reset)(kernel)
     return _TUNERS[key]
 
 
