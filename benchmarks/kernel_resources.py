@@ -7,14 +7,21 @@ Each tile (shared/kernels/blocksparse_attention.py, `candidate_tiles`; `--grid w
 benchmarks/attention_tiles.py) is compiled ahead of time for a GPU architecture (`--arch 90`: Hopper) with the
 installed Triton, no GPU needed, and its cubin read back with the `cuobjdump` Triton ships: registers per thread,
 bytes of local memory a thread spills to (`spill_bytes`, cuobjdump's STACK) and shared memory per program. A tile
-that spills pays for it in local-memory traffic inside its loop; the candidate lists are kept spill-free. Triton
-versions allocate differently: the record names the version. Needs no GPU; must run without TRITON_INTERPRET.
+that spills pays for it in local-memory traffic inside its loop. Triton versions allocate differently: the record
+names the version.
+
+What is compiled is what a launch at the benchmark's shape compiles (`--batch/--heads/--seq/--head_dim/--block/
+--layout/--inputs`, by default the 1.5b model's attention on the model's q/k/v views): the module's own host code
+builds the arguments, on meta tensors, and each argument is specialized by Triton's own rule (integers equal to 1
+become constants, integers and addresses divisible by 16 are marked so), as its JIT does. Needs no GPU; must run
+without TRITON_INTERPRET.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import os
 import re
@@ -23,10 +30,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 import triton
+from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import CUDABackend
 from triton.compiler import ASTSource
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,35 +44,74 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from shared.kernels import blocksparse_attention as bsa  # noqa: E402
+from shared.model import layouts  # noqa: E402
+from shared.model.config import GPTConfig  # noqa: E402
 
-KERNELS = {"fwd": bsa._attn_fwd, "dq": bsa._attn_bwd_dq, "dkdv": bsa._attn_bwd_dkdv}
-POINTERS = {"Q", "K", "V", "Out", "DO", "DQ", "DK", "DV"}  # the inputs' dtype
-FP32_POINTERS = {"LSE", "DELTA"}
-INT_POINTERS = {"ROW_IDX", "ROW_OFF", "DIAG", "COL_IDX", "COL_CUM"}
-FLOATS = {"sm_scale", "dropout_p"}
+KINDS = ("fwd", "dq", "dkdv")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+POINTEE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32"}
 
 
-def signature(fn, consts: dict, dtype: str) -> dict:
-    """Triton's signature of one of the kernels: pointers by name, constexprs as given, every other argument int32."""
-    sig = {}
-    for name in fn.arg_names:
-        sig[name] = ("constexpr" if name in consts else f"*{dtype}" if name in POINTERS else "*fp32"
-                     if name in FP32_POINTERS else "*i32" if name in INT_POINTERS else "fp32" if name in FLOATS
-                     else "i32")
-    return sig
+def launches(args, dropout: float) -> dict[str, tuple]:
+    """(kernel, arguments, constexprs) of each kernel's launch at the benchmark's shape, recorded from the module's
+    host code (`_forward`, `_backward_dq`, `_backward_dkdv`) with its launcher replaced: meta tensors, no GPU."""
+    B, H, T, D = args.batch, args.heads, args.seq, args.head_dim
+    dtype = DTYPES[args.dtype]
+    if args.inputs == "bhtd":
+        q, k, v, do = (torch.empty(B, H, T, D, device="meta", dtype=dtype) for _ in range(4))
+    else:  # views of one (B, T, 3C) projection, dO in (B, T, H, D) storage, as the GPT hands them over
+        q, k, v = (t.view(B, T, H, D).transpose(1, 2)
+                   for t in torch.empty(B, T, 3 * H * D, device="meta", dtype=dtype).split(H * D, dim=2))
+        do = torch.empty(B, T, H, D, device="meta", dtype=dtype).transpose(1, 2)
+    cfg = GPTConfig(n_head=H, n_embd=H * D, seq_len=T, sparse_block=args.block, layout=args.layout)
+    lut = bsa.BlockLUT.from_layout(layouts.make_layout(cfg), args.block)
+    calls = {}
+
+    def record(kernel, kind, T, BH, tiles, block, head_dim, dtype, kernel_args, consts):
+        calls[kind] = (kernel, kernel_args, consts)
+
+    with mock.patch.object(bsa, "_launch", record):
+        o, lse = bsa._forward(q, k, v, lut, dropout, 1, None)
+        _, delta = bsa._backward_dq(do, q, k, v, o, lse, lut, dropout, 1, None)
+        bsa._backward_dkdv(do, q, k, v, lse, delta, lut, dropout, 1, None)
+    return calls
 
 
-def resources(kind: str, tile: bsa.Tile, head_dim: int, dtype: str, dropout: bool, block: int, arch: int) -> dict:
-    """Compile one kernel at one tile for `arch` and read its resource usage from the cubin."""
-    if isinstance(KERNELS[kind], triton.runtime.interpreter.InterpretedFunction):
+def specialize(kernel, kernel_args: tuple, consts: dict) -> tuple[dict, dict, dict]:
+    """Triton's signature, constants and attributes for these arguments, by the rule its JIT applies at launch."""
+    sig, constants, attrs = {}, dict(consts), {}
+    params = [p for p in kernel.params if not p.is_constexpr]
+    for param, value in zip(params, kernel_args, strict=True):
+        index = (kernel.arg_names.index(param.name),)
+        align = not param.do_not_specialize_on_alignment
+        if isinstance(value, torch.Tensor):  # a meta tensor's address is its offset (allocations are 256-aligned)
+            address = value.storage_offset() * value.element_size() if value.is_meta else value.data_ptr()
+            sig[param.name] = f"*{POINTEE[value.dtype]}"
+            divisible = address % 16 == 0 and align
+        else:
+            ty, key = native_specialize_impl(CUDABackend, value, False, not param.do_not_specialize, align)
+            if ty == "constexpr":
+                constants[param.name] = key
+            sig[param.name] = ty
+            divisible = key == "D"
+        if divisible:
+            attrs[index] = [["tt.divisibility", 16]]
+    for param in kernel.params:
+        if param.is_constexpr or param.name in constants:
+            sig[param.name] = "constexpr"
+            if param.name not in constants and param.default is not inspect.Parameter.empty:
+                constants[param.name] = param.default  # constexpr defaults (TMA, DQ_ATOMIC): False
+    return sig, constants, attrs
+
+
+def resources(launch: tuple, tile: bsa.Tile, head_dim: int, arch: int) -> dict:
+    """Compile one recorded launch at one tile for `arch` and read its resource usage from the cubin."""
+    kernel, kernel_args, consts = launch
+    if isinstance(kernel, triton.runtime.interpreter.InterpretedFunction):
         raise SystemExit("benchmarks/kernel_resources.py compiles kernels: run it without TRITON_INTERPRET")
-    fn = KERNELS[kind]
-    consts = dict(HEAD_DIM=head_dim, SPARSE_BLOCK=block, DROPOUT=dropout, PREC="tf32", CONTIG=True,
-                  **tile.meta(head_dim))
-    consts.update({name: False for name in ("DQ_ATOMIC",) if name in fn.arg_names})  # the two-kernel backward
-    src = ASTSource(fn, signature(fn, consts, dtype),
-                    constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    sig, constants, attrs = specialize(kernel, kernel_args, {**consts, **tile.meta(head_dim)})
+    src = ASTSource(kernel, sig, constexprs={(kernel.arg_names.index(k),): v for k, v in constants.items()},
+                    attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                               options=dict(num_warps=tile.num_warps, num_stages=tile.num_stages))
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -83,25 +132,37 @@ def parse_usage(text: str) -> dict:
 
 
 def tiles_of(args, kind: str, dropout: bool) -> list[bsa.Tile]:
+    """The candidates (and the wide grid's tiles), each launch shape once whatever its dropout flag."""
     cands = list(bsa.candidate_tiles(kind, args.block, args.head_dim, DTYPES[args.dtype], dropout))
     if args.grid == "wide":
         import attention_tiles
 
-        cands += [t for t in attention_tiles.wide_grid(kind, args.head_dim) if t not in cands
-                  and t.block_m <= args.block and t.block_n <= args.block]
-    return cands[:args.first] if args.first else cands
+        cands += [t for t in attention_tiles.wide_grid(kind, args.head_dim)
+                  if t.block_m <= args.block and t.block_n <= args.block]
+    out, shapes = [], set()
+    for tile in cands:
+        shape = dataclasses.replace(tile, dropout=True)
+        if shape not in shapes:
+            shapes.add(shape)
+            out.append(tile)
+    return out[:args.first] if args.first else out
 
 
 def main(args) -> dict:
     started = time.time()
-    rows = []
-    for kind in args.kernels:
-        for p in args.dropouts:
+    rows, specialized = [], {}
+    for p in args.dropouts:
+        calls = launches(args, p)
+        for kind, (kernel, kernel_args, consts) in calls.items():  # what the launch fixes besides the tile
+            _, constants, attrs = specialize(kernel, kernel_args, consts)
+            specialized[f"{kind} dropout={int(p > 0)}"] = {
+                "constants": constants, "divisible_by_16": [kernel.arg_names[i] for (i,) in sorted(attrs)]}
+        for kind in args.kernels:
             for tile in tiles_of(args, kind, p > 0):
                 shape = {f: v for f, v in dataclasses.asdict(tile).items() if f != "dropout"}  # not the tile's flag
                 row = {"kernel": kind, "dropout": p > 0, **shape}
                 try:
-                    row.update(resources(kind, tile, args.head_dim, args.dtype, p > 0, args.block, args.arch))
+                    row.update(resources(calls[kind], tile, args.head_dim, args.arch))
                 except Exception as exc:  # recorded: the row says which tile does not compile and why
                     row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 rows.append(row)
@@ -110,7 +171,7 @@ def main(args) -> dict:
                     f"{row['shared_bytes']} bytes shared" if "error" not in row else row["error"][:120]), flush=True)
     result = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "triton": triton.__version__,
               "target": f"sm_{args.arch}", "settings": {k: v for k, v in vars(args).items() if k != "out"},
-              "rows": rows, "wall_s": time.time() - started}
+              "specialized": specialized, "rows": rows, "wall_s": time.time() - started}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2))
@@ -121,13 +182,19 @@ def main(args) -> dict:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="", help="where to write the JSON (default: print only)")
-    p.add_argument("--kernels", nargs="+", choices=tuple(KERNELS), default=list(KERNELS))
+    p.add_argument("--kernels", nargs="+", choices=KINDS, default=list(KINDS))
     p.add_argument("--grid", choices=("candidates", "wide"), default="candidates")
     p.add_argument("--first", type=int, default=0, help="only the first N tiles of each list (0: all)")
     p.add_argument("--dropouts", type=float, nargs="+", default=[0.0, 0.1],
                    help="dropout rates; any p > 0 compiles the dropout variant")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--heads", type=int, default=24)
+    p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--head-dim", "--head_dim", dest="head_dim", type=int, default=96)
     p.add_argument("--block", type=int, default=128)
+    p.add_argument("--layout", default="causal", choices=("causal", "local", "strided"))
+    p.add_argument("--inputs", choices=("model", "bhtd"), default="model",
+                   help="q/k/v as the GPT's views of one projection (default) or contiguous (B, H, T, D)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
     p.add_argument("--arch", type=int, default=90, help="compute capability to compile for, e.g. 90 (H100/H200)")
     args = p.parse_args(argv)
@@ -136,6 +203,9 @@ def parse_args(argv=None):
         bsa.check_block(args.block)
     except ValueError as e:
         p.error(str(e))
+    if args.seq % args.block or min(args.batch, args.heads, args.seq) <= 0:
+        p.error(f"--seq must be a positive multiple of --block ({args.block}), --batch and --heads positive; got "
+                f"seq {args.seq}, batch {args.batch}, heads {args.heads}")
     if args.first < 0:
         p.error(f"--first must be >= 0, got {args.first}")
     return args

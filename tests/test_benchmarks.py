@@ -342,7 +342,7 @@ def test_kernel_resources_first_candidates_compile_for_hopper_without_spilling(t
         "registers": 255, "spill_bytes": 440}
     with pytest.raises(ValueError, match="no REG/STACK"):
         res.parse_usage("cuobjdump info    : File 'x.cubin' does not contain device code")
-    for bad in (["--head_dim", "80"], ["--first", "-1"], ["--kernels", "dk"]):
+    for bad in (["--head_dim", "80"], ["--first", "-1"], ["--kernels", "dk"], ["--seq", "2000"]):
         with pytest.raises(SystemExit):
             res.parse_args(bad)
     out = tmp_path / "resources.json"
@@ -350,7 +350,14 @@ def test_kernel_resources_first_candidates_compile_for_hopper_without_spilling(t
     proc = subprocess.run([sys.executable, ROOT / "benchmarks" / "kernel_resources.py", "--first", "1", "--out", out],
                           capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
-    assert [(r["kernel"], r["dropout"]) for r in rows] == [(k, d) for k in ("fwd", "dq", "dkdv") for d in (False, True)]
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert [(r["kernel"], r["dropout"]) for r in rows] == [(k, d) for d in (False, True) for k in ("fwd", "dq", "dkdv")]
+    # compiled as a launch at the 1.5b shape specializes it: one layout head (a constant 1), 16-aligned addresses
+    # and strides, T = 2048 divisible by 16, 24 heads and the causal layout's 15-block rows not
+    dkdv = result["specialized"]["dkdv dropout=1"]
+    assert dkdv["constants"]["LUT_HEADS"] == 1 and dkdv["constants"]["DROPOUT"] is True
+    assert {"Q", "K", "DK", "LSE", "stride_qt", "stride_kt", "T"} <= set(dkdv["divisible_by_16"])
+    assert not {"H", "COL_WIDTH", "seed"} & set(dkdv["divisible_by_16"])
     for r in rows:
         assert "error" not in r and r["spill_bytes"] == 0 and 0 < r["registers"] <= 255, r

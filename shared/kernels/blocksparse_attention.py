@@ -27,14 +27,14 @@ Design (Triton's fused-attention tutorial, tutorials/06-fused-attention.py, FA2 
     wins on Hopper is a measurement. Dims 16, 32, 64 and 128 use one part.
   - Kernel tiles may be smaller than the sparse block (e.g. 64x64 tiles in 128-token blocks): a block is then
     visited as SPARSE_BLOCK // BLOCK_N sub-tiles in one flattened loop. Tile sizes, warps, stages and the D = 96
-    variant are chosen per (kernel, sparse block, head dim, dtype, dropout, sequence length, layout width) among
-    a few candidates by Triton's autotuner on the first call on a GPU (`candidate_tiles`, for D = 96 led by the
-    fastest tiles of a sweep on an H200, benchmarks/attention_tiles.py; their register use and spills per Triton
-    version: benchmarks/kernel_resources.py); `chosen_configs()` records the choices.
-  - Registers: a loop holds no (rows x head dim) tile of pointers. Pointer loads keep one (1, part) row of column
-    addresses across the loop and add the tile's token offsets inside it (`_load_rows`, loops with LICM off so
-    the compiler does not hoist them back out): a tile of 64-bit pointers takes twice the registers of an fp32
-    tile of its shape, and the dk/dv kernel, which already holds dk and dv, spilled with them.
+    variant are chosen per (kernel, sparse block, head dim, dtype, dropout, sequence length, stepping, layout
+    width) among a few candidates by Triton's autotuner on the first call on a GPU (`candidate_tiles`, for D = 96
+    led by the fastest tiles of a sweep on an H200, benchmarks/attention_tiles.py; registers and spills of each,
+    per Triton version: benchmarks/kernel_resources.py); `chosen_configs()` records the choices.
+  - Registers: a loop holds no (rows x head dim) tile of pointers, which takes twice the registers of an fp32
+    tile of its shape. Pointer loads keep one (1, part) row of column addresses across the loop and add the
+    tile's token offsets inside it (`_load_rows`; loops with LICM off, so that the compiler does not hoist the
+    tile back out).
   - TMA: a tile may load the tiles of its loop (keys and values in the forward and dq kernels, queries and dO in
     dk/dv) through tensor descriptors the program creates on the device (`Tile.tma`; Hopper's tensor memory
     accelerator copies a whole tile to shared memory, no per-thread addresses). Such tiles are candidates only
@@ -219,13 +219,14 @@ def _store_a(ptrs, x, dmask, PADDED: tl.constexpr):
 
 
 @triton.jit
-def _load_rows(src, rows, row, dmask, PADDED: tl.constexpr, TMA: tl.constexpr):
-    """The (rows, part) tile of token offsets `rows` (BLOCK, 1): from a tensor descriptor at token `row` (TMA) or
-    from the (1, part) pointer row `src`, so that no (BLOCK, part) pointer tile lives across the loop."""
+def _load_rows(src, offsets, start, dmask, PADDED: tl.constexpr, TMA: tl.constexpr):
+    """A (BLOCK, part) tile of tokens start .. start + BLOCK - 1: from a tensor descriptor (TMA; zero past the head
+    dim) or from the (1, part) row of addresses `src` plus the tokens' element offsets `offsets` (BLOCK, 1), so
+    that no (BLOCK, part) tile of pointers lives across the loop."""
     if TMA:
-        x = src.load([row, 0])
+        x = src.load([start, 0])
     else:
-        x = _load_a(src + rows, dmask, PADDED)
+        x = _load_a(src + offsets, dmask, PADDED)
     return x
 
 
@@ -246,7 +247,7 @@ def _fwd_tile(acc_a, acc_b, l_i, m_i, q_a, q_b, K_a, K_b, V_a, V_b, start_n, off
               DB: tl.constexpr, MASK: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
               PADDED: tl.constexpr, TMA: tl.constexpr):
     """One (BLOCK_M x BLOCK_N) step of the online softmax (FA2 algorithm 1), in base 2. With TMA, K_*/V_* are
-    tensor descriptors of (BLOCK_N, part) tiles instead of pointer tiles."""
+    tensor descriptors of (BLOCK_N, part) tiles instead of rows of addresses."""
     cols_k = (start_n + offs_n)[None, :] * stride_kt
     if TMA:
         kT_a = K_a.load([start_n, 0]).T
@@ -510,22 +511,23 @@ def _dkdv_tile(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, Q_a, Q_b, DO_a, DO_b,
         dv_b = tl.dot(ppT.to(q_a.dtype), do_b, dv_b, input_precision=PREC)
         dk_b = tl.dot(dsT, q_b, dk_b, input_precision=PREC)
     if DQ_ATOMIC:
-        _add_dq(DQ_a, DQ_b, dsT, k_a, k_b, start_m, stride_gt, sm_scale, dm_row, DB, PREC, PADDED)
+        _add_dq(DQ_a, DQ_b, dsT, k_a, k_b, q_idx[:, None] * stride_gt, sm_scale, dm_row, DB, PREC, PADDED)
     return dk_a, dk_b, dv_a, dv_b
 
 
 @triton.jit
-def _add_dq(DQ_a, DQ_b, dsT, k_a, k_b, start_m, stride_t, sm_scale, dm_row,
+def _add_dq(DQ_a, DQ_b, dsT, k_a, k_b, offsets, sm_scale, dm_row,
             DB: tl.constexpr, PREC: tl.constexpr, PADDED: tl.constexpr):
-    """dq[start_m .. + BLOCK_M] += sm_scale * dS K of one tile, added atomically into fp32 (DQ_ATOMIC)."""
+    """dq of the tile's queries (element offsets `offsets`, (BLOCK_M, 1), from the (1, part) rows DQ_a/DQ_b) +=
+    sm_scale * dS K of one tile, added atomically into fp32 (DQ_ATOMIC)."""
     ds = tl.trans(dsT)  # (BLOCK_M, BLOCK_N)
     dq_a = tl.dot(ds, k_a, input_precision=PREC) * sm_scale
     if PADDED:
-        tl.atomic_add(DQ_a + start_m * stride_t, dq_a, mask=dm_row, sem="relaxed")
+        tl.atomic_add(DQ_a + offsets, dq_a, mask=dm_row, sem="relaxed")
     else:
-        tl.atomic_add(DQ_a + start_m * stride_t, dq_a, sem="relaxed")
+        tl.atomic_add(DQ_a + offsets, dq_a, sem="relaxed")
     if DB > 0:
-        tl.atomic_add(DQ_b + start_m * stride_t, tl.dot(ds, k_b, input_precision=PREC) * sm_scale, sem="relaxed")
+        tl.atomic_add(DQ_b + offsets, tl.dot(ds, k_b, input_precision=PREC) * sm_scale, sem="relaxed")
 
 
 @triton.jit
@@ -590,10 +592,10 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, DQ, LSE, DELTA, COL_IDX, COL_CUM, DIAG,
         DO_b = DO + offs_db[None, :]
         dk_b = tl.zeros([BLOCK_N, DB], dtype=tl.float32)
         dv_b = tl.zeros([BLOCK_N, DB], dtype=tl.float32)
-    DQ_a = DQ + offs_m[:, None] * stride_gt + offs_da[None, :]
+    DQ_a = DQ + offs_da[None, :]
     DQ_b = DQ_a
     if DB > 0:
-        DQ_b = DQ + offs_m[:, None] * stride_gt + offs_db[None, :]
+        DQ_b = DQ + offs_db[None, :]
     if TMA:
         Q_a, Q_b = _descriptors(Q, T, stride_qt, BLOCK_M, HEAD_DIM, DA, DB)
         DO_a, DO_b = _descriptors(DO, T, stride_dot, BLOCK_M, HEAD_DIM, DA, DB)
@@ -659,7 +661,7 @@ class Tile:
     """One kernel launch shape. For the forward and dq kernels block_m/block_n are the query/key tile; for dk/dv
     block_n is the key tile a program owns and block_m the query tile it steps over. pad_d: run a head dim that
     is not a power of two (96) as one zero-padded part (128) instead of two parts (64 + 32). dropout: also a
-    candidate when dropout is on (the Philox rounds need registers; shapes that then spill are left out)."""
+    candidate when dropout is on (the Philox rounds need registers: tiles marked False are left out with it)."""
 
     block_m: int
     block_n: int
@@ -669,7 +671,7 @@ class Tile:
     dropout: bool = True
     tma: bool = False
     """load the loops' tiles (keys/values in forward and dq, queries/dO in dk/dv) through TMA tensor descriptors
-    (Hopper and later; `tma_ok` says when the inputs allow it) instead of pointer tiles"""
+    (Hopper and later; `tma_ok` says when the inputs allow it) instead of pointers"""
 
     def meta(self, head_dim: int) -> dict:
         """The kernel's tile constexprs for `head_dim`."""
@@ -682,13 +684,14 @@ class Tile:
 
 # Candidates per kernel and head-dim class, first = default; the autotuner times them on the first call. Their
 # registers, spilled bytes and shared memory, compiled ahead of time for sm_90 with Triton 3.6 (the GPU machine's)
-# and 3.9 (CI's), are recorded by benchmarks/kernel_resources.py (benchmarks/results/blocksparse_spill_h200/): with
-# 3.6, 10 of the 46 D = 96 compilations (candidate x with/without dropout) spill, at most 192 bytes, none of them
-# a first tile; each kernel's first D = 96 tile compiles spill-free with both versions (tests/test_benchmarks.py).
+# and 3.9 (CI's) as a launch at the 1.5b model's shape specializes them, are recorded by
+# benchmarks/kernel_resources.py (benchmarks/results/blocksparse_rows_h200/): one of the 46 D = 96 compilations
+# (candidate x with/without dropout) spills, dk/dv 64 x 128 with dropout (8 bytes with 3.6, 104 with 3.9); each
+# kernel's first D = 96 tile compiles spill-free with both versions (tests/test_benchmarks.py).
 # `dropout=False` marks tiles left out when dropout is on. Hopper's wgmma works on
 # 64-row warpgroup tiles: 8 warps pair with 128-row tiles, 4 warps with 64 or 128 rows. What limits dk/dv is
 # accumulator pressure: a program holds dk and dv (BLOCK_N x D fp32 each) plus k and v, which is why its 128-key
-# tiles use 8 warps and, at D = 128, step over query tiles of 32 or fewer (64 spills).
+# tiles use 8 warps and, at D = 128, step over query tiles of 32 or fewer (64-query tiles use all 255 registers).
 _NO_DROP = dict(dropout=False)
 _SMALL_D = {  # D <= 64
     "fwd": (Tile(128, 64, 8, 3), Tile(128, 128, 8, 3, **_NO_DROP), Tile(128, 64, 4, 3, **_NO_DROP),
@@ -701,8 +704,8 @@ _TMA = dict(tma=True)
 _D96 = {  # D = 96 as two parts (64 + 32, no wasted MMA work) or padded to 128. The first tiles of each kernel
     # were the fastest of a wider grid timed on an H200 at the 1.5b model's shape (benchmarks/attention_tiles.py,
     # benchmarks/results/blocksparse_tiles_h200/ and, with TMA loads, blocksparse_tma_h200/: TMA made the forward
-    # and dq faster, not dk/dv; without pointer tiles in its registers, blocksparse_spill_h200/, dk/dv's best is
-    # 32 x 64 on 4 warps on the model's q/k/v views, 64 x 64 on contiguous inputs); the rest are the set above.
+    # and dq faster, not dk/dv; with rows of addresses instead of pointer tiles, blocksparse_rows_h200/, dk/dv's
+    # best is 32 x 64 on 4 warps on the model's q/k/v views, 64 x 64 on contiguous inputs); the rest, the set above.
     "fwd": (Tile(128, 64, 8, 3, **_TMA), Tile(64, 64, 4, 2, **_TMA), Tile(64, 64, 4, 2), Tile(64, 128, 4, 2),
             Tile(128, 64, 8, 3), Tile(128, 64, 8, 3, True), Tile(128, 128, 8, 2, **_NO_DROP), Tile(64, 64, 4, 3),
             Tile(64, 64, 4, 3, True, **_NO_DROP)),
@@ -765,7 +768,8 @@ def _tuned(kernel, kind: str, head_dim: int, tiles: tuple[Tile, ...]):
 
 
 def chosen_configs() -> list[dict]:
-    """What the autotuner picked so far, per kernel, head dim and key (T, dropout, dtypes): for benchmark records."""
+    """What the autotuner picked so far, per kernel, head dim and key (T, dropout, stepping, layout width, dtypes):
+    for benchmark records."""
     out = []
     for (kind, head_dim, _), tuner in _TUNERS.items():
         for key, cfg in getattr(tuner, "cache", {}).items():
