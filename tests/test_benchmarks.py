@@ -348,7 +348,7 @@ def test_kernel_resources_first_candidates_compile_for_hopper_without_spilling(t
     out = tmp_path / "resources.json"
     env = {k: v for k, v in run_env().items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, ROOT / "benchmarks" / "kernel_resources.py", "--first", "1", "--out", out],
-                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+                          capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     rows = result["rows"]

@@ -713,8 +713,7 @@ _D96 = {  # D = 96 as two parts (64 + 32, no wasted MMA work) or padded to 128. 
            Tile(128, 64, 8, 3), Tile(128, 64, 8, 2), Tile(128, 64, 8, 2, True), Tile(128, 32, 8, 3),
            Tile(64, 64, 4, 3, **_NO_DROP), Tile(64, 32, 4, 3, True)),
     "dkdv": (Tile(32, 64, 4, 3), Tile(64, 64, 4, 3, **_NO_DROP), Tile(64, 128, 8, 3), Tile(32, 64, 4, 2),
-             Tile(32, 128, 8, 3),
-             Tile(64, 128, 8, 2, **_NO_DROP), Tile(32, 128, 8, 3, True, **_NO_DROP),
+             Tile(32, 128, 8, 3), Tile(64, 128, 8, 2, **_NO_DROP), Tile(32, 128, 8, 3, True, **_NO_DROP),
              Tile(32, 64, 4, 3, True, **_NO_DROP), Tile(16, 64, 4, 3, True)),
 }
 _D128 = {
