@@ -64,20 +64,28 @@ def wide_grid(kind: str, head_dim: int) -> list[bsa.Tile]:
     return [bsa.Tile(*shape) for shape in shapes]
 
 
-def grid(args, kind: str, dropout: bool) -> list[bsa.Tile]:
-    kind = "dkdv" if kind == ATOMIC else kind
-    cands = list(bsa.candidate_tiles(kind, args.block, args.head_dim, torch.bfloat16, dropout))
-    if args.grid == "wide":
-        cands += [t for t in wide_grid(kind, args.head_dim) if t not in cands and t.block_m <= args.block
-                  and t.block_n <= args.block]
-    loads = {"off": (False,), "on": (True,), "both": (False, True)}[args.tma]
+def tile_grid(kind: str, block: int, head_dim: int, dtype: torch.dtype, dropout: bool, wide: bool,
+              loads: tuple[bool, ...] | None = None) -> list[bsa.Tile]:
+    """The autotuner's candidates for one kernel (with `wide` also the wide grid's tiles that fit a sparse block),
+    each launch shape once; with `loads` each shape is taken with those TMA flags instead of its own."""
+    cands = list(bsa.candidate_tiles(kind, block, head_dim, dtype, dropout))
+    if wide:
+        cands += [t for t in wide_grid(kind, head_dim) if t.block_m <= block and t.block_n <= block]
+    if loads is not None:
+        cands = [dataclasses.replace(c, tma=tma) for tma in loads for c in cands]
     out, shapes = [], set()
-    for tile in (dataclasses.replace(c, tma=tma) for tma in loads for c in cands):
+    for tile in cands:
         shape = dataclasses.replace(tile, dropout=True)  # the flag says when a tile is offered, not how it runs
         if shape not in shapes:
             shapes.add(shape)
             out.append(tile)
     return out
+
+
+def grid(args, kind: str, dropout: bool) -> list[bsa.Tile]:
+    loads = {"off": (False,), "on": (True,), "both": (False, True)}[args.tma]
+    return tile_grid("dkdv" if kind == ATOMIC else kind, args.block, args.head_dim, torch.bfloat16, dropout,
+                     args.grid == "wide", loads)
 
 
 def time_kernels(args, lut, q, k, v, do, p: float, seed: int, path: str) -> list[dict]:
@@ -115,18 +123,27 @@ def time_kernels(args, lut, q, k, v, do, p: float, seed: int, path: str) -> list
     return rows
 
 
-def make_inputs(args) -> tuple[torch.Tensor, ...]:
-    """q, k, v, do as (B, H, T, D) bf16: `model` as the GPT hands them over (views of one (B, T, 3C) projection;
-    do as the gradient of y.transpose(1, 2).reshape(B, T, C)), `bhtd` contiguous."""
+def make_inputs(args, new=None) -> tuple[torch.Tensor, ...]:
+    """q, k, v, do as (B, H, T, D): `model` as the GPT hands them over (views of one (B, T, 3C) projection;
+    do as the gradient of y.transpose(1, 2).reshape(B, T, C)), `bhtd` contiguous. `new(*shape)` makes each
+    tensor: by default seeded bf16 normals on the GPU."""
     B, H, T, D = args.batch, args.heads, args.seq, args.head_dim
-    g = torch.Generator(device="cuda").manual_seed(0)
-    randn = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    if new is None:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        new = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
     if args.inputs == "bhtd":
-        q, k, v, do = (randn(B, H, T, D) for _ in range(4))
+        q, k, v, do = (new(B, H, T, D) for _ in range(4))
     else:
-        q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in randn(B, T, 3 * H * D).split(H * D, dim=2))
-        do = randn(B, T, H, D).transpose(1, 2)
+        q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in new(B, T, 3 * H * D).split(H * D, dim=2))
+        do = new(B, T, H, D).transpose(1, 2)
     return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), do
+
+
+def block_lut(args) -> bsa.BlockLUT:
+    """The lookup table of the benchmark's layout (`--layout`, `--seq`, `--block`, `--heads`), on the CPU."""
+    cfg = GPTConfig(n_head=args.heads, n_embd=args.heads * args.head_dim, seq_len=args.seq,
+                    sparse_block=args.block, layout=args.layout)
+    return bsa.BlockLUT.from_layout(layouts.make_layout(cfg), args.block)
 
 
 def sdpa_ms(args, q, k, v, do, p: float) -> dict:
@@ -175,9 +192,7 @@ def main(args) -> dict:
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/attention_tiles.py needs a CUDA GPU")
     started = time.time()
-    cfg = GPTConfig(n_head=args.heads, n_embd=args.heads * args.head_dim, seq_len=args.seq,
-                    sparse_block=args.block, layout=args.layout)
-    lut = bsa.BlockLUT.from_layout(layouts.make_layout(cfg), args.block).to("cuda")
+    lut = block_lut(args).to("cuda")
     paths = {"affine": lut, "lookup": dataclasses.replace(lut, contiguous=False)} if lut.contiguous \
         else {"lookup": lut}
     q, k, v, do = make_inputs(args)

@@ -43,9 +43,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import attention_tiles  # noqa: E402
+
 from shared.kernels import blocksparse_attention as bsa  # noqa: E402
-from shared.model import layouts  # noqa: E402
-from shared.model.config import GPTConfig  # noqa: E402
 
 KINDS = ("fwd", "dq", "dkdv")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -55,16 +55,9 @@ POINTEE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
 def launches(args, dropout: float) -> dict[str, tuple]:
     """(kernel, arguments, constexprs) of each kernel's launch at the benchmark's shape, recorded from the module's
     host code (`_forward`, `_backward_dq`, `_backward_dkdv`) with its launcher replaced: meta tensors, no GPU."""
-    B, H, T, D = args.batch, args.heads, args.seq, args.head_dim
-    dtype = DTYPES[args.dtype]
-    if args.inputs == "bhtd":
-        q, k, v, do = (torch.empty(B, H, T, D, device="meta", dtype=dtype) for _ in range(4))
-    else:  # views of one (B, T, 3C) projection, dO in (B, T, H, D) storage, as the GPT hands them over
-        q, k, v = (t.view(B, T, H, D).transpose(1, 2)
-                   for t in torch.empty(B, T, 3 * H * D, device="meta", dtype=dtype).split(H * D, dim=2))
-        do = torch.empty(B, T, H, D, device="meta", dtype=dtype).transpose(1, 2)
-    cfg = GPTConfig(n_head=H, n_embd=H * D, seq_len=T, sparse_block=args.block, layout=args.layout)
-    lut = bsa.BlockLUT.from_layout(layouts.make_layout(cfg), args.block)
+    q, k, v, do = (x.detach() for x in attention_tiles.make_inputs(
+        args, lambda *shape: torch.empty(*shape, device="meta", dtype=DTYPES[args.dtype])))
+    lut = attention_tiles.block_lut(args)
     calls = {}
 
     def record(kernel, kind, T, BH, tiles, block, head_dim, dtype, kernel_args, consts):
@@ -132,20 +125,10 @@ def parse_usage(text: str) -> dict:
 
 
 def tiles_of(args, kind: str, dropout: bool) -> list[bsa.Tile]:
-    """The candidates (and the wide grid's tiles), each launch shape once whatever its dropout flag."""
-    cands = list(bsa.candidate_tiles(kind, args.block, args.head_dim, DTYPES[args.dtype], dropout))
-    if args.grid == "wide":
-        import attention_tiles
-
-        cands += [t for t in attention_tiles.wide_grid(kind, args.head_dim)
-                  if t.block_m <= args.block and t.block_n <= args.block]
-    out, shapes = [], set()
-    for tile in cands:
-        shape = dataclasses.replace(tile, dropout=True)
-        if shape not in shapes:
-            shapes.add(shape)
-            out.append(tile)
-    return out[:args.first] if args.first else out
+    """The candidates (with `--grid wide` also the wide grid's tiles), each launch shape once; `--first` of them."""
+    tiles = attention_tiles.tile_grid(kind, args.block, args.head_dim, DTYPES[args.dtype], dropout,
+                                      args.grid == "wide")
+    return tiles[:args.first] if args.first else tiles
 
 
 def main(args) -> dict:
