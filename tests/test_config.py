@@ -40,6 +40,8 @@ def test_study_preset_shape():
         (dict(stage=4), "ZeRO stage must be 0, 1, 2 or 3, got 4"),
         (dict(micro_batch=0), "micro_batch must be a positive integer, got 0"),
         (dict(steps=5, warmup_steps=5), "warmup_steps"),
+        (dict(warmup_steps=3, profile_step=3), r"profile_step \(3\) must be >= 0 and below warmup_steps \(3\)"),
+        (dict(profile_step=-1), r"profile_step \(-1\)"),
         (dict(precision="fp8"), "unknown precision 'fp8'"),
         (dict(attention="nope"), "unknown attention backend"),
         (dict(optimizer="sgd"), "unknown optimizer"),

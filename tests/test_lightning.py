@@ -35,8 +35,9 @@ def test_strategy_gets_the_shared_dict_less_only_grad_accum():
 
 @pytest.mark.slow
 def test_one_process_matches_raw_path_bit_for_bit(tmp_path):
-    run([sys.executable, RAW, *PARITY, "--out", tmp_path / "raw.json"])
-    run([sys.executable, LIGHTNING, *PARITY, "--out", tmp_path / "pl.json"])
+    # with step 1 profiled in both: the profiler and its syncs change no number
+    run([sys.executable, RAW, *PARITY, "--profile_step", "1", "--out", tmp_path / "raw.json"])
+    run([sys.executable, LIGHTNING, *PARITY, "--profile_step", "1", "--out", tmp_path / "pl.json"])
     raw, pl = RunResult.from_json(tmp_path / "raw.json"), RunResult.from_json(tmp_path / "pl.json")
     assert pl.path == "lightning" and pl.world_size == 1
     assert pl.ds_config == raw.ds_config  # what deepspeed.initialize received, in both paths
@@ -44,6 +45,10 @@ def test_one_process_matches_raw_path_bit_for_bit(tmp_path):
     # both ran the fast ZeRO-3 step (shared/train/zero3_step.py) the same number of times, never falling back
     assert pl.extra["zero3_step_calls"] == raw.extra["zero3_step_calls"]
     assert raw.extra["zero3_step_calls"]["fast"] > 0 and raw.extra["zero3_step_calls"]["deepspeed"] == 0
+    for r in (raw, pl):  # each path's hooks open and close every phase of the profiled step
+        phases = r.extra["profile"]["phases"]
+        assert set(phases) == {"data", "forward", "backward", "step"}, r.path
+        assert phases["forward"]["kernels"] > 0 and phases["backward"]["kernels"] > 0, r.path
 
 
 @pytest.mark.slow

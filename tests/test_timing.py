@@ -40,3 +40,66 @@ def test_summary_needs_timed_steps():
     timer.finish()
     with pytest.raises(ValueError, match="no timed steps"):
         timer.summary(skip=1)
+
+
+def _steps(timer, n, work=None):
+    for _ in range(n):
+        timer.mark("data")
+        if work is not None:
+            work()
+        timer.mark("forward")
+        timer.mark("backward")
+        timer.mark("step")
+
+
+def test_profile_step_summarizes_that_step_per_phase_and_is_no_timed_steps_time():
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    timer = PhaseTimer(torch.device("cpu"), profile_step=1)
+    timer.start()
+    _steps(timer, 4, work=lambda: a @ b)
+    timer.finish()
+    p = timer.summary(skip=2)["profile"]
+    assert p["device"] == "cpu" and set(p["phases"]) == {"data", "forward", "backward", "step"}
+    assert p["unattributed_ms"] == 0
+    forward = p["phases"]["forward"]
+    assert forward["by_kind_ms"].get("matmul", 0) > 0 and forward["top"][0]["calls"] == 1  # one step profiled
+    assert p["phases"]["backward"]["kernels"] == 0
+    assert p["step"]["wall_ms"] == pytest.approx(sum(ph["wall_ms"] for ph in p["phases"].values()))
+
+
+def test_a_pause_before_the_profiled_step_restarts_its_profile_and_a_short_run_drops_it():
+    timer = PhaseTimer(torch.device("cpu"), profile_step=1)
+    timer.start()
+    _steps(timer, 1)
+    time.sleep(0.05)  # a validation between steps: the profile begun at the boundary starts again
+    timer.start()
+    _steps(timer, 1)
+    timer.finish()
+    assert timer.profile["phases"]["data"]["wall_ms"] < 40
+    short = PhaseTimer(torch.device("cpu"), profile_step=3)  # a resumed run that ends before its step 3
+    short.start()
+    _steps(short, 3)
+    short.finish()
+    assert short.summary(skip=1)["profile"] is None and short._profiler is None
+
+
+def test_profile_summary_attributes_kernels_to_phases_and_counts_overlap_once():
+    from shared.train.step_profile import kind_of, summarize
+
+    ranges = [("forward", 0, 100), ("backward", 100, 300), ("forward", 300, 400), ("backward", 400, 500)]
+    kernels = [("sm90_xmma_gemm_bf16", 10, 60), ("ncclDevKernel_AllGather", 20, 90),  # overlapping streams
+               ("triton_poi_fused_add_0", 120, 150), ("cudnn_flash_bwd", 310, 330), ("Memcpy DtoD", 600, 610)]
+    s = summarize(kernels, ranges, "cuda")
+    fwd, bwd = s["phases"]["forward"], s["phases"]["backward"]
+    assert fwd["wall_ms"] == pytest.approx(0.2) and bwd["wall_ms"] == pytest.approx(0.3)  # both micro-steps
+    assert fwd["kernels"] == 3 and fwd["kernel_ms"] == pytest.approx(0.14)
+    assert fwd["busy_ms"] == pytest.approx(0.1)  # 10-90 and 310-330: the overlap counted once
+    assert fwd["by_kind_ms"] == pytest.approx({"communication": 0.07, "matmul": 0.05, "attention": 0.02})
+    assert bwd["by_kind_ms"] == pytest.approx({"compiled (triton)": 0.03})
+    assert s["unattributed_ms"] == pytest.approx(0.01)  # outside every range: counted apart, not dropped
+    assert s["step"]["kernels"] == 4
+    assert kind_of("void at::native::vectorized_elementwise_kernel") == "other"
+    assert kind_of("triton_poi_fused__to_copy_add_gelu_7") == "compiled (triton)"
+    assert kind_of("Memcpy DtoD (Device -> Device)") == "copy and fill"
+    with pytest.raises(ValueError, match="no phase ranges"):
+        summarize(kernels, [], "cuda")

@@ -141,6 +141,11 @@ class TrainConfig(FusedSwitches):
     """Lightning path: steps between Lightning's SIGTERM broadcast (it does one every step, a host sync)"""
     data: str = "synthetic"
     """synthetic (seeded random tokens) or the prefix of a token file made by `python -m shared.tools.prepare_data`"""
+    profile_step: int | None = None
+    """run this step (counted from the run's first, 0) under torch.profiler, with a device sync at each phase
+    boundary, and write its summary into the result JSON (extra.profile: per phase wall, busy and idle ms, kernel
+    ms per kind, top kernels; shared/train/step_profile.py). Must be a warm-up step (< warmup_steps), so no timed
+    step is perturbed; with DeepCompile pick one after its compiles (e.g. warmup_steps - 1)"""
     log_every: int = 10
     """print a progress line every N steps (read asynchronously: no extra host sync)"""
     out: str = "runs/result.json"
@@ -186,6 +191,10 @@ class TrainConfig(FusedSwitches):
                 f"warmup_steps ({self.warmup_steps}) must be >= 0 and below steps ({self.steps}): "
                 "at least one step must be timed"
             )
+        if self.profile_step is not None and not 0 <= self.profile_step < self.warmup_steps:
+            raise ValueError(f"profile_step ({self.profile_step}) must be >= 0 and below warmup_steps "
+                             f"({self.warmup_steps}): the profiled step is slowed by the profiler and its syncs, so "
+                             "it must be one of the steps no timing figure counts")
         if not self.lr > 0:  # also refuses NaN
             raise ValueError(f"lr must be positive, got {self.lr!r}")
         for name in ("min_lr", "weight_decay", "grad_clip", "lr_warmup_steps"):

@@ -167,7 +167,8 @@ def build_result(*, path: str, train: TrainConfig, model_cfg: GPTConfig, ds_conf
         sdpa_kernel=sdpa_kernel(model_cfg, train.micro_batch, COMPUTE_DTYPES[train.precision], device),
         extra={**(extra or {}), "allocator_cache_flushes": allocator_cache_flushes(device),
                "warmup_s": timing.get("warmup_s"), "compile_s": compile_seconds(),
-               "deepcompile_passes_s": _deepcompile_pass_seconds()},
+               "deepcompile_passes_s": _deepcompile_pass_seconds(),
+               **({"profile": timing["profile"]} if timing.get("profile") else {})},
     )
 
 

@@ -26,9 +26,15 @@ PHASES = ("data", "forward", "backward", "step")
 class PhaseTimer:
     """Marks arrive as data, forward, backward, step, repeated `micro_steps` times per optimizer step."""
 
-    def __init__(self, device: torch.device, micro_steps: int = 1):
+    def __init__(self, device: torch.device, micro_steps: int = 1, profile_step: int | None = None):
         self.cuda = device.type == "cuda"
         self.micro_steps = micro_steps
+        # --profile_step: that step (counted from this run's first, 0) runs under torch.profiler
+        # (shared/train/step_profile.py); its summary is summary()["profile"]
+        self.profile_step = profile_step
+        self._profiler = None
+        self.profile: dict | None = None
+        self._done = 0  # steps whose marks are complete
         self._last = None  # the most recent mark (a boundary)
         self._current: list | None = None  # [(phase, mark), ...] of the step being recorded, first = its start
         self._open: list[list] = []  # recorded steps not yet resolved
@@ -42,8 +48,20 @@ class PhaseTimer:
         return time.perf_counter()
 
     def start(self) -> None:
-        """Mark the boundary before the first step's data fetch."""
+        """Mark the boundary before the first step's data fetch (again after a validation or save)."""
+        if self._profiler is not None and self._current is None:  # begun at the boundary: restart it after the pause
+            self._profiler.abandon()
+            self._profiler = None
+        self._maybe_profile()
         self._last = self._now()
+
+    def _maybe_profile(self) -> None:
+        """At a step boundary: start the profiler if the next step is the one to profile."""
+        if self.profile_step == self._done and self._profiler is None and self.profile is None:
+            from shared.train.step_profile import StepProfiler
+
+            self._profiler = StepProfiler(torch.device("cuda" if self.cuda else "cpu"))
+            self._profiler.begin()
 
     def mark(self, phase: str) -> None:
         """Record the end of `phase`; marks cycle through PHASES, micro_steps times per optimizer step."""
@@ -56,9 +74,17 @@ class PhaseTimer:
             raise RuntimeError(f"phase {phase!r} marked where {expected!r} was expected")
         self._last = self._now()
         self._current.append((phase, self._last))
-        if len(self._current) - 1 == len(PHASES) * self.micro_steps:
+        done = len(self._current) - 1 == len(PHASES) * self.micro_steps
+        if self._profiler is not None:
+            self._profiler.phase(phase, last=done)
+        if done:
             self._open.append(self._current)
             self._current = None
+            self._done += 1
+            if self._profiler is not None:  # the profiled step ended: keep the summary, restart the clock
+                self.profile, self._profiler = self._profiler.summary, None
+                self._last = self._now()  # stopping and summarizing the profile is no step's time
+            self._maybe_profile()
 
     def poll(self) -> None:
         """Resolve every finished step whose events have completed, without blocking."""
@@ -69,6 +95,9 @@ class PhaseTimer:
 
     def finish(self) -> None:
         """Block until every recorded step is resolved (one device sync, at the end of the run)."""
+        if self._profiler is not None:  # the run ended before the profiled step did
+            self._profiler.abandon()
+            self._profiler = None
         if self.cuda:
             torch.cuda.synchronize()
         while self._open:
@@ -101,4 +130,5 @@ class PhaseTimer:
             # The excluded steps' wall time: compilation (torch.compile, DeepCompile's profiling and recompile),
             # autotuning and allocator warm-up land here, reported apart from every throughput figure.
             "warmup_s": sum(s["total"] for s in self.steps[:skip]),
+            "profile": self.profile,
         }
