@@ -31,10 +31,11 @@ class ZeroStrategy(DeepSpeedStrategy):
     strategy_name = "zero3bench_deepspeed"
 
     def __init__(self, *args, compile_mode: str = "none", deepcompile_schedule: str = "deepspeed",
-                 zero3_step: str = "deepspeed", **kwargs):
+                 deepcompile_persist: str = "deepspeed", zero3_step: str = "deepspeed", **kwargs):
         super().__init__(*args, **kwargs)
         self.compile_mode = compile_mode
         self.deepcompile_schedule = deepcompile_schedule
+        self.deepcompile_persist = deepcompile_persist
         self.zero3_step = zero3_step
 
     @property
@@ -60,7 +61,8 @@ class ZeroStrategy(DeepSpeedStrategy):
         # Lightning 2.6 only calls deepspeed.initialize; a compile mode that lives in the engine (DeepCompile) is
         # applied right after it, as the raw loop does (the engine's module hands compile() to the GPT).
         stage = self.config["zero_optimization"]["stage"]
-        compile_engine(engine, self.compile_mode, self.global_rank, self.deepcompile_schedule, stage)
+        compile_engine(engine, self.compile_mode, self.global_rank, self.deepcompile_schedule, stage,
+                       self.deepcompile_persist)
         zero3_step.apply(engine, self.zero3_step)  # the raw loop's optimizer step (shared/train/zero3_step.py)
         return engine, ds_optimizer
 

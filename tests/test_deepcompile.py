@@ -83,6 +83,18 @@ def test_the_once_schedule_compiles_once_and_needs_only_step_0_excluded(pretend_
     assert step == 0 and [p.__name__ for p in passes] == ["add_z3_gather_release", "schedule_prefetch",
                                                           "selective_gather"]
     assert deepcompile_schedule("once", 2) is None  # ZeRO 1/2 compile once anyway
+    # with the persistence threshold, the same passes and ours after DeepSpeed's, at every compile
+    [(step, passes)] = deepcompile_schedule("once", 3, persist_threshold=1000)
+    names = [p.__name__ for p in passes]
+    assert step == 0
+    assert names == ["add_z3_gather_release", "schedule_prefetch", "selective_gather",
+                     "keep_small_params_gathered_pass"]
+    (s0, first), (s5, second) = deepcompile_schedule("deepspeed", 3, persist_threshold=1000)
+    assert (s0, s5) == (0, 5) and [p.__name__ for p in first] == ["add_z3_gather_release", names[-1]]
+    assert [p.__name__ for p in second] == names  # DeepSpeed's own two compiles (init_z3.py), plus ours
+    assert deepcompile_schedule("once", 2, persist_threshold=1000) is None
+    with pytest.raises(ValueError, match="unknown deepcompile_persist 'all'"):
+        TrainConfig(deepcompile_persist="all")
     TrainConfig(compile="deepcompile", deepcompile_schedule="once", warmup_steps=1)
     with pytest.raises(ValueError, match="warmup_steps > 0"):
         TrainConfig(compile="deepcompile", deepcompile_schedule="once", warmup_steps=0)
@@ -91,6 +103,39 @@ def test_the_once_schedule_compiles_once_and_needs_only_step_0_excluded(pretend_
     TrainConfig(compile="deepcompile", stage=2, warmup_steps=1)  # stage 2 compiles at step 0 only
     with pytest.raises(ValueError, match="unknown deepcompile_schedule 'twice'"):
         TrainConfig(deepcompile_schedule="twice")
+
+
+def test_the_persistence_pass_drops_only_the_releases_of_small_parameters(monkeypatch):
+    """keep_small_params_gathered's graph surgery on a graph shaped like DeepCompile's (consumer -> release ->
+    users), with a stand-in release op: DeepCompile's own op needs its CUDA build."""
+    from types import SimpleNamespace
+
+    import torch.fx
+
+    from shared.train import deepcompile_passes as dp
+
+    if not hasattr(torch.ops.zero3bench_test, "release_param"):
+        torch.library.define("zero3bench_test::release_param",
+                             "(Tensor(a) a, int graph_id, int id, int n_users) -> Tensor(a)")
+        torch.library.impl("zero3bench_test::release_param", "CompositeExplicitAutograd")(lambda a, g, i, n: a)
+    monkeypatch.setattr(dp, "RELEASE_OP", "zero3bench_test::release_param")
+    release = torch.ops.zero3bench_test.release_param.default
+
+    def f(x, ln_w, fc_w):
+        h = release(x * ln_w, 0, 7, 1)  # a LayerNorm-sized weight (id 7), then a large one (id 9)
+        return release(h @ fc_w, 0, 9, 1).relu()
+
+    gm = torch.fx.symbolic_trace(f)
+    x, ln_w, fc_w = torch.randn(4, 8), torch.randn(8), torch.randn(8, 8)
+    expected = gm(x, ln_w, fc_w)
+    params = {"ln_w": SimpleNamespace(numel=8), "fc_w": SimpleNamespace(numel=64)}
+    manager = SimpleNamespace(ds_ids={"ln_w": 7, "fc_w": 9}, params=params)
+    assert dp.small_param_ids(manager, threshold=8) == {7}
+    assert dp.drop_releases(gm.graph, {7}) == 1
+    gm.recompile()
+    kept = [n.args[2] for n in gm.graph.nodes if dp._op_name(n) == dp.RELEASE_OP]
+    assert kept == [9]  # the large weight's release stays
+    torch.testing.assert_close(gm(x, ln_w, fc_w), expected)
 
 
 def test_a_resumed_engine_starts_deepcompiles_schedule_at_its_own_step():

@@ -36,6 +36,9 @@ DEEPCOMPILE_WARMUP = 5
 # schedule (gather/release at step 0, then a second whole compile at step 5 with prefetching and selective
 # gathering); once = all three passes at step 0 from the first step's profile, one compile instead of two.
 DEEPCOMPILE_SCHEDULES = ("deepspeed", "once")
+# Which parameters DeepCompile keeps gathered from the start (shared/train/deepcompile_passes.py): threshold = those at
+# most ZeRO-3's persistence threshold, their releases taken out of the compiled graphs; deepspeed = none (its own).
+DEEPCOMPILE_PERSIST = ("threshold", "deepspeed")
 NAN_POLICIES = ("stop", "skip")
 # The ZeRO-3 optimizer step (shared/train/zero3_step.py): fast = the gradient norm and fp32 gradient copy on the flat
 # gradient buffer, one kernel each, and the unscale inside torch's fused AdamW; deepspeed = DeepSpeed's per-parameter
@@ -108,6 +111,12 @@ class TrainConfig(FusedSwitches):
     from step 0, a second whole compile at step 5 adds prefetching and selective gathering); once: all three passes
     at step 0, from the first step's profile, so the model is compiled once (about half the warm-up). ZeRO 1/2
     compile once either way"""
+    deepcompile_persist: str = "threshold"
+    """threshold | deepspeed: ZeRO-3 parameters DeepCompile keeps gathered from the first compile. threshold: those
+    of at most the ZeRO-3 persistence threshold (the biases and LayerNorms of the presets), as eager ZeRO-3 does,
+    with their release ops taken out of the compiled graphs so inductor fuses across them
+    (shared/train/deepcompile_passes.py); deepspeed: DeepSpeed's own (none; its selective gathering may add some).
+    Only with --compile deepcompile at stage 3"""
     zero3_step: str = "fast"
     """fast | deepspeed: the ZeRO-3 optimizer step's gradient norm, fp32 gradient copy and unscale. fast: one kernel
     each on the flat gradient buffer (shared/train/zero3_step.py; norm accumulated in fp32) and the unscale/clip
@@ -226,6 +235,9 @@ class TrainConfig(FusedSwitches):
             raise ValueError(f"devices must be positive, got {self.devices!r}")
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"unknown compile mode {self.compile!r}; choose one of {COMPILE_MODES}")
+        if self.deepcompile_persist not in DEEPCOMPILE_PERSIST:
+            raise ValueError(f"unknown deepcompile_persist {self.deepcompile_persist!r}; choose one of "
+                             f"{DEEPCOMPILE_PERSIST}")
         if self.deepcompile_schedule not in DEEPCOMPILE_SCHEDULES:
             raise ValueError(f"unknown deepcompile_schedule {self.deepcompile_schedule!r}; choose one of "
                              f"{DEEPCOMPILE_SCHEDULES}")

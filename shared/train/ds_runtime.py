@@ -84,20 +84,31 @@ def prepare_op_build(rank: int = 0) -> None:
         print(f"note: {note}", flush=True)
 
 
-def deepcompile_schedule(name: str, stage: int):
+def deepcompile_schedule(name: str, stage: int, persist_threshold: int | None = None):
     """DeepCompile's pass schedule for TrainConfig.deepcompile_schedule: None = DeepSpeed's own (for ZeRO-3: gather/
     release from step 0, a second whole compile at step 5 with prefetching and selective gathering; deepspeed/compile/
     init_z3.py). `once` puts those three passes at step 0, where they plan from the first step's profile (the
     forward's profile exists when the backward graph is compiled), so the model is compiled once. ZeRO 1/2 compile
-    once either way."""
-    if name == "deepspeed" or stage != 3:
+    once either way. persist_threshold (TrainConfig.deepcompile_persist = threshold): every compile also runs
+    shared/train/deepcompile_passes.keep_small_params_gathered after DeepSpeed's passes."""
+    if stage != 3:
+        return None
+    if name == "deepspeed" and persist_threshold is None:
         return None
     from deepspeed.compile.passes import prefetch, selective_gather, zero3_compile
 
-    return [(0, [zero3_compile.add_z3_gather_release, prefetch.schedule_prefetch, selective_gather.selective_gather])]
+    from shared.train.config import DEEPCOMPILE_WARMUP
+    from shared.train.deepcompile_passes import keep_small_params_gathered
+
+    keep = [] if persist_threshold is None else [keep_small_params_gathered(persist_threshold)]
+    full = [zero3_compile.add_z3_gather_release, prefetch.schedule_prefetch, selective_gather.selective_gather, *keep]
+    if name == "once":
+        return [(0, full)]
+    return [(0, [zero3_compile.add_z3_gather_release, *keep]), (DEEPCOMPILE_WARMUP, full)]  # DeepSpeed's, plus ours
 
 
-def compile_engine(engine, mode: str, rank: int = 0, schedule: str = "deepspeed", stage: int = 3) -> None:
+def compile_engine(engine, mode: str, rank: int = 0, schedule: str = "deepspeed", stage: int = 3,
+                   persist: str = "deepspeed") -> None:
     """Apply a TrainConfig.compile mode that lives in the engine: deepcompile calls engine.compile() (inductor).
 
     The compiled graph is built at the first forward; DeepCompile profiles it and compiles it with its passes on the
@@ -115,7 +126,8 @@ def compile_engine(engine, mode: str, rank: int = 0, schedule: str = "deepspeed"
     # aten._scaled_dot_product_cudnn_attention" (torch 2.11, H200). The check is a debug assert; DeepCompile already
     # turns inductor's size asserts off the same way (deepspeed/compile/init_z3.py).
     inductor_config.alignment_asserts = False
-    engine.compile(backend="inductor", schedule=deepcompile_schedule(schedule, stage))
+    threshold = engine.zero_param_persistence_threshold() if persist == "threshold" else None
+    engine.compile(backend="inductor", schedule=deepcompile_schedule(schedule, stage, threshold))
     if not engine.is_deepcompile_active():
         # DeepSpeed falls back to plain torch.compile when its pass cannot run (e.g. ZeRO stage 0): never report a
         # run as DeepCompile that is not one.

@@ -168,6 +168,7 @@ def build_result(*, path: str, train: TrainConfig, model_cfg: GPTConfig, ds_conf
         extra={**(extra or {}), "allocator_cache_flushes": allocator_cache_flushes(device),
                "warmup_s": timing.get("warmup_s"), "compile_s": compile_seconds(),
                "deepcompile_passes_s": _deepcompile_pass_seconds(),
+               "deepcompile_persist": getattr(sys.modules.get("shared.train.deepcompile_passes"), "LAST_STATS", None),
                **({"profile": timing["profile"]} if timing.get("profile") else {})},
     )
 
