@@ -97,6 +97,10 @@ class TimingCallback(pl.Callback):
             self.grad_norms.record()
             self._step_loss = torch.zeros((), device=pl_module.device)
 
+    def on_exception(self, trainer, pl_module, exception):
+        if hasattr(self, "timer"):
+            self.timer.close()  # a profile in progress (--profile_step) stops with the run
+
     def on_validation_end(self, trainer, pl_module):
         if trainer.state.fn == TrainerFn.FITTING:  # validation inside fit (trainer.training is False here)
             self.timer.start()  # validation time is not a training step's

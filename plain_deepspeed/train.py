@@ -180,6 +180,7 @@ def main(train: TrainConfig) -> RunResult:
         raise ValueError(oom_message(train, device)) from e
     finally:
         preemption.restore()
+        timer.close()  # a profile in progress (--profile_step) stops with the run
 
     losses = progress.finish()
     timer.finish()

@@ -79,8 +79,23 @@ def test_a_pause_before_the_profiled_step_restarts_its_profile_and_a_short_run_d
     short = PhaseTimer(torch.device("cpu"), profile_step=3)  # a resumed run that ends before its step 3
     short.start()
     _steps(short, 3)
-    short.finish()
+    with pytest.warns(UserWarning, match="no profile"):
+        short.finish()
     assert short.summary(skip=1)["profile"] is None and short._profiler is None
+
+
+def test_the_profiled_step_is_never_timed_and_a_missed_profile_is_reported():
+    timer = PhaseTimer(torch.device("cpu"), profile_step=2)
+    timer.start()
+    _steps(timer, 4)
+    timer.finish()
+    assert timer.profile is not None
+    assert timer.summary(skip=1)["n"] == 1  # a resumed run excludes fewer steps: the profiled step 2 is still out
+    missed = PhaseTimer(torch.device("cpu"), profile_step=5)
+    missed.start()
+    _steps(missed, 2)
+    with pytest.warns(UserWarning, match="--profile_step 5: the run ended before that step"):
+        missed.finish()
 
 
 def test_profile_summary_attributes_kernels_to_phases_and_counts_overlap_once():

@@ -23,11 +23,11 @@ from shared.train.timing import PHASES
 
 # Kinds of device work, matched in this order on the kernel's name (lower case); the first match wins.
 KINDS = (
+    ("compiled (triton)", r"^triton_"),  # first: inductor names its kernels after their ops (`_to_copy`, `sdpa`)
     ("communication", r"nccl"),
     ("attention", r"cudnn|flash|fmha|attn|attention|sdpa"),
     ("matmul", r"gemm|nvjet|xmma|cutlass|wgmma|cublas|splitk|^aten::(addmm|mm|bmm|matmul)$"),
     ("optimizer", r"multi_tensor|adam|foreach"),
-    ("compiled (triton)", r"^triton_"),  # before copies: inductor names its kernels after their ops (`_to_copy`)
     ("copy and fill", r"memcpy|memset|copy|fill|cat_|catarray"),
 )
 TOP = 15  # kernels listed per phase

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 
 import torch
 
@@ -86,6 +87,12 @@ class PhaseTimer:
                 self._last = self._now()  # stopping and summarizing the profile is no step's time
             self._maybe_profile()
 
+    def close(self) -> None:
+        """Stop a profile in progress without a summary (the run ends, or stops on an error)."""
+        if self._profiler is not None:
+            self._profiler.abandon()
+            self._profiler = None
+
     def poll(self) -> None:
         """Resolve every finished step whose events have completed, without blocking."""
         while self._open:
@@ -95,9 +102,10 @@ class PhaseTimer:
 
     def finish(self) -> None:
         """Block until every recorded step is resolved (one device sync, at the end of the run)."""
-        if self._profiler is not None:  # the run ended before the profiled step did
-            self._profiler.abandon()
-            self._profiler = None
+        if self._profiler is not None or (self.profile_step is not None and self.profile is None):
+            warnings.warn(f"--profile_step {self.profile_step}: the run ended before that step did; no profile",
+                          stacklevel=2)
+        self.close()
         if self.cuda:
             torch.cuda.synchronize()
         while self._open:
@@ -112,9 +120,12 @@ class PhaseTimer:
 
     def summary(self, skip: int) -> dict:
         """Median and spread of step time and each phase over the steps after the first `skip` (warmup)."""
+        if self.profile is not None:  # never time the profiled step (a resumed run may exclude fewer steps)
+            skip = max(skip, self.profile_step + 1)
         timed = self.steps[skip:]
         if not timed:
-            raise ValueError(f"no timed steps: {len(self.steps)} recorded, {skip} skipped as warmup")
+            raise ValueError(f"no timed steps: {len(self.steps)} recorded, {skip} skipped as warmup"
+                             + (f" or profiled (--profile_step {self.profile_step})" if self.profile else ""))
         totals = [s["total"] for s in timed]
         return {
             "n": len(timed),
