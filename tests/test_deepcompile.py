@@ -137,6 +137,20 @@ def test_the_persistence_pass_drops_only_the_releases_of_small_parameters(monkey
     assert kept == [9]  # the large weight's release stays
     torch.testing.assert_close(gm(x, ln_w, fc_w), expected)
 
+    # the pass itself, DeepCompile's handle stubbed: the small parameter set persistent, its release gone
+    import deepspeed.compile.util
+
+    persistent = []
+    monkeypatch.setattr(deepspeed.compile.util, "get_deepcompile_handle",
+                        lambda: SimpleNamespace(set_persistent=persistent.append))
+    gm = torch.fx.symbolic_trace(f)
+    keep = dp.keep_small_params_gathered(threshold=8)
+    assert keep(gm, 0, [], {}, None, 0.0, {0: manager}, False) is None  # in place: DeepSpeed re-profiles no graph
+    assert persistent == [7] and dp.LAST_STATS == {"threshold": 8, "persistent_params": 1,
+                                                   "releases_dropped": {"0 forward": 1}}
+    torch.testing.assert_close(gm(x, ln_w, fc_w), expected)  # recompiled: the module runs the changed graph
+    assert gm.code.count("release_param.default(") == 1  # only the large weight's release is called
+
 
 def test_a_resumed_engine_starts_deepcompiles_schedule_at_its_own_step():
     """DeepSpeed launches a scheduled compile only at the exact global step of its entry, from 0: a run resumed at

@@ -7,7 +7,8 @@ LayerNorms' affine parts and the biases' adds ran as separate elementwise kernel
 they fuse into without sharding (a profiled step on the H200, docs/results.md).
 
 `keep_small_params_gathered(threshold)` returns a pass for DeepCompile's schedule (after its own passes): parameters
-of at most `threshold` elements (ZeRO-3's `stage3_param_persistence_threshold`, the same rule as eager ZeRO-3) are
+of at most `threshold` elements (ZeRO-3's `stage3_param_persistence_threshold`: eager ZeRO-3's per-parameter rule;
+its cap on the total, `stage3_model_persistence_threshold`, unset in this project's dicts, is not applied) are
 set persistent in DeepCompile's registry, which keeps them gathered and re-gathers them after each update, and
 their release nodes are taken out of the forward and backward graphs. A persistent parameter's release only counts
 its uses (deepspeed/ops/csrc/compile/z3.cpp releaseParam), so nothing else changes; for the 1.5b preset these are
@@ -46,7 +47,8 @@ def small_param_ids(param_manager, threshold: int) -> set[int]:
 def keep_small_params_gathered(threshold: int):
     """The pass (DeepCompile's pass signature); LAST_STATS counts what it did, for the run's report."""
     persisted: set[int] = set()
-    stats = {"threshold": threshold, "persistent_params": 0, "releases_dropped": 0}
+    # releases dropped per graph, of its latest compile (DeepSpeed's own schedule compiles each graph twice)
+    stats = {"threshold": threshold, "persistent_params": 0, "releases_dropped": {}}
 
     def keep_small_params_gathered_pass(gm, graph_id, graph_order, profiling_results, create_inputs_fn, mem_budget,
                                         param_manager, bwd):
@@ -56,12 +58,13 @@ def keep_small_params_gathered(threshold: int):
         ids = small_param_ids(param_manager[graph_id], threshold)
         handle = get_deepcompile_handle()
         with unset_fake_temporarily():  # passes run under the compile's fake mode; the gathered buffers are real
-            for ds_id in sorted(ids):  # every time: a scheduled recompile resets DeepCompile's state (backend.py)
+            for ds_id in sorted(ids):  # idempotent: a gathered persistent parameter is returned as it is
                 handle.set_persistent(ds_id)  # gathers it now into a buffer it keeps; re-gathered after each update
         persisted.update(ids)
         stats["persistent_params"] = len(persisted)
-        stats["releases_dropped"] += drop_releases(gm.graph, ids)
+        stats["releases_dropped"][f"{graph_id} {'backward' if bwd else 'forward'}"] = drop_releases(gm.graph, ids)
         gm.graph.lint()
+        gm.recompile()  # the module's code follows its graph (cheap; no profiling run)
         # The graph is changed in place and None returned: DeepSpeed re-profiles the memory of every graph a pass
         # returns (backend.run_opt_passes), a whole profiling run for a change of a few MB.
         return None

@@ -126,6 +126,11 @@ def compile_engine(engine, mode: str, rank: int = 0, schedule: str = "deepspeed"
     # aten._scaled_dot_product_cudnn_attention" (torch 2.11, H200). The check is a debug assert; DeepCompile already
     # turns inductor's size asserts off the same way (deepspeed/compile/init_z3.py).
     inductor_config.alignment_asserts = False
+    offload = [n for n in ("offload_parameters", "offload_activation", "offload_opt_states")
+               if getattr(engine._config.compile_config, n, False)]
+    if offload and (schedule == "once" or persist == "threshold"):  # both replace the schedule that plans offloads
+        raise ValueError(f"compile.{offload[0]} in the DeepSpeed config needs DeepSpeed's own DeepCompile schedule: "
+                         "run with --deepcompile_schedule deepspeed --deepcompile_persist deepspeed")
     threshold = engine.zero_param_persistence_threshold() if persist == "threshold" else None
     engine.compile(backend="inductor", schedule=deepcompile_schedule(schedule, stage, threshold))
     if not engine.is_deepcompile_active():
