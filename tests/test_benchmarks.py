@@ -242,8 +242,13 @@ def test_readme_quotes_the_committed_ablation_ratios_and_targets_as_measured():
     assert f"({min(ratios):.3f}-{max(ratios):.3f}, each one run" in readme  # 0.916-1.083
     rows = load(ROOT / "benchmarks" / "results" / "attention_h200.json")["rows"]
     vs_flex = sorted(r["speedup_vs_flex"] for r in rows if "speedup_vs_flex" in r)
-    assert len(vs_flex) == 9 and vs_flex[0] >= 1.3  # every row meets the target, as quoted
-    assert f"met on all 9 rows ({vs_flex[0]:.2f}-{vs_flex[-1]:.2f}x)" in readme
+    met, missed = [v for v in vs_flex if v >= 1.3], [v for v in vs_flex if v < 1.3]
+    assert len(vs_flex) == 9
+    if missed:  # the rows below the target are named with their figure, as quoted
+        assert f"met on {len(met)} of the 9 rows ({met[0]:.2f}-{met[-1]:.2f}x)" in readme
+        assert all(f"is {v:.2f}x" in readme for v in missed)
+    else:
+        assert f"met on all 9 rows ({met[0]:.2f}-{met[-1]:.2f}x)" in readme
     vs_sdpa = sorted(r["speedup_vs_sdpa"] for r in rows if r.get("speedup_vs_sdpa"))
     assert len(vs_sdpa) == 3 and vs_sdpa[-1] < 1.0  # the causal rows, below the target, as quoted
     assert f"({vs_sdpa[0]:.2f}-{vs_sdpa[-1]:.2f}x; SDPA dispatches to cuDNN" in readme
