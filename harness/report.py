@@ -221,6 +221,11 @@ def build_report(train: TrainConfig, ns: argparse.Namespace, results: dict[str, 
         report["fraction_of_ceiling"] = {p: report["paths"][p]["tflops_per_gpu"] / ceiling for p in PATHS}
         if "fsdp2" in refs:
             report["fraction_of_ceiling"]["fsdp2"] = report["reference"]["fsdp2"]["tflops_per_gpu"] / ceiling
+    # --profile_step: each row's first run's profiled step (shared/train/step_profile.py)
+    profiles = {name: runs[0].extra["profile"] for name, runs in results.items()
+                if runs and (runs[0].extra or {}).get("profile")}
+    if profiles:
+        report["profiles"] = profiles
     if cross:
         report["cross_check"] = {
             path: {"ds_wall_clock_breakdown_ms": r.ds_breakdown_ms,
@@ -307,6 +312,20 @@ def format_table(report: dict) -> str:
                          f"{_fmt(b.get('backward'))} step {_fmt(b.get('step'))} ms vs phase timer fwd "
                          f"{c['phase_timer_ms']['forward']:.2f} bwd {c['phase_timer_ms']['backward']:.2f} step "
                          f"{c['phase_timer_ms']['step']:.2f} ms")
+    if report.get("profiles"):
+        lines += ["", format_profiles(report["profiles"], report["train"].get("profile_step"))]
+    return "\n".join(lines)
+
+
+def format_profiles(profiles: dict, step: int | None) -> str:
+    """The profiled step of each row's first run: per phase wall / busy / idle ms and the kernels' ms by kind."""
+    lines = [f"profiled step {step} of each row's first run (torch.profiler, a device sync at each phase boundary; "
+             "ms; busy: some kernel running, idle: the rest)"]
+    for name, prof in profiles.items():
+        for phase, p in [*prof["phases"].items(), ("whole step", prof["step"])]:
+            kinds = ", ".join(f"{k} {v:.1f}" for k, v in p["by_kind_ms"].items() if v >= 0.05)
+            lines.append(f"  {name:<9} {phase:<10} wall {p['wall_ms']:8.1f}  busy {p['busy_ms']:8.1f}  idle "
+                         f"{p['idle_ms']:7.1f}  kernels {p['kernels']:5d}" + (f"  | {kinds}" if kinds else ""))
     return "\n".join(lines)
 
 

@@ -169,6 +169,23 @@ def test_headline_ratio_is_the_ratio_of_the_tables_medians_and_unsteady_repeats_
                                                                                            _run(1.05)]}, {}, [])
     assert steady["repeats_disagree"] == {} and "WARNING" not in reports.format_table(steady)
     assert steady["ratio_lightning_over_deepspeed"] == pytest.approx(1.025 / 2.05)
+    assert "profiles" not in steady and "profiled step" not in reports.format_table(steady)
+
+
+def test_profiled_steps_are_reported_per_row():
+    from shared.train.step_profile import summarize
+
+    ranges = [("data", 0, 10), ("forward", 10, 110), ("backward", 110, 300), ("step", 300, 320)]
+    profiled = _run(2.0)
+    profiled.extra = {"profile": summarize([("sm90_xmma_gemm", 20, 90), ("triton_poi_fused_add_0", 150, 200)],
+                                           ranges, "cuda")}
+    report = reports.build_report(TrainConfig(precision="fp32", steps=4, warmup_steps=2, profile_step=1),
+                                  SimpleNamespace(world=1, repeats=1),
+                                  {"deepspeed": [profiled], "lightning": [_run(2.0)]}, {}, [])
+    assert list(report["profiles"]) == ["deepspeed"]  # the Lightning run was not profiled
+    text = reports.format_table(report)
+    assert "profiled step 1 of each row's first run" in text
+    assert "deepspeed forward    wall      0.1  busy      0.1  idle     0.0  kernels     1  | matmul 0.1" in text
 
 
 def series(losses, norms=None, checksum=None):
