@@ -19,8 +19,6 @@ import re
 
 import torch
 
-from shared.train.timing import PHASES
-
 # Kinds of device work, matched in this order on the kernel's name (lower case); the first match wins.
 KINDS = (
     ("compiled (triton)", r"^triton_"),  # first: inductor names its kernels after their ops (`_to_copy`, `sdpa`)
@@ -97,8 +95,9 @@ def summarize(kernels: list[tuple[str, float, float]], ranges: list[tuple[str, f
 class StepProfiler:
     """Profiles one step; PhaseTimer calls begin() at the step's first boundary and phase() at each mark."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, phases: tuple[str, ...]):
         self.cuda = device.type == "cuda"
+        self.phases = phases  # PhaseTimer's, in the order they are marked
         self.prof = None
         self._range = None
         self.summary: dict | None = None
@@ -114,7 +113,7 @@ class StepProfiler:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self.prof = torch.profiler.profile(activities=activities)
         self.prof.__enter__()
-        self._open(PHASES[0])
+        self._open(self.phases[0])
 
     def _open(self, phase: str) -> None:
         self._range = torch.autograd.profiler.record_function(RANGE + phase)
@@ -131,7 +130,7 @@ class StepProfiler:
         self._sync()
         self._range.__exit__(None, None, None)
         if not last:
-            self._open(PHASES[(PHASES.index(ended) + 1) % len(PHASES)])
+            self._open(self.phases[(self.phases.index(ended) + 1) % len(self.phases)])
             return
         self.prof.__exit__(None, None, None)
         self.summary = self._summarize()

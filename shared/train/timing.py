@@ -61,7 +61,7 @@ class PhaseTimer:
         if self.profile_step == self._done and self._profiler is None and self.profile is None:
             from shared.train.step_profile import StepProfiler
 
-            self._profiler = StepProfiler(torch.device("cuda" if self.cuda else "cpu"))
+            self._profiler = StepProfiler(torch.device("cuda" if self.cuda else "cpu"), PHASES)
             self._profiler.begin()
 
     def mark(self, phase: str) -> None:
