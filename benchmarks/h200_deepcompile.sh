@@ -24,9 +24,9 @@
 #               with and without dropout as in `probe` (plus flex), then benchmarks/ablation.py --set last_mile over
 #               CONFIGS (comma-separated) with --keep; ABL=<an earlier call's ablation folder, in the repo> continues it;
 #               PARTS picks and orders the parts (default "kernel attention ablation")
-#   STAGE=persist  raw DeepCompile runs (--deepcompile_schedule once) alternating --deepcompile_persist threshold and
-#               deepspeed (ORDER, default "threshold deepspeed threshold"), step PROFILE_STEP (default 9) profiled;
-#               then, in what is left, the ceiling with the same profiled step
+#   STAGE=persist  raw DeepCompile runs of BASE alternating --deepcompile_persist threshold and deepspeed (ORDER,
+#               default "threshold deepspeed threshold"), step PROFILE_STEP (default 9) profiled; then, in what is
+#               left, the ceiling with the same profiled step (as measured: SCHED=once STEPS=14)
 # SCHED picks --deepcompile_schedule (deepspeed | once); FACTORS the explain factors; REFROUNDS runs the reference
 # rows of `pair`/`two` in the first N rounds only (compare.py --reference_rounds).
 # Usage on the device machine, from the repo root: STAGE=one bash benchmarks/h200_deepcompile.sh OUTDIR
@@ -122,14 +122,12 @@ persist_runs() {  # GPU $1: the persistence lever against DeepSpeed's lifetimes,
   local i=0 mode
   for mode in ${ORDER:-threshold deepspeed threshold}; do
     CUDA_VISIBLE_DEVICES=$1 timeout -k 10 "$(left)" python3 -m torch.distributed.run --standalone --nproc_per_node 1 \
-      plain_deepspeed/train.py --preset 1.5b --stage 3 --precision bf16 --micro_batch "$MB" --steps "${STEPS:-14}" \
-      --warmup_steps "${WARMUP:-10}" --profile_step "${PROFILE_STEP:-9}" --compile deepcompile \
-      --deepcompile_schedule once --deepcompile_persist "$mode" --out "$W/persist_${i}_$mode.json" \
-      > "$W/persist_${i}_$mode.log" 2>&1
+      plain_deepspeed/train.py "${BASE[@]}" --profile_step "${PROFILE_STEP:-9}" --deepcompile_persist "$mode" \
+      --out "$W/persist_${i}_$mode.json" > "$W/persist_${i}_$mode.log" 2>&1
     i=$((i + 1))
   done
   CUDA_VISIBLE_DEVICES=$1 timeout -k 10 "$(left)" python3 -m torch.distributed.run --standalone --nproc_per_node 1 \
-    benchmarks/reference.py --mode ceiling --preset 1.5b --precision bf16 --micro_batch "$MB" --steps "${STEPS:-14}" \
+    benchmarks/reference.py --mode ceiling --preset 1.5b --precision bf16 --micro_batch "$MB" --steps "${STEPS:-20}" \
     --warmup_steps "${WARMUP:-10}" --profile_step "${PROFILE_STEP:-9}" --out "$W/persist_ceiling.json" \
     > "$W/persist_ceiling.log" 2>&1
 }

@@ -35,7 +35,6 @@ class PhaseTimer:
         self.profile_step = profile_step
         self._profiler = None
         self.profile: dict | None = None
-        self._done = 0  # steps whose marks are complete
         self._last = None  # the most recent mark (a boundary)
         self._current: list | None = None  # [(phase, mark), ...] of the step being recorded, first = its start
         self._open: list[list] = []  # recorded steps not yet resolved
@@ -58,10 +57,11 @@ class PhaseTimer:
 
     def _maybe_profile(self) -> None:
         """At a step boundary: start the profiler if the next step is the one to profile."""
-        if self.profile_step == self._done and self._profiler is None and self.profile is None:
+        done = len(self.steps) + len(self._open)  # steps whose marks are complete
+        if self.profile_step == done and self._profiler is None and self.profile is None:
             from shared.train.step_profile import StepProfiler
 
-            self._profiler = StepProfiler(torch.device("cuda" if self.cuda else "cpu"), PHASES)
+            self._profiler = StepProfiler(self.cuda, PHASES)
             self._profiler.begin()
 
     def mark(self, phase: str) -> None:
@@ -81,7 +81,6 @@ class PhaseTimer:
         if done:
             self._open.append(self._current)
             self._current = None
-            self._done += 1
             if self._profiler is not None:  # the profiled step ended: keep the summary, restart the clock
                 self.profile, self._profiler = self._profiler.summary, None
                 self._last = self._now()  # stopping and summarizing the profile is no step's time
@@ -102,7 +101,7 @@ class PhaseTimer:
 
     def finish(self) -> None:
         """Block until every recorded step is resolved (one device sync, at the end of the run)."""
-        if self._profiler is not None or (self.profile_step is not None and self.profile is None):
+        if self.profile_step is not None and self.profile is None:  # also when one is still in progress
             warnings.warn(f"--profile_step {self.profile_step}: the run ended before that step did; no profile",
                           stacklevel=2)
         self.close()
