@@ -27,8 +27,9 @@
 #   STAGE=persist  raw DeepCompile runs of BASE alternating --deepcompile_persist threshold and deepspeed (ORDER,
 #               default "threshold deepspeed threshold"), step PROFILE_STEP (default 9) profiled; then, in what is
 #               left, the ceiling with the same profiled step (as measured: SCHED=once STEPS=14)
-# SCHED picks --deepcompile_schedule (deepspeed | once); FACTORS the explain factors; REFROUNDS runs the reference
-# rows of `pair`/`two` in the first N rounds only (compare.py --reference_rounds).
+# SCHED picks --deepcompile_schedule (deepspeed | once); EXTRA adds flags to every training run (e.g. "--profile_step
+# 9"); TESTS names the deepcompile GPU tests of `steps` and of `split`'s second call; FACTORS the explain factors;
+# REFROUNDS runs the reference rows of `pair`/`two` in the first N rounds only (compare.py --reference_rounds).
 # Usage on the device machine, from the repo root: STAGE=one bash benchmarks/h200_deepcompile.sh OUTDIR
 set -uo pipefail
 OUT=${1:?usage: h200_deepcompile.sh OUTDIR}
@@ -43,7 +44,7 @@ DEADLINE=${DEADLINE_S:-565}
 left() { echo $(( DEADLINE - (SECONDS - T0) - 8 )); }
 MB=${MB:-16}
 BASE=(--preset 1.5b --stage 3 --precision bf16 --micro_batch "$MB" --steps "${STEPS:-20}" --warmup_steps "${WARMUP:-10}"
-      --compile deepcompile --deepcompile_schedule "${SCHED:-deepspeed}")
+      --compile deepcompile --deepcompile_schedule "${SCHED:-deepspeed}" ${EXTRA:-})
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv > "$W/gpus.txt" 2>&1
 # Build DeepCompile's op once, before any run races for it (the image's TORCH_CUDA_ARCH_LIST=9.0a is handled).
 python3 -c "
@@ -166,7 +167,7 @@ case "$STAGE" in
     timeout -k 10 "$(left)" python3 compare.py --gpus "$G" "${BASE[@]}" --repeats $R --reference --reference_rounds 1 \
       "${K[@]}" --timeout 400 --out "$W/$C" > "$W/$C.log" 2>&1
     if [ -n "${KEEP:-}" ] && [ "$G" = 1 ]; then
-      gpu_test_each 0 "test_deepcompile_validates_saves_exports_and_resumes_at_the_end[lightning]"
+      gpu_test_each 0 ${TESTS:-"test_deepcompile_validates_saves_exports_and_resumes_at_the_end[lightning]"}
     fi ;;
   pair)
     timeout -k 10 "$(left)" python3 compare.py --gpus 1 --parallel "${BASE[@]}" --repeats "${REPEATS:-1}" \
