@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep_runs", "--keep-runs", action="store_true",
                    help="continue a cut compare: keep the runs that an earlier invocation with the same flags left in "
                         "--out (runs/<row>_<round>.json), run only the missing ones; a run made with other settings "
-                        "is refused by name")
+                        "is refused by name. With --autotune: continue a cut search from --out's autotune.json")
     p.add_argument("--parallel", action="store_true",
                    help="run the two paths of each pair at the same time, each on its own GPU (and the reference "
                         "rows likewise): one-GPU runs on a machine with >= 2 GPUs, half the wall time; the runs "
@@ -151,9 +151,9 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
                              f"with {n_gpus} GPU(s)")
         if ns.explain and ns.autotune:
             raise ValueError("--explain and --autotune are separate modes; pick one")
-        if ns.keep_runs and (ns.explain or ns.autotune or ns.cross_check or not ns.out):
-            raise ValueError("--keep_runs continues a compare run in its --out folder; it needs --out and does not "
-                             "combine with --explain/--autotune/--cross_check")
+        if ns.keep_runs and (ns.explain or ns.cross_check or not ns.out):
+            raise ValueError("--keep_runs continues a compare run or an autotune search in its --out folder; it needs "
+                             "--out and does not combine with --explain/--cross_check")
         if ns.autotune:
             ns.mb_grid = ns.mb_grid or ("4,8,12,16,24,32" if n_gpus else "1,2,4")
             ns.budget_s = ns.budget_s or (1200.0 if n_gpus else 300.0)
@@ -170,7 +170,9 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
         ns.report_dir = Path(ns.out or "reports/latest")
         train = config_from_args(ns, out=str(ns.report_dir / "runs" / "run.json"))
         check_overheads(train)
-        ns.kept = kept_runs(ns, train) if ns.keep_runs else {}
+        ns.kept = kept_runs(ns, train) if ns.keep_runs and not ns.autotune else {}
+        ns.kept_candidates, ns.kept_commands = (autotune.kept_candidates(train, ns.world, ns.report_dir)
+                                                if ns.keep_runs and ns.autotune else ([], []))
         # precision on this device, token files, --ds_config, size: refused here, not by a run's log
         check_before_start(train, torch.device("cuda" if n_gpus else "cpu"), ns.world, ns.world)
         if ns.explain:  # every factor's config must be valid before the first run starts
@@ -233,8 +235,9 @@ def main(argv: list[str] | None = None) -> dict:
           f"{train.steps} steps ({train.warmup_steps} warmup), {ns.repeats} repeats, {where}", flush=True)
     run = lambda path, cfg, out, log: launch(path, cfg, ns.world, out, log, ns.timeout)
     if ns.autotune:
-        report = autotune.run_autotune(train, ns, run, out_dir)
-        report["command"] = " ".join(["python", "compare.py", *argv])
+        ns.commands = [*ns.kept_commands, " ".join(["python", "compare.py", *argv])]
+        report = autotune.run_autotune(train, ns, run, out_dir, ns.kept_candidates)
+        report["command"] = ns.commands[-1]
         report["versions"] = versions()
         (out_dir / "autotune.json").write_text(json.dumps(report, indent=1))
         print()

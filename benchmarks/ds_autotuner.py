@@ -246,6 +246,9 @@ def head_to_head(train: TrainConfig, ns, optimal: dict, optimal_path: Path) -> d
     report = _read_json(Path(ns.versus))
     if report is None or not report.get("winner"):
         raise ValueError(f"--versus {ns.versus}: no winner in it (compare.py --autotune writes one)")
+    if report.get("complete") is False:  # rewritten after every candidate while the search runs
+        raise ValueError(f"--versus {ns.versus}: its search has not finished (complete: false); let it finish, or "
+                         "continue it with compare.py --autotune --keep_runs and the same --out")
     for key, here in (("preset", train.preset), ("world_size", ns.world)):
         if report.get(key, here) != here:
             raise ValueError(f"--versus {ns.versus}: its winner was found for {key} {report[key]}, this run has {here}")

@@ -27,6 +27,9 @@
 #   STAGE=persist  raw DeepCompile runs of BASE alternating --deepcompile_persist threshold and deepspeed (ORDER,
 #               default "threshold deepspeed threshold"), step PROFILE_STEP (default 9) profiled; then, in what is
 #               left, the ceiling with the same profiled step (as measured: SCHED=once STEPS=14)
+#   STAGE=autotune  compare.py --autotune on GPUS GPUs (default 1) over GRID (default 16,24), each candidate STEPS /
+#               WARMUP steps, its budget what is left of the call; KEEP=<an earlier call's autotune folder, in the repo>
+#               continues that search (--keep_runs): candidates measured there are not run again
 # SCHED picks --deepcompile_schedule (deepspeed | once); EXTRA adds flags to every training run (e.g. "--profile_step
 # 9"); TESTS names the deepcompile GPU tests of `steps` and of `split`'s second call; FACTORS the explain factors;
 # REFROUNDS runs the reference rows of `pair`/`two` in the first N rounds only (compare.py --reference_rounds).
@@ -169,6 +172,13 @@ case "$STAGE" in
     if [ -n "${KEEP:-}" ] && [ "$G" = 1 ]; then
       gpu_test_each 0 ${TESTS:-"test_deepcompile_validates_saves_exports_and_resumes_at_the_end[lightning]"}
     fi ;;
+  autotune)
+    if [ -n "${KEEP:-}" ]; then cp -r "$KEEP" "$W/autotune"; K=(--keep_runs); else K=(); fi
+    # -k 25: compare.py's own SIGTERM handler takes up to 15 s to stop the candidate it runs
+    timeout -k 25 "$(( $(left) - 15 ))" python3 compare.py --gpus "${GPUS:-1}" --preset 1.5b --stage 3 --precision bf16 \
+      --steps "${STEPS:-20}" --warmup_steps "${WARMUP:-10}" ${EXTRA:-} --autotune --mb_grid "${GRID:-16,24}" \
+      --budget_s "$(( $(left) - 35 ))" "${K[@]}" --timeout 400 --out "$W/autotune" > "$W/autotune.log" 2>&1
+    pkill -f plain_deepspeed/train.py ;;
   pair)
     timeout -k 10 "$(left)" python3 compare.py --gpus 1 --parallel "${BASE[@]}" --repeats "${REPEATS:-1}" \
       "${REFS[@]}" --timeout 500 --out "$W/compare_1xh200" > "$W/compare_1xh200.log" 2>&1 ;;

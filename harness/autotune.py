@@ -14,10 +14,20 @@ Search, on the raw path (the faster one to start), each candidate a short run of
      of memory (also with the chunked loss, as in 1) or is slower; each candidate includes its ~2 min warm-up,
      so a 1.5b search wants a budget of 20 min or more.
   4. ZeRO-3 prefetch bucket, then reduce bucket, then parameter persistence threshold, one knob at a time
-     (coordinate descent) from the best so far.
+     (coordinate descent) from the best so far. Under DeepCompile the prefetch bucket is skipped: its passes
+     schedule their own prefetch and never read stage3_prefetch_bucket_size. A persistence threshold that keeps
+     the same parameters gathered as one already measured is the same run and is skipped: parameters of at most
+     that many elements persist, so at the 1.5b preset 1e4, 1e5 and 1e6 all keep the same 194 (biases and
+     LayerNorm weights) and only 1e7 adds the position embedding and the attention output projections.
 Candidates are ranked by tokens/s per GPU, not TFLOPs: with activation checkpointing the formula counts the
 recomputed forward (k=4) as work, which would flatter the slower configuration. The budget stops the search
-before a candidate that would not finish in it (estimated from the slowest run so far).
+before a candidate that would not finish in it (estimated from the slowest run so far); the report names that
+candidate (`budget_stopped_before`).
+
+autotune.json is rewritten after every candidate (`complete`: false until the search ends), so a search cut
+short loses nothing: `--keep_runs` with the same --out continues it, each candidate already measured there taken
+from that file (it must come from the same settings, world size, device and package versions) and the budget
+spent on the new ones only.
 
 DeepSpeed ships an autotuner of its own (`deepspeed --autotuning tune`); benchmarks/ds_autotuner.py runs it on
 the raw loop and measures its answer against this search's winner (docs/tuning.md).
@@ -30,9 +40,12 @@ import json
 import time
 from pathlib import Path
 
+import torch
+
 from harness.launch import CompareError
 from shared.train.config import TrainConfig
 from shared.train.ds_config import build_ds_config
+from shared.train.results import device_info, versions
 
 PREFETCH = (50_000_000, 200_000_000, 500_000_000, 1_000_000_000)
 REDUCE = (50_000_000, 200_000_000, 500_000_000)
@@ -60,15 +73,61 @@ def knobs(cfg: TrainConfig) -> dict:
             "compile": cfg.compile, "deepcompile_schedule": cfg.deepcompile_schedule, "fused_loss": cfg.fused_loss}
 
 
+def persisted(sizes: list[int], threshold: int) -> int:
+    """How many of the model's parameters (`sizes`: their element counts) ZeRO-3 keeps gathered at `threshold`:
+    those of at most that many elements (stage3_model_persistence_threshold, a cap on their total, is unset here)."""
+    return sum(n <= threshold for n in sizes)
+
+
+def settings(train: TrainConfig, world: int) -> dict:
+    """What a candidate's measurement depends on besides its knobs: a kept search must match it."""
+    return {"train": {k: v for k, v in dataclasses.asdict(train).items() if k != "out"}, "world_size": world,
+            "device": device_info()["name"], "versions": versions()}
+
+
+def kept_candidates(train: TrainConfig, world: int, out_dir: Path) -> tuple[list[dict], list[str]]:
+    """--keep_runs: the candidates an earlier search in out_dir measured and the commands that searched there;
+    ([], []) when it holds none. A ValueError names what differs when that search was made with other settings."""
+    path = out_dir / "autotune.json"
+    if not path.is_file():
+        return [], []
+    try:
+        earlier = json.loads(path.read_text())
+        rows, there = earlier["ranking"], earlier["settings"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--keep_runs: {path} is not an autotune report this version wrote ({e!r}); rerun without "
+                         "--keep_runs (it is then replaced)") from e
+    here = settings(train, world)
+    diff = [f"{k} {there['train'].get(k)!r} there vs {v!r} now" for k, v in here["train"].items()
+            if there["train"].get(k) != v]
+    diff += [f"{key} {there.get(key)!r} there vs {here[key]!r} now" for key in ("world_size", "device", "versions")
+             if there.get(key) != here[key]]
+    if diff:
+        raise ValueError(f"--keep_runs: {path} was searched with other settings ({'; '.join(diff[:4])}); rerun with "
+                         "its flags, or without --keep_runs (it is then replaced)")
+    commands = earlier.get("commands") or ([earlier["command"]] if earlier.get("command") else [])
+    return sorted(rows, key=lambda r: r["i"]), commands
+
+
 class Search:
-    def __init__(self, base: TrainConfig, ns, launch, out_dir: Path):
+    def __init__(self, base: TrainConfig, ns, launch, out_dir: Path, kept: list[dict] = ()):
         self.base, self.ns, self.launch, self.out_dir = base, ns, launch, out_dir
         self.t0 = time.perf_counter()
-        self.slowest = 0.0
-        self.tried: list[dict] = []
+        self.slowest = max((r["wall_s"] for r in kept), default=0.0)
+        self.tried: list[dict] = [dict(r, kept=True) for r in kept]
+        self.stopped_before: dict | None = None  # the first candidate the budget left out
+        self.report: dict = {}  # filled by run_autotune; rewritten to autotune.json after every candidate
 
     def over_budget(self) -> bool:
         return time.perf_counter() - self.t0 + self.slowest > self.ns.budget_s
+
+    def write(self, complete: bool) -> dict:
+        """autotune.json as the search stands; `complete` false while candidates may still follow."""
+        self.report.update(complete=complete, elapsed_s=time.perf_counter() - self.t0,
+                           ranking=sorted(self.tried, key=lambda r: -r.get("tokens_per_s_per_gpu", -1.0)),
+                           winner=self.best(), budget_stopped_before=self.stopped_before)
+        (self.out_dir / "autotune.json").write_text(json.dumps(self.report, indent=1))
+        return self.report
 
     def run(self, cfg: TrainConfig) -> dict | None:
         """One candidate; None when the budget is spent. OOM and failures are recorded, not raised."""
@@ -77,6 +136,7 @@ class Search:
             if row["knobs"] == key:
                 return row
         if self.over_budget():
+            self.stopped_before = self.stopped_before or key
             return None
         i = len(self.tried)
         t = time.perf_counter()
@@ -91,6 +151,7 @@ class Search:
         row["wall_s"] = time.perf_counter() - t
         self.slowest = max(self.slowest, row["wall_s"])
         self.tried.append(row)
+        self.write(complete=False)
         speed = f"{row['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU" if row["status"] == "ok" else row["status"]
         print(f"  candidate {i}: {key} -> {speed}", flush=True)
         return row
@@ -99,7 +160,8 @@ class Search:
         """One candidate; if it ran out of memory without the chunked loss, the same again with it."""
         row = self.run(cfg)
         if row is not None and row["status"] == "oom" and not cfg.fused_loss:
-            print("  out of memory: the same with --fused_loss", flush=True)
+            if not row.get("kept"):
+                print("  out of memory: the same with --fused_loss", flush=True)
             row = self.run(dataclasses.replace(cfg, fused_loss=True))
         return row
 
@@ -108,9 +170,15 @@ class Search:
         return max(ok, key=lambda r: r["tokens_per_s_per_gpu"]) if ok else None
 
 
-def run_autotune(train: TrainConfig, ns, launch, out_dir: Path) -> dict:
+def run_autotune(train: TrainConfig, ns, launch, out_dir: Path, kept: list[dict] = ()) -> dict:
+    """The search; `kept`: candidates measured by an earlier search of the same settings (kept_candidates)."""
     base = dataclasses.replace(train, zero_profile="tuned", wall_clock_breakdown=False)
-    search = Search(base, ns, launch, out_dir)
+    search = Search(base, ns, launch, out_dir, kept)
+    search.report = {"preset": train.preset, "world_size": ns.world, "budget_s": ns.budget_s,
+                     "settings": settings(train, ns.world), "kept_candidates": len(kept),
+                     "commands": list(getattr(ns, "commands", []))}  # every invocation of a continued search
+    if kept:
+        print(f"  {len(kept)} candidate(s) kept from {out_dir / 'autotune.json'} (--keep_runs)", flush=True)
     grid = parse_grid(ns.mb_grid)
 
     # 1. micro-batch without, then with, activation checkpointing
@@ -159,22 +227,37 @@ def run_autotune(train: TrainConfig, ns, launch, out_dir: Path) -> dict:
 
     # 4. ZeRO-3 knobs, one at a time from the best so far
     if base.stage == 3:
+        from shared.model.gpt import GPT  # here: importing the model loads dynamo, which the CLI must not pay
+
+        with torch.device("meta"):  # the parameters' sizes only: nothing is allocated
+            sizes = [p.numel() for p in GPT(base.model()).parameters()]
         for field, values in (("prefetch_bucket_size", PREFETCH), ("reduce_bucket_size", REDUCE),
                               ("param_persistence_threshold", PERSISTENCE)):
             best = search.best()
             if best is None:
                 break
+            deepcompile = best["knobs"]["compile"] == "deepcompile"
+            if field == "prefetch_bucket_size" and deepcompile:
+                print("  prefetch bucket not tried: DeepCompile schedules its own prefetch", flush=True)
+                continue
+            if field == "param_persistence_threshold" and deepcompile and base.deepcompile_persist != "threshold":
+                print("  persistence threshold not tried: --deepcompile_persist deepspeed gathers every parameter "
+                      "per use whatever the threshold", flush=True)
+                continue
+            kept_gathered = {persisted(sizes, best["knobs"][field])} if field == "param_persistence_threshold" else None
             for v in values:
+                if kept_gathered is not None:
+                    n = persisted(sizes, v)
+                    if n in kept_gathered:
+                        print(f"  persistence {v:.0e} not tried: it keeps the same {n} parameters gathered as a "
+                              "threshold already measured", flush=True)
+                        continue
+                    kept_gathered.add(n)
                 if search.run(dataclasses.replace(base, **{**best["knobs"], field: v})) is None:
                     break
 
     winner = search.best()
-    report = {
-        "preset": train.preset, "world_size": ns.world, "budget_s": ns.budget_s,
-        "elapsed_s": time.perf_counter() - search.t0,
-        "ranking": sorted(search.tried, key=lambda r: -r.get("tokens_per_s_per_gpu", -1.0)),
-        "winner": winner,
-    }
+    report = search.report
     if winner is not None:
         cfg = dataclasses.replace(base, **winner["knobs"])
         (out_dir / "winner_ds_config.json").write_text(json.dumps(build_ds_config(cfg),
@@ -189,20 +272,23 @@ def run_autotune(train: TrainConfig, ns, launch, out_dir: Path) -> dict:
         if cfg.fused_loss:
             flags.append("--fused_loss")
         report["winner_flags"] = " ".join(flags)
-    (out_dir / "autotune.json").write_text(json.dumps(report, indent=1))
-    return report
+    return search.write(complete=True)
+
+
+def describe(k: dict) -> str:
+    """One candidate's knobs, as the table prints them."""
+    return (f"mb {k['micro_batch']}{' +ckpt' if k['activation_checkpointing'] else ''}"
+            f"{' +' + k['compile'] if k.get('compile', 'none') != 'none' else ''}"
+            f"{' +fused_loss' if k.get('fused_loss') else ''}"
+            + "".join(f" {label} {k[key]:.0e}" for label, key in (
+                ("prefetch", "prefetch_bucket_size"), ("reduce", "reduce_bucket_size"),
+                ("persist", "param_persistence_threshold")) if k[key] is not None))  # None: not of this stage
 
 
 def format_autotune(report: dict) -> str:
     lines = [f"{'#':>3} {'tokens/s/GPU':>13} {'TFLOPs/GPU':>11} {'peak GiB':>9}  configuration"]
     for r in report["ranking"]:
-        k = r["knobs"]
-        conf = (f"mb {k['micro_batch']}{' +ckpt' if k['activation_checkpointing'] else ''}"
-                f"{' +' + k['compile'] if k.get('compile', 'none') != 'none' else ''}"
-                f"{' +fused_loss' if k.get('fused_loss') else ''}"
-                + "".join(f" {label} {k[key]:.0e}" for label, key in (
-                    ("prefetch", "prefetch_bucket_size"), ("reduce", "reduce_bucket_size"),
-                    ("persist", "param_persistence_threshold")) if k[key] is not None))  # None: not of this stage
+        conf = describe(r["knobs"]) + (" (kept)" if r.get("kept") else "")
         if r["status"] == "ok":
             mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "n/a"
             lines.append(f"{r['i']:>3} {r['tokens_per_s_per_gpu']:>13,.0f} {r['tflops_per_gpu']:>11.3f} {mem:>9}  "
@@ -212,6 +298,10 @@ def format_autotune(report: dict) -> str:
     w = report["winner"]
     lines.append("")
     lines.append(f"winner: candidate {w['i']}; train with {report['winner_flags']}" if w else "no candidate ran")
-    lines.append(f"searched {len(report['ranking'])} candidates in {report['elapsed_s']:.0f}s "
-                 f"(budget {report['budget_s']}s)")
+    kept = report.get("kept_candidates", 0)
+    lines.append(f"searched {len(report['ranking']) - kept} candidates in {report['elapsed_s']:.0f}s "
+                 f"(budget {report['budget_s']}s)" + (f", {kept} kept from an earlier search" if kept else ""))
+    if report.get("budget_stopped_before"):
+        lines.append(f"budget spent: the search stopped before {describe(report['budget_stopped_before'])} "
+                     "(--keep_runs with the same --out continues it)")
     return "\n".join(lines)

@@ -64,7 +64,7 @@ def test_search_keeps_the_chunked_loss_where_it_makes_a_micro_batch_fit(tmp_path
     assert "--fused_loss" in report["winner_flags"] and "+fused_loss" in autotune.format_autotune(report)
 
 
-def test_search_tries_deepcompile_from_the_best_micro_batch_upwards_where_cuda_is(tmp_path, monkeypatch):
+def test_search_tries_deepcompile_from_the_best_micro_batch_upwards_where_cuda_is(tmp_path, monkeypatch, capsys):
     from shared.model import config as model_config
 
     monkeypatch.setattr(model_config, "cuda_available", lambda: True)  # the config checks only; nothing runs
@@ -83,11 +83,38 @@ def test_search_tries_deepcompile_from_the_best_micro_batch_upwards_where_cuda_i
     report = autotune.run_autotune(TrainConfig(preset="tiny", warmup_steps=2), ns, launch, tmp_path)
     dc = [(c.micro_batch, c.deepcompile_schedule) for c in calls if c.compile == "deepcompile"]
     assert dc[:4] == [(8, "once"), (16, "once"), (32, "once"), (32, "once")]  # from the best (8) up to OOM
+    # the knobs of the DeepCompile winner: the reduce bucket and persistence, never the prefetch bucket (its
+    # passes schedule their own prefetch)
+    tried = [autotune.knobs(c) for c in calls]  # effective values, the profile's filled in
+    knob_phase = [k for k in tried if (k["reduce_bucket_size"], k["param_persistence_threshold"]) !=
+                  (tried[0]["reduce_bucket_size"], tried[0]["param_persistence_threshold"])]
+    # the reduce buckets other than the best's; of the thresholds only 1e4 keeps another set of the tiny model's
+    # parameters gathered than the best's 1e6 (1e5 and 1e7 keep all 28, like 1e6)
+    assert [(k["reduce_bucket_size"], k["param_persistence_threshold"]) for k in knob_phase] == [
+        (50_000_000, 1_000_000), (200_000_000, 1_000_000), (500_000_000, 10_000)]
+    assert all(k["compile"] == "deepcompile" and k["micro_batch"] == 16 for k in knob_phase)
+    assert {k["prefetch_bucket_size"] for k in tried} == {tried[0]["prefetch_bucket_size"]}
+    out = capsys.readouterr().out
+    assert "prefetch bucket not tried: DeepCompile schedules its own prefetch" in out
+    assert "persistence 1e+05 not tried: it keeps the same 28 parameters gathered" in out
     assert [c.fused_loss for c in calls if c.compile == "deepcompile"][2:4] == [False, True]  # and its retry
     w = report["winner"]["knobs"]
     assert (w["compile"], w["micro_batch"]) == ("deepcompile", 16)
     assert "--micro_batch 16 --compile deepcompile --deepcompile_schedule once" in report["winner_flags"]
     assert "+deepcompile" in autotune.format_autotune(report)
+
+
+def test_persistence_thresholds_are_told_apart_by_the_parameters_they_keep_gathered():
+    import torch
+
+    from shared.model.gpt import GPT
+
+    with torch.device("meta"):
+        sizes = [p.numel() for p in GPT(TrainConfig(preset="1.5b").model()).parameters()]
+    # biases and LayerNorm weights (<= 9216 elements) at 1e4 to 1e6; 1e7 adds the position embedding (4.7M) and
+    # the 24 attention output projections (5.3M each)
+    assert [autotune.persisted(sizes, t) for t in autotune.PERSISTENCE] == [194, 194, 194, 219]
+    assert autotune.persisted(sizes, 2304) == 146 and autotune.persisted(sizes, 2303) == 0  # at most: inclusive
 
 
 def test_deepcompile_step_keeps_the_chunked_loss_once_it_made_a_micro_batch_fit(tmp_path, monkeypatch):
@@ -145,12 +172,77 @@ def test_search_respects_the_budget(tmp_path):
     calls = []
     ns = SimpleNamespace(mb_grid="4,8,16,32", budget_s=0.0, world=1)
     report = autotune.run_autotune(TrainConfig(preset="tiny"), ns, fake_launch(64, calls), tmp_path)
-    assert calls == [] and report["winner"] is None
-    assert "no candidate ran" in autotune.format_autotune(report)
+    assert calls == [] and report["winner"] is None and report["budget_stopped_before"]["micro_batch"] == 4
+    text = autotune.format_autotune(report)
+    assert "no candidate ran" in text and "budget spent: the search stopped before mb 4" in text
+
+
+class Cut(BaseException):
+    """The search killed mid-candidate (a time limit, Ctrl-C): nothing of that candidate is recorded."""
+
+
+def test_a_cut_search_continues_with_keep_runs_and_measures_each_candidate_once(tmp_path):
+    train, ns = TrainConfig(preset="tiny"), SimpleNamespace(mb_grid="4,8,16,32", budget_s=1e9, world=1)
+    whole = []
+    (tmp_path / "whole").mkdir()
+    expected = autotune.run_autotune(train, ns, fake_launch(8, whole), tmp_path / "whole")  # uninterrupted
+    first, launch = [], fake_launch(8, [])
+
+    def cut_at_the_fourth(path, cfg, out, log):
+        if len(first) == 3:
+            raise Cut
+        first.append(cfg)
+        return launch(path, cfg, out, log)
+
+    ns.commands = ["python compare.py --autotune (first)"]
+    with pytest.raises(Cut):
+        autotune.run_autotune(train, ns, cut_at_the_fourth, tmp_path)
+    on_disk = load(tmp_path / "autotune.json")  # rewritten after each finished candidate
+    assert on_disk["complete"] is False and len(on_disk["ranking"]) == 3 and on_disk["winner"]["i"] == 1
+
+    ns.commands = ["python compare.py --autotune (first)"]  # compare.py's: the invocations of the search
+    kept, commands = autotune.kept_candidates(train, 1, tmp_path)
+    assert commands == ["python compare.py --autotune (first)"]
+    ns.commands = [*commands, "python compare.py --autotune --keep_runs"]
+    second = []
+    report = autotune.run_autotune(train, ns, fake_launch(8, second), tmp_path, kept)
+    assert first + second == whole  # every candidate measured once, in the uninterrupted search's order
+    assert report["complete"] and report["kept_candidates"] == 3 and load(tmp_path / "autotune.json")["complete"]
+    assert report["commands"] == ["python compare.py --autotune (first)", "python compare.py --autotune --keep_runs"]
+    assert sorted(r["i"] for r in report["ranking"]) == list(range(len(whole)))  # kept ones keep their numbers
+    assert report["winner"]["knobs"] == expected["winner"]["knobs"]
+    assert sum(bool(r.get("kept")) for r in report["ranking"]) == 3
+    text = autotune.format_autotune(report)
+    assert f"searched {len(second)} candidates" in text and "3 kept from an earlier search" in text
+    assert "(kept)" in text
+
+
+def test_keep_runs_refuses_a_search_made_with_other_settings(tmp_path):
+    train, ns = TrainConfig(preset="tiny"), SimpleNamespace(mb_grid="4", budget_s=1e9, world=1)
+    assert autotune.kept_candidates(train, 1, tmp_path) == ([], [])  # nothing to keep: a fresh search
+    report = autotune.run_autotune(train, ns, fake_launch(8, []), tmp_path)
+    assert [r["i"] for r in autotune.kept_candidates(train, 1, tmp_path)[0]] == list(range(len(report["ranking"])))
+    with pytest.raises(ValueError, match="other settings \\(seed 1234 there vs 7 now\\)"):
+        autotune.kept_candidates(TrainConfig(preset="tiny", seed=7), 1, tmp_path)
+    with pytest.raises(ValueError, match="world_size 1 there vs 2 now"):
+        autotune.kept_candidates(train, 2, tmp_path)
+    (tmp_path / "autotune.json").write_text('{"winner": null}')  # an older report: no settings recorded
+    with pytest.raises(ValueError, match="is not an autotune report this version wrote"):
+        autotune.kept_candidates(train, 1, tmp_path)
+
+
+def test_keep_runs_with_autotune_checks_the_earlier_search_before_any_run(tmp_path):
+    (tmp_path / "autotune.json").write_text("not json")
+    before = (tmp_path / "autotune.json").read_text()
+    proc = run([sys.executable, ROOT / "compare.py", "--autotune", "--keep_runs", "--out", tmp_path], check=False,
+               timeout=120)
+    assert proc.returncode == 2 and "--keep_runs: " in proc.stderr and "is not an autotune report" in proc.stderr
+    assert (tmp_path / "autotune.json").read_text() == before  # nothing lost
 
 
 @pytest.mark.parametrize("args, message", [(["--mb_grid", "a,b"], "--mb_grid must be comma-separated integers"),
-                                           (["--explain", "--autotune"], "separate modes")])
+                                           (["--explain", "--autotune"], "separate modes"),
+                                           (["--keep_runs"], "it needs --out")])
 def test_bad_autotune_arguments(args, message):
     proc = run([sys.executable, ROOT / "compare.py", "--autotune", *args], check=False, timeout=60)
     assert proc.returncode == 2 and message in proc.stderr
@@ -164,7 +256,8 @@ def test_autotune_sweep_on_cpu_and_both_paths_accept_the_winner(tmp_path):
     run([sys.executable, ROOT / "compare.py", "--autotune", "--mb_grid", "1,2", "--stage", "2", "--steps", "3",
          "--warmup_steps", "1", "--budget_s", "1000000", "--out", tmp_path], timeout=400)
     report = load(tmp_path / "autotune.json")
-    assert report["winner"] is not None and len(report["ranking"]) == 3
+    assert report["complete"] and report["winner"] is not None and len(report["ranking"]) == 3
+    assert len(report["commands"]) == 1 and report["commands"][0] == report["command"]
     assert all(r["status"] == "ok" for r in report["ranking"])
     assert sorted(r["knobs"]["micro_batch"] for r in report["ranking"] if r["knobs"]["compile"] == "none") == [1, 2]
     assert sum(r["knobs"]["compile"] == "blocks" for r in report["ranking"]) == 1

@@ -211,6 +211,10 @@ def test_ds_autotuner_head_to_head_when_one_side_fails(tmp_path, monkeypatch):
     (tmp_path / "autotune.json").write_text(versus(2))
     with pytest.raises(ValueError, match="found for world_size 2, this run has 1"):
         mod.head_to_head(train, ns, {"micro_batch": 2, "grad_accum": 1}, tmp_path / "opt.json")
+    # and so is the best-so-far of a search that is still running (autotune.json is rewritten per candidate)
+    (tmp_path / "autotune.json").write_text(json.dumps({**json.loads(versus(1)), "complete": False}))
+    with pytest.raises(ValueError, match="its search has not finished"):
+        mod.head_to_head(train, ns, {"micro_batch": 2, "grad_accum": 1}, tmp_path / "opt.json")
 
 
 def test_ds_autotuner_reuse_of_a_run_without_an_optimal_config_exits_1(tmp_path):

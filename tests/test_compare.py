@@ -328,7 +328,7 @@ def test_reference_and_parallel_flags_are_checked_before_any_run(tmp_path):
     for args, match in [(["--reference", "ceiling,huge"], "unknown --reference row"),
                         (["--parallel", "--explain"], "--parallel runs compare pairs side by side"),
                         (["--reference_rounds", "1"], "--reference_rounds 1 needs --reference"),
-                        (["--keep_runs", "--explain"], "--keep_runs continues a compare run in its --out folder"),
+                        (["--keep_runs", "--explain"], "--keep_runs continues a compare run or an autotune search"),
                         (["--reference", "--repeats", "2", "--reference_rounds", "3"], "a value from 1 to --repeats")]:
         proc = run([sys.executable, COMPARE, *args, "--out", tmp_path], check=False, timeout=60)
         assert proc.returncode == 2 and match in proc.stderr, proc.stderr[-1000:]
