@@ -82,16 +82,24 @@ def test_the_training_scripts_refuse_before_deepspeed_starts(script, tmp_path):
     ]
     if script == RAW:
         cases.append((["--devices", "2"], "torchrun --nproc_per_node 2"))
-    for args, message in cases:
-        # in-process up to the refusal, so the test can see that DeepSpeed was never imported
-        code = ("import sys\nfrom shared.train.cli import parse_train_config\n"
-                f"from {script.parent.name}.train import main\n"
-                "try:\n    main(parse_train_config(sys.argv[1:], ''))\nexcept (ValueError, SystemExit) as e:\n"
-                "    print('refused:', e)\nprint('deepspeed imported:', 'deepspeed' in sys.modules)\n")
-        proc = run([sys.executable, "-c", code, *args], timeout=120)
-        assert "refused:" in proc.stdout and message in proc.stdout + proc.stderr, (args, proc.stdout,
-                                                                                  proc.stderr[-2000:])
-        assert "deepspeed imported: False" in proc.stdout
+    # in-process up to the refusal, so the test can see that DeepSpeed was never imported; every case in one
+    # process (a start-up of Python + torch each would cost more than the refusals), each case's output captured
+    # on its own and sys.modules looked at right after its refusal
+    code = ("import contextlib, io, json, sys\nfrom shared.train.cli import parse_train_config\n"
+            f"from {script.parent.name}.train import main\n"
+            "for args in json.loads(sys.argv[1]):\n"
+            "    out = io.StringIO()\n"
+            "    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):\n"
+            "        try:\n            main(parse_train_config(args, ''))\n            refused = None\n"
+            "        except (ValueError, SystemExit) as e:\n            refused = str(e)\n"
+            "    print('case:', json.dumps({'refused': refused, 'output': out.getvalue(), "
+            "'deepspeed_imported': 'deepspeed' in sys.modules}), flush=True)\n")
+    proc = run([sys.executable, "-c", code, json.dumps([[str(a) for a in args] for args, _ in cases])], timeout=120)
+    results = [json.loads(line[len("case: "):]) for line in proc.stdout.splitlines() if line.startswith("case: ")]
+    assert len(results) == len(cases), (proc.stdout[-3000:], proc.stderr[-2000:])
+    for (args, message), r in zip(cases, results):
+        assert r["refused"] is not None and message in r["refused"] + r["output"], (args, r, proc.stderr[-2000:])
+        assert r["deepspeed_imported"] is False, args
 
 
 def _lock(root, age_s: float):

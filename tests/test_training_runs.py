@@ -1,5 +1,6 @@
 """Real training runs on CPU (2 processes where distributed): resume, export, SIGTERM, validation, guards."""
 
+import json
 import math
 import os
 import shutil
@@ -181,9 +182,24 @@ def test_bad_inputs_are_refused_before_training(tmp_path):
         (["--nan_policy", "skip", "--grad_accum", "2"], "nan_policy skip needs grad_accum 1"),
         (["--resume", tmp_path / "nowhere"], "does not exist"),
     ]
-    for args, message in cases:
-        proc = run([sys.executable, RAW, *BASE, *args], check=False)
-        assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr[-2000:])
+    # the raw script's own entry point, cli(argv), for every case in one process (a start-up of Python + torch
+    # each would cost more than the refusals): its exit status and stderr caught per case. exit_process leaves with
+    # os._exit on a CPU (shared/train/distributed.py), which would end the loop: here it exits as on a GPU, sys.exit
+    code = ("import contextlib, io, json, sys\nfrom shared.train import distributed\n"
+            "from plain_deepspeed.train import cli\n"
+            "distributed.exit_process = lambda code, device: sys.exit(code)\n"
+            "for args in json.loads(sys.argv[1]):\n"
+            "    err = io.StringIO()\n"
+            "    with contextlib.redirect_stderr(err):\n"
+            "        try:\n            cli(args)\n            status = None\n"
+            "        except SystemExit as e:\n            status = e.code\n"
+            "    print('case:', json.dumps({'status': status, 'stderr': err.getvalue()}), flush=True)\n")
+    argvs = [[str(a) for a in [*BASE, *args]] for args, _ in cases]
+    proc = run([sys.executable, "-c", code, json.dumps(argvs)])
+    results = [json.loads(line[len("case: "):]) for line in proc.stdout.splitlines() if line.startswith("case: ")]
+    assert len(results) == len(cases), (proc.stdout[-3000:], proc.stderr[-2000:])
+    for (args, message), r in zip(cases, results):
+        assert r["status"] == 2 and message in r["stderr"], (args, r["status"], r["stderr"][-2000:])
     # a token file edited after its metadata was written: the first batch refuses it, naming the id, before the
     # embedding would index out of range (a device-side assert on a GPU)
     tokens = tmp_path / "t.train.bin"
