@@ -26,8 +26,8 @@ candidate (`budget_stopped_before`).
 
 autotune.json is rewritten after every candidate (`complete`: false until the search ends), so a search cut
 short loses nothing: `--keep_runs` with the same --out continues it, each candidate already measured there taken
-from that file (it must come from the same settings, world size, device and package versions) and the budget
-spent on the new ones only.
+from that file (it must come from the same settings, world size, device and package versions; a candidate that
+failed other than by running out of memory runs again) and the budget spent on the new ones only.
 
 DeepSpeed ships an autotuner of its own (`deepspeed --autotuning tune`); benchmarks/ds_autotuner.py runs it on
 the raw loop and measures its answer against this search's winner (docs/tuning.md).
@@ -86,8 +86,9 @@ def settings(train: TrainConfig, world: int) -> dict:
 
 
 def kept_candidates(train: TrainConfig, world: int, out_dir: Path) -> tuple[list[dict], list[str]]:
-    """--keep_runs: the candidates an earlier search in out_dir measured and the commands that searched there;
-    ([], []) when it holds none. A ValueError names what differs when that search was made with other settings."""
+    """--keep_runs: the candidates an earlier search in out_dir measured (those that ran or ran out of memory; one
+    that failed otherwise, e.g. cut by --timeout, runs again) and the commands that searched there; ([], []) when
+    it holds none. A ValueError names what differs when that search was made with other settings."""
     path = out_dir / "autotune.json"
     if not path.is_file():
         return [], []
@@ -106,7 +107,7 @@ def kept_candidates(train: TrainConfig, world: int, out_dir: Path) -> tuple[list
         raise ValueError(f"--keep_runs: {path} was searched with other settings ({'; '.join(diff[:4])}); rerun with "
                          "its flags, or without --keep_runs (it is then replaced)")
     commands = earlier.get("commands") or ([earlier["command"]] if earlier.get("command") else [])
-    return sorted(rows, key=lambda r: r["i"]), commands
+    return sorted((r for r in rows if r["status"] in ("ok", "oom")), key=lambda r: r["i"]), commands
 
 
 class Search:
@@ -138,7 +139,7 @@ class Search:
         if self.over_budget():
             self.stopped_before = self.stopped_before or key
             return None
-        i = len(self.tried)
+        i = max((r["i"] for r in self.tried), default=-1) + 1  # after every kept one (a failed one left a gap)
         t = time.perf_counter()
         row = {"i": i, "knobs": key}
         try:

@@ -217,6 +217,29 @@ def test_a_cut_search_continues_with_keep_runs_and_measures_each_candidate_once(
     assert "(kept)" in text
 
 
+def test_keep_runs_runs_a_failed_candidate_again_and_keeps_its_log(tmp_path):
+    train, ns = TrainConfig(preset="tiny"), SimpleNamespace(mb_grid="4,8", budget_s=1e9, world=1)
+    launch = fake_launch(8, [])
+
+    def mb8_times_out(path, cfg, out, log):
+        if cfg.micro_batch == 8 and not cfg.activation_checkpointing:
+            raise CompareError(f"deepspeed run timed out after 400 s; log: {log}")
+        return launch(path, cfg, out, log)
+
+    first = autotune.run_autotune(train, ns, mb8_times_out, tmp_path)
+    failed = [r for r in first["ranking"] if r["status"] == "failed"]
+    assert [r["knobs"]["micro_batch"] for r in failed] == [8]
+    kept, _ = autotune.kept_candidates(train, 1, tmp_path)
+    assert failed[0]["i"] not in [r["i"] for r in kept] and len(kept) == len(first["ranking"]) - 1
+    calls = []
+    report = autotune.run_autotune(train, ns, fake_launch(8, calls), tmp_path, kept)
+    assert calls and calls[0].micro_batch == 8  # the failed candidate first, as in the search's order
+    numbers = [r["i"] for r in report["ranking"]]
+    assert len(numbers) == len(set(numbers)) and min(n for n in numbers if n not in [r["i"] for r in kept]) > max(
+        r["i"] for r in kept)  # new numbers after every kept one: the failed run's log is not overwritten
+    assert all(r["status"] == "ok" for r in report["ranking"])
+
+
 def test_keep_runs_refuses_a_search_made_with_other_settings(tmp_path):
     train, ns = TrainConfig(preset="tiny"), SimpleNamespace(mb_grid="4", budget_s=1e9, world=1)
     assert autotune.kept_candidates(train, 1, tmp_path) == ([], [])  # nothing to keep: a fresh search
