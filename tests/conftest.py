@@ -17,9 +17,10 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().paren
 # on PATH for DeepSpeed's autotuner. Ninja 1.13 (pip's) and 1.11 (e.g. /usr/bin) hash a command differently in
 # .ninja_log, so each read the other's build of deepspeed_shm_comm as "command line changed" and rebuilt it (about
 # a minute and a half on 2 cores) whenever a test ran processes under the other PATH.
-# Only where a ninja sits beside this Python (a venv): a system Python's folder first would shadow other tools too.
+# Only in a virtual environment with its own ninja: a system Python's folder (/usr/bin) first would shadow other tools.
 _BIN = str(Path(sys.executable).parent)
-if (Path(_BIN) / "ninja").exists() and os.environ.get("PATH", "").split(os.pathsep)[0] != _BIN:
+if (sys.prefix != sys.base_prefix and (Path(_BIN) / "ninja").exists()
+        and os.environ.get("PATH", "").split(os.pathsep)[0] != _BIN):
     os.environ["PATH"] = os.pathsep.join(filter(None, [_BIN, os.environ.get("PATH")]))
 
 HAS_CUDA = torch.cuda.is_available()
