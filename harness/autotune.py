@@ -235,7 +235,7 @@ def run_autotune(train: TrainConfig, ns, launch, out_dir: Path, kept: list[dict]
         for field, values in (("prefetch_bucket_size", PREFETCH), ("reduce_bucket_size", REDUCE),
                               ("param_persistence_threshold", PERSISTENCE)):
             best = search.best()
-            if best is None:
+            if best is None or search.stopped_before:  # nothing ran, or the budget is spent
                 break
             deepcompile = best["knobs"]["compile"] == "deepcompile"
             if field == "prefetch_bucket_size" and deepcompile:

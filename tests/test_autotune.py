@@ -177,6 +177,25 @@ def test_search_respects_the_budget(tmp_path):
     assert "no candidate ran" in text and "budget spent: the search stopped before mb 4" in text
 
 
+def test_a_budget_spent_in_the_knob_phase_ends_the_search_there(tmp_path, monkeypatch, capsys):
+    clock = [0.0]
+    monkeypatch.setattr(autotune.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(autotune, "persisted", lambda sizes, threshold: 7)  # every threshold would be announced
+    launch = fake_launch(8, [])
+
+    def ten_seconds_each(path, cfg, out, log):
+        clock[0] += 10.0
+        return launch(path, cfg, out, log)
+
+    ns = SimpleNamespace(mb_grid="4,8", budget_s=55.0, world=1)
+    report = autotune.run_autotune(TrainConfig(preset="tiny"), ns, ten_seconds_each, tmp_path)
+    # eager 4 and 8, compiled blocks, prefetch 5e7 and 2e8: the sixth would end past 55 s
+    assert len(report["ranking"]) == 5 and report["budget_stopped_before"]["prefetch_bucket_size"] == 1_000_000_000
+    out = capsys.readouterr().out
+    assert "persistence 1e" not in out  # no later knob announced once the budget is spent
+    assert "budget spent: the search stopped before mb 8 +blocks prefetch 1e+09" in autotune.format_autotune(report)
+
+
 class Cut(BaseException):
     """The search killed mid-candidate (a time limit, Ctrl-C): nothing of that candidate is recorded."""
 
