@@ -51,9 +51,10 @@ deepspeeds() {  # DeepSpeed's autotuner, then its optimal config against our win
   step $(( ${TUNER_S:-250} + 30 )) python3 benchmarks/ds_autotuner.py --gpus "$2" "${BASE[@]}" --mb_list "${MB_LIST:-8,12,16}" \
     --tuner_timeout "${TUNER_S:-250}" --out "$W/ds_autotuner" > "$W/ds_autotuner.log" 2>&1
   # compare.py --autotune rewrites its autotune.json after every candidate: wait for the finished one
-  done_() { python3 -c "import json, sys; sys.exit(json.load(open('$1')).get('complete') is False)" 2>/dev/null; }
-  while ! done_ && (( $(limit 200) > 0 )); do sleep 5; done
-  done_ && step 200 python3 benchmarks/ds_autotuner.py --gpus "$2" "${BASE[@]}" \
+  done_() { python3 -c "import json, sys; sys.exit(json.load(open(sys.argv[1])).get('complete') is False)" "$1" \
+    2>/dev/null; }
+  while ! done_ "$1" && (( $(limit 200) > 0 )); do sleep 5; done
+  done_ "$1" && step 200 python3 benchmarks/ds_autotuner.py --gpus "$2" "${BASE[@]}" \
     --versus "$1" --reuse --repeats "${VERSUS_REPEATS:-2}" --out "$W/ds_autotuner" >> "$W/ds_autotuner.log" 2>&1
 }
 
