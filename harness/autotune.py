@@ -261,8 +261,9 @@ def run_autotune(train: TrainConfig, ns, launch, out_dir: Path, kept: list[dict]
     report = search.report
     if winner is not None:
         cfg = dataclasses.replace(base, **winner["knobs"])
-        (out_dir / "winner_ds_config.json").write_text(json.dumps(build_ds_config(cfg),
-                                                                  indent=1))
+        commands = report["commands"]  # how to make it again: every invocation of the search
+        provenance = {"command": commands[-1], "commands": commands} if commands else {}
+        (out_dir / "winner_ds_config.json").write_text(json.dumps({**build_ds_config(cfg), **provenance}, indent=1))
         flags = [f"--ds_config {out_dir / 'winner_ds_config.json'}", f"--micro_batch {cfg.micro_batch}"]
         if cfg.activation_checkpointing:
             flags.append("--activation_checkpointing")

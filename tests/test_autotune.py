@@ -228,6 +228,8 @@ def test_a_cut_search_continues_with_keep_runs_and_measures_each_candidate_once(
     assert first + second == whole  # every candidate measured once, in the uninterrupted search's order
     assert report["complete"] and report["kept_candidates"] == 3 and load(tmp_path / "autotune.json")["complete"]
     assert report["commands"] == ["python compare.py --autotune (first)", "python compare.py --autotune --keep_runs"]
+    winner = load(tmp_path / "winner_ds_config.json")
+    assert (winner["command"], winner["commands"]) == (report["commands"][-1], report["commands"])
     assert sorted(r["i"] for r in report["ranking"]) == list(range(len(whole)))  # kept ones keep their numbers
     assert report["winner"]["knobs"] == expected["winner"]["knobs"]
     assert sum(bool(r.get("kept")) for r in report["ranking"]) == 3
@@ -300,6 +302,7 @@ def test_autotune_sweep_on_cpu_and_both_paths_accept_the_winner(tmp_path):
     report = load(tmp_path / "autotune.json")
     assert report["complete"] and report["winner"] is not None and len(report["ranking"]) == 3
     assert len(report["commands"]) == 1 and report["commands"][0] == report["command"]
+    assert load(tmp_path / "winner_ds_config.json")["command"] == report["command"]  # how to make it again
     assert all(r["status"] == "ok" for r in report["ranking"])
     assert sorted(r["knobs"]["micro_batch"] for r in report["ranking"] if r["knobs"]["compile"] == "none") == [1, 2]
     assert sum(r["knobs"]["compile"] == "blocks" for r in report["ranking"]) == 1

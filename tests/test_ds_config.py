@@ -53,6 +53,9 @@ def test_user_json_replaces_the_built_dict(tmp_path):
     path.write_text(json.dumps(user))
     cfg = build_ds_config(TrainConfig(ds_config=str(path)))
     assert cfg["zero_optimization"] == {"stage": 3} and cfg["gradient_accumulation_steps"] == 1
+    # the commands an autotune winner records are how it was made, not DeepSpeed's: dropped, not refused
+    path.write_text(json.dumps({**user, "command": "python compare.py --autotune", "commands": ["python ..."]}))
+    assert build_ds_config(TrainConfig(ds_config=str(path))) == cfg
 
 
 @pytest.mark.parametrize(

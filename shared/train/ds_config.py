@@ -186,10 +186,16 @@ def read_user_json(source: str | Path) -> tuple[dict, str]:
     return cfg, name
 
 
+# How a written config was made (compare.py --autotune records its commands in winner_ds_config.json): not
+# DeepSpeed's, so dropped before the dict reaches the engine.
+PROVENANCE_KEYS = frozenset({"command", "commands"})
+
+
 def load_user_ds_config(source: str | Path, train: TrainConfig) -> dict:
     """Read a user DeepSpeed JSON (a path, or base64 text) and check it against the run's flags; raises
     ValueError naming the problem."""
     cfg, name = read_user_json(source)
+    cfg = {k: v for k, v in cfg.items() if k not in PROVENANCE_KEYS}
     unknown = sorted(set(cfg) - KNOWN_TOP_LEVEL_KEYS)
     if unknown:
         raise ValueError(f"unknown key(s) {unknown} in DeepSpeed config {name}; DeepSpeed would ignore them")
