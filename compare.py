@@ -43,7 +43,7 @@ from shared.model.config import GRAPH_BREAKING_BACKENDS
 from shared.train.cli import add_config_args, config_from_args
 from shared.train.config import TrainConfig
 from shared.train.distributed import check_before_start
-from shared.train.results import RunResult, device_info, versions
+from shared.train.results import RunResult, differences, versions
 
 # What compare.py runs on a machine with GPUs when these flags are not given (the study's model and a longer run)
 GPU_DEFAULTS = {"preset": "1.5b", "micro_batch": 8, "steps": 30, "warmup_steps": 10}
@@ -200,9 +200,6 @@ def kept_runs(ns: argparse.Namespace, train: TrainConfig) -> dict[tuple[str, int
     A run's JSON is written whole or not at all (RunResult.to_json), so one that exists finished; it is kept only if
     it trained with this command's settings (every TrainConfig field but its output path) and world size, on the
     same kind of device with the same package versions."""
-    want = {k: v for k, v in dataclasses.asdict(train).items() if k != "out"}
-    here_device = device_info()["name"]
-    here_versions = versions()
     kept = {}
     for i in range(ns.repeats):
         for row in (*PATHS, *round_references(ns, i)):
@@ -210,14 +207,9 @@ def kept_runs(ns: argparse.Namespace, train: TrainConfig) -> dict[tuple[str, int
             if not path.is_file():
                 continue
             result = RunResult.from_json(path)
-            diff = [f"{k} {result.train.get(k)!r} there vs {v!r} now" for k, v in want.items()
-                    if result.train.get(k) != v]
+            diff = differences(train, result.train, result.device.get("name"), result.versions)
             if result.world_size != row_world(ns, row):
                 diff.append(f"{result.world_size} process(es) there vs {row_world(ns, row)} now")
-            if result.device.get("name") != here_device:
-                diff.append(f"device {result.device.get('name')!r} there vs {here_device!r} now")
-            diff += [f"{pkg} {v!r} there vs {here_versions.get(pkg)!r} now" for pkg, v in result.versions.items()
-                     if v != here_versions.get(pkg)]
             if diff:
                 raise ValueError(f"--keep_runs: {path} was made with other settings ({'; '.join(diff[:4])}); rerun "
                                  "with its flags, or without --keep_runs (its runs are then replaced)")
@@ -237,9 +229,6 @@ def main(argv: list[str] | None = None) -> dict:
     if ns.autotune:
         ns.commands = [*ns.kept_commands, " ".join(["python", "compare.py", *argv])]
         report = autotune.run_autotune(train, ns, run, out_dir, ns.kept_candidates)
-        report["command"] = ns.commands[-1]
-        report["versions"] = versions()
-        (out_dir / "autotune.json").write_text(json.dumps(report, indent=1))
         print()
         print(autotune.format_autotune(report))
         print(f"\nwrote {out_dir / 'autotune.json'}" + (f", {out_dir / 'winner_ds_config.json'}"

@@ -45,7 +45,7 @@ import torch
 from harness.launch import CompareError
 from shared.train.config import TrainConfig
 from shared.train.ds_config import build_ds_config
-from shared.train.results import device_info, versions
+from shared.train.results import device_info, differences, versions
 
 PREFETCH = (50_000_000, 200_000_000, 500_000_000, 1_000_000_000)
 REDUCE = (50_000_000, 200_000_000, 500_000_000)
@@ -98,11 +98,9 @@ def kept_candidates(train: TrainConfig, world: int, out_dir: Path) -> tuple[list
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"--keep_runs: {path} is not an autotune report this version wrote ({e!r}); rerun without "
                          "--keep_runs (it is then replaced)") from e
-    here = settings(train, world)
-    diff = [f"{k} {there['train'].get(k)!r} there vs {v!r} now" for k, v in here["train"].items()
-            if there["train"].get(k) != v]
-    diff += [f"{key} {there.get(key)!r} there vs {here[key]!r} now" for key in ("world_size", "device", "versions")
-             if there.get(key) != here[key]]
+    diff = differences(train, there["train"], there.get("device"), there.get("versions", {}))
+    if there.get("world_size") != world:
+        diff.append(f"world_size {there.get('world_size')!r} there vs {world!r} now")
     if diff:
         raise ValueError(f"--keep_runs: {path} was searched with other settings ({'; '.join(diff[:4])}); rerun with "
                          "its flags, or without --keep_runs (it is then replaced)")
@@ -175,9 +173,11 @@ def run_autotune(train: TrainConfig, ns, launch, out_dir: Path, kept: list[dict]
     """The search; `kept`: candidates measured by an earlier search of the same settings (kept_candidates)."""
     base = dataclasses.replace(train, zero_profile="tuned", wall_clock_breakdown=False)
     search = Search(base, ns, launch, out_dir, kept)
-    search.report = {"preset": train.preset, "world_size": ns.world, "budget_s": ns.budget_s,
-                     "settings": settings(train, ns.world), "kept_candidates": len(kept),
-                     "commands": list(getattr(ns, "commands", []))}  # every invocation of a continued search
+    commands = list(getattr(ns, "commands", []))  # every invocation of a continued search, this one last
+    here = settings(train, ns.world)
+    search.report = {"preset": train.preset, "world_size": ns.world, "budget_s": ns.budget_s, "settings": here,
+                     "kept_candidates": len(kept), "command": commands[-1] if commands else None,
+                     "commands": commands, "versions": here["versions"]}
     if kept:
         print(f"  {len(kept)} candidate(s) kept from {out_dir / 'autotune.json'} (--keep_runs)", flush=True)
     grid = parse_grid(ns.mb_grid)

@@ -51,6 +51,18 @@ def device_info(device: torch.device | None = None) -> dict:
             "memory_gib": None, "capability": None}
 
 
+def differences(train: TrainConfig, there_train: dict, there_device: str | None, there_versions: dict) -> list[str]:
+    """How a recorded run (its TrainConfig as a dict, device name and package versions) differs from `train` on
+    this machine now, one "X there vs Y now" each; the output path does not count."""
+    here_device, here_versions = device_info()["name"], versions()
+    diff = [f"{k} {there_train.get(k)!r} there vs {v!r} now" for k, v in dataclasses.asdict(train).items()
+            if k != "out" and there_train.get(k) != v]
+    if there_device != here_device:
+        diff.append(f"device {there_device!r} there vs {here_device!r} now")
+    return diff + [f"{pkg} {v!r} there vs {here_versions.get(pkg)!r} now" for pkg, v in there_versions.items()
+                   if v != here_versions.get(pkg)]
+
+
 @dataclass
 class RunResult:
     """One run of one path. Times in seconds; throughput per GPU (per process on CPU)."""
