@@ -326,6 +326,11 @@ def format_profiles(profiles: dict, step: int | None) -> str:
             kinds = ", ".join(f"{k} {v:.1f}" for k, v in p["by_kind_ms"].items() if v >= 0.05)
             lines.append(f"  {name:<9} {phase:<10} wall {p['wall_ms']:8.1f}  busy {p['busy_ms']:8.1f}  idle "
                          f"{p['idle_ms']:7.1f}  kernels {p['kernels']:5d}" + (f"  | {kinds}" if kinds else ""))
+            if idle := p.get("idle"):  # a GPU profile: the idle time by cause, the host's part by operator
+                ops = ", ".join(f"{o['name'][:48]} {o['ms']:.1f}" for o in idle["host_ops"][:4] if o["ms"] >= 0.05)
+                lines.append(f"  {'':<9} {'':<10} idle: host behind {idle['host_ms']:.1f} ({ops}), next kernel "
+                             f"queued {idle['queued_ms']:.1f}" + (f", no launch record {idle['unlinked_ms']:.1f}"
+                                                                  if idle["unlinked_ms"] else ""))
     return "\n".join(lines)
 
 

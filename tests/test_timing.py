@@ -118,3 +118,61 @@ def test_profile_summary_attributes_kernels_to_phases_and_counts_overlap_once():
     assert kind_of("Memcpy DtoD (Device -> Device)") == "copy and fill"
     with pytest.raises(ValueError, match="no phase ranges"):
         summarize(kernels, [], "cuda")
+
+
+def test_innermost_host_operator_timeline():
+    from shared.train.step_profile import innermost
+
+    ops = [("outer", 0, 100), ("a", 10, 30), ("a.inner", 15, 20), ("b", 40, 120), ("later", 200, 210)]
+    assert [s[:3] for s in innermost(ops)] == [
+        (0, 10, "outer"), (10, 15, "a"), (15, 20, "a.inner"), (20, 30, "a"), (30, 40, "outer"), (40, 100, "b"),
+        (200, 210, "later")]  # b cut at outer's end
+    assert [s[3] for s in innermost(ops)][2] == ("outer", "a", "a.inner")
+
+
+def test_idle_time_is_split_into_host_late_and_queued_and_credited_to_the_launching_threads_operator():
+    from shared.train.step_profile import innermost, summarize
+
+    main, engine = 1, 2
+    host = {main: innermost([("aten::mm", 0, 5), ("dc::wait_allgather", 20, 45), ("cudaStreamSynchronize", 90, 100)]),
+            engine: innermost([("autograd::engine::evaluate_function", 100, 190), ("aten::mm", 150, 160)])}
+    ranges = [("forward", 0, 100), ("backward", 100, 200)]
+    kernels = [("gemm", 2, 10, (1, main)),  # idle 0-2: launched at 1, so 1 ms host, 1 queued
+               ("gemm", 50, 60, (48, main)),  # idle 10-50: host until the launch at 48, then queued
+               ("nccl", 52, 58, (3, main)),  # inside the busy time: no gap
+               ("fill", 70, 80, None),  # no launch record: counted apart
+               ("gemm", 160, 170, (155, engine))]  # backward: 100-155 on the engine thread, 155-160 queued
+    s = summarize(kernels, ranges, "cuda", host, main)
+    fwd, bwd = s["phases"]["forward"]["idle"], s["phases"]["backward"]["idle"]
+    assert fwd["host_ms"] == pytest.approx((1 + 38 + 20) / 1e3)  # 0-1, 10-48, 80-100 (after the last kernel)
+    assert fwd["queued_ms"] == pytest.approx((1 + 2) / 1e3) and fwd["unlinked_ms"] == pytest.approx(10 / 1e3)
+    ops = {o["name"]: o["ms"] * 1e3 for o in fwd["host_ops"]}
+    assert ops == pytest.approx({"aten::mm": 1, "dc::wait_allgather": 25, "cudaStreamSynchronize": 10,
+                                 "(no operator)": 10 + 3 + 10})  # 10-20, 45-48, 80-90
+    assert bwd["host_ms"] == pytest.approx((55 + 30) / 1e3) and bwd["queued_ms"] == pytest.approx(5 / 1e3)
+    assert {o["name"]: o["ms"] * 1e3 for o in bwd["host_ops"]} == pytest.approx(
+        {"autograd::engine::evaluate_function": 50, "aten::mm": 5, "(no operator)": 30})  # 170-200: main, no op
+    assert {o["name"]: o["ms"] * 1e3 for o in bwd["host_inclusive"]} == pytest.approx(
+        {"autograd::engine::evaluate_function": 55, "aten::mm": 5})  # the mm ran inside it
+    for p in s["phases"].values():  # every idle microsecond has one cause
+        idle = p["idle"]
+        assert idle["host_ms"] + idle["queued_ms"] + idle["unlinked_ms"] == pytest.approx(p["idle_ms"])
+    from harness.report import format_profiles
+
+    text = format_profiles({"raw": s}, 9)
+    assert text.count("idle: host behind") == 2 and "no launch record 0.0" in text  # the forward's fill
+
+
+@pytest.mark.gpu
+def test_profiled_gpu_step_links_every_gap_to_a_launch():
+    a = torch.randn(2048, 2048, device="cuda")
+    timer = PhaseTimer(torch.device("cuda"), profile_step=1)
+    timer.start()
+    _steps(timer, 3, work=lambda: (a @ a).relu_().sum().item())
+    timer.finish()
+    for p in timer.profile["phases"].values():
+        idle = p["idle"]
+        assert idle["unlinked_ms"] == 0
+        assert idle["host_ms"] + idle["queued_ms"] == pytest.approx(p["idle_ms"], abs=1e-6)
+    forward = timer.profile["phases"]["forward"]["idle"]
+    assert forward["host_ms"] > 0 and any(o["name"].startswith("aten::") for o in forward["host_ops"])

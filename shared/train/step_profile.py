@@ -10,6 +10,13 @@ The summary (the run JSON's `extra.profile`) holds, for the step and for each ph
 step): wall ms, the ms at least one kernel ran (busy), idle = wall - busy, the kernels' summed ms per kind
 (KINDS, matched on the kernel name in that order) and the top kernels by summed ms. On a CPU there are no device
 kernels: the top operators by self CPU time stand in for them and `device` says "cpu".
+
+On a GPU each phase's idle time is also split by cause (`idle`, see idle_causes): `host_ms`, the device idle
+before the host had launched the next kernel (the host was behind), with the host operators that ran in those
+windows (`host_ops`, the innermost operator of the thread that launched the next kernel; "(no operator)" is host
+code the profiler saw no operator for, e.g. Python between calls; `host_inclusive`, every operator open then);
+`queued_ms`, idle although the next kernel was already launched (a wait on another stream's event, or launch
+latency); `unlinked_ms`, gaps before kernels without a launch record.
 """
 
 from __future__ import annotations
@@ -29,6 +36,9 @@ KINDS = (
     ("copy and fill", r"memcpy|memset|copy|fill|cat_|catarray"),
 )
 TOP = 15  # kernels listed per phase
+TOP_HOST = 10  # host operators listed per phase under idle.host_ops
+TOP_FRAMES = 15  # enclosing operators listed per phase under idle.host_inclusive
+NO_OP = "(no operator)"
 RANGE = "zero3bench/"  # the record_function ranges that mark each phase on the host
 
 
@@ -51,15 +61,105 @@ def _busy(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def summarize(kernels: list[tuple[str, float, float]], ranges: list[tuple[str, float, float]], device: str) -> dict:
-    """kernels: (name, start_us, end_us) on the device; ranges: (phase, start_us, end_us) on the host, the same
-    clock, one per phase of each micro-step. Each kernel goes to the range that holds its start; kernels outside
-    every range are counted apart (`unattributed_ms`), never dropped."""
+def innermost(ops: list[tuple[str, float, float]]) -> list[tuple[float, float, str, tuple[str, ...]]]:
+    """Host operators of one thread, (name, start_us, end_us), nested -> the timeline of the innermost one: sorted,
+    non-overlapping (start, end, name, enclosing) segments, `enclosing` the names of every operator open then,
+    outermost first; time covered by no operator has no segment. A child that outlasts its parent is cut at the
+    parent's end."""
+    segs: list[tuple[float, float, str, tuple[str, ...]]] = []
+    stack: list[tuple[str, float, float]] = []
+    t = float("-inf")
+
+    def emit(upto: float) -> None:
+        nonlocal t
+        if stack and upto > t:
+            segs.append((t, upto, stack[-1][0], tuple(s[0] for s in stack)))
+        t = max(t, upto)
+
+    for name, a, b in sorted(ops, key=lambda o: (o[1], -o[2])):
+        while stack and stack[-1][2] <= a:
+            emit(stack[-1][2])
+            stack.pop()
+        if stack:
+            emit(a)
+            b = min(b, stack[-1][2])
+        else:
+            t = a
+        stack.append((name, a, b))
+    while stack:
+        emit(stack[-1][2])
+        stack.pop()
+    return segs
+
+
+def idle_causes(kernels: list[tuple], ranges: list[tuple[str, float, float]],
+                host: dict[int, list[tuple[float, float, str]]], main: int) -> dict:
+    """Split the idle time of some host ranges (one phase's) by cause. kernels: (name, start_us, end_us, launch),
+    each inside one of the ranges, launch = (launch_us, host thread) or None; host: innermost() per thread; main:
+    the thread that marks the phases.
+
+    Each gap in the device's busy timeline (from the range's start, between kernels, up to the range's end) is
+    host time up to the next kernel's launch (or to the range's end after the last kernel) and queued time after
+    it; the host part is credited to the innermost operator of the launching thread (the autograd engine's thread
+    launches the backward's kernels; after the last kernel, the main thread) at each instant, and to every operator
+    open then (`host_inclusive`: which call the host was inside)."""
+    by_op: dict[str, float] = {}
+    inclusive: dict[str, float] = {}
+    host_us = queued_us = unlinked_us = 0.0
+
+    def credit(a: float, b: float, thread: int) -> None:
+        segs = host.get(thread, [])
+        i = max(0, bisect.bisect_right(segs, (a, float("inf"))) - 1)
+        covered = 0.0
+        while i < len(segs) and segs[i][0] < b:
+            sa, sb, name, enclosing = segs[i]
+            d = min(b, sb) - max(a, sa)
+            if d > 0:
+                by_op[name] = by_op.get(name, 0.0) + d
+                for n in set(enclosing):
+                    inclusive[n] = inclusive.get(n, 0.0) + d
+                covered += d
+            i += 1
+        if b - a - covered > 0:
+            by_op[NO_OP] = by_op.get(NO_OP, 0.0) + (b - a - covered)
+
+    for _, r0, r1 in ranges:
+        frontier = r0
+        for _, a, b, launch in sorted((k for k in kernels if r0 <= k[1] < r1), key=lambda k: k[1]):
+            if a > frontier:
+                if launch is None:
+                    unlinked_us += a - frontier
+                else:
+                    cut = min(max(launch[0], frontier), a)
+                    credit(frontier, cut, launch[1])
+                    host_us += cut - frontier
+                    queued_us += a - cut
+            frontier = max(frontier, b)
+        if r1 > frontier:  # after the last kernel: the host had nothing more to launch before the phase's mark
+            credit(frontier, r1, main)
+            host_us += r1 - frontier
+
+    def listed(d: dict, n: int) -> list[dict]:
+        return [{"name": k[:160], "ms": us / 1e3} for k, us in sorted(d.items(), key=lambda kv: -kv[1])[:n]]
+
+    return {"host_ms": host_us / 1e3, "queued_ms": queued_us / 1e3, "unlinked_ms": unlinked_us / 1e3,
+            "host_ops": listed(by_op, TOP_HOST), "host_inclusive": listed(inclusive, TOP_FRAMES)}
+
+
+def summarize(kernels: list[tuple], ranges: list[tuple[str, float, float]], device: str,
+              host: dict[int, list] | None = None, main: int = 0) -> dict:
+    """kernels: (name, start_us, end_us[, launch]) on the device; ranges: (phase, start_us, end_us) on the host, the
+    same clock, one per phase of each micro-step. Each kernel goes to the range that holds its start; kernels
+    outside every range are counted apart (`unattributed_ms`), never dropped. With `host` (innermost() of each
+    thread's operators), `main` and the kernels' launches, each phase also gets `idle` (idle_causes)."""
     if not ranges:
         raise ValueError("no phase ranges in the profile: the step's marks were not recorded")
     ranges = sorted(ranges, key=lambda r: r[1])
     starts = [a for _, a, _ in ranges]
     groups: dict[str, list] = {p: [] for p, _, _ in ranges}
+    of_phase: dict[str, list] = {p: [] for p in groups}
+    for r in ranges:
+        of_phase[r[0]].append(r)
     walls = dict.fromkeys(groups, 0.0)
     for p, a, b in ranges:
         walls[p] += b - a
@@ -71,25 +171,28 @@ def summarize(kernels: list[tuple[str, float, float]], ranges: list[tuple[str, f
         else:
             loose.append(k)
 
-    def part(ks: list, wall_us: float) -> dict:
+    def part(ks: list, wall_us: float, phase: str | None = None) -> dict:
         by_kind: dict[str, float] = {}
         by_name: dict[str, list] = {}
-        for name, a, b in ks:
+        for name, a, b, *_ in ks:
             kind = kind_of(name)
             by_kind[kind] = by_kind.get(kind, 0.0) + (b - a) / 1e3
             entry = by_name.setdefault(name, [0, 0.0])
             entry[0] += 1
             entry[1] += (b - a) / 1e3
-        busy = _busy([(a, b) for _, a, b in ks]) / 1e3
+        busy = _busy([(a, b) for _, a, b, *_ in ks]) / 1e3
         top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:TOP]
-        return {"wall_ms": wall_us / 1e3, "busy_ms": busy, "idle_ms": max(0.0, wall_us / 1e3 - busy),
-                "kernels": len(ks), "kernel_ms": sum(by_kind.values()),
-                "by_kind_ms": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
-                "top": [{"name": n[:160], "kind": kind_of(n), "calls": c, "ms": ms} for n, (c, ms) in top]}
+        out = {"wall_ms": wall_us / 1e3, "busy_ms": busy, "idle_ms": max(0.0, wall_us / 1e3 - busy),
+               "kernels": len(ks), "kernel_ms": sum(by_kind.values()),
+               "by_kind_ms": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+               "top": [{"name": n[:160], "kind": kind_of(n), "calls": c, "ms": ms} for n, (c, ms) in top]}
+        if host is not None and phase is not None:
+            out["idle"] = idle_causes(ks, of_phase[phase], host, main)
+        return out
 
     return {"device": device, "step": part([k for g in groups.values() for k in g], sum(walls.values())),
-            "phases": {p: part(groups[p], walls[p]) for p in groups},
-            "unattributed_ms": sum(b - a for _, a, b in loose) / 1e3}
+            "phases": {p: part(groups[p], walls[p], p) for p in groups},
+            "unattributed_ms": sum(b - a for _, a, b, *_ in loose) / 1e3}
 
 
 class StepProfiler:
@@ -141,9 +244,19 @@ class StepProfiler:
         ranges = [(e.name[len(RANGE):], e.time_range.start, e.time_range.end) for e in events
                   if e.name.startswith(RANGE) and e.device_type == torch.autograd.DeviceType.CPU]
         if self.cuda:
-            kernels = [(e.name, e.time_range.start, e.time_range.end) for e in events
+            cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and not e.is_async]
+            # A kernel's launch is the runtime or driver call (cudaLaunchKernel, cuLaunchKernelEx, cudaMemcpyAsync,
+            # ...) with the kernel's correlation id.
+            launches = {e.id: (e.time_range.start, e.thread) for e in cpu if e.name.startswith("cu")}
+            kernels = [(e.name, e.time_range.start, e.time_range.end, launches.get(e.id)) for e in events
                        if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation]
-            return summarize(kernels, ranges, "cuda")
+            ops: dict[int, list] = {}
+            for e in cpu:
+                if not e.name.startswith(RANGE):  # " at 0x...": one name per built-in, whatever object it is bound to
+                    name = re.sub(r" at 0x[0-9a-f]+", "", e.name)
+                    ops.setdefault(e.thread, []).append((name, e.time_range.start, e.time_range.end))
+            main = next((e.thread for e in cpu if e.name.startswith(RANGE)), 0)
+            return summarize(kernels, ranges, "cuda", {t: innermost(o) for t, o in ops.items()}, main)
         # CPU: the operators' self time stands in for kernels (top-level aten ops, each with its own interval)
         ops = [(e.name, e.time_range.start, e.time_range.start + e.self_cpu_time_total) for e in events
                if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("aten::")
