@@ -137,7 +137,7 @@ def test_idle_time_is_split_into_host_late_and_queued_and_credited_to_the_launch
     host = {main: innermost([("aten::mm", 0, 5), ("dc::wait_allgather", 20, 45), ("cudaStreamSynchronize", 90, 100)]),
             engine: innermost([("autograd::engine::evaluate_function", 100, 190), ("aten::mm", 150, 160)])}
     ranges = [("forward", 0, 100), ("backward", 100, 200)]
-    kernels = [("gemm", 2, 10, (1, main)),  # idle 0-2: launched at 1, so 1 ms host, 1 queued
+    kernels = [("gemm", 2, 10, (1, main)),  # times in us; idle 0-2: launched at 1, so 1 host, 1 queued
                ("gemm", 50, 60, (48, main)),  # idle 10-50: host until the launch at 48, then queued
                ("nccl", 52, 58, (3, main)),  # inside the busy time: no gap
                ("fill", 70, 80, None),  # no launch record: counted apart
