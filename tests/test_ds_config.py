@@ -77,6 +77,9 @@ def test_user_json_errors(tmp_path, content, flags, message):
         build_ds_config(TrainConfig(ds_config=str(path), **flags))
     with pytest.raises(ValueError, match="does not exist"):
         build_ds_config(TrainConfig(ds_config=str(tmp_path / "nope.json")))
+    long = tmp_path / ("d" * 90) / "nope.json"  # a missing file is named in full, however long its path
+    with pytest.raises(ValueError, match=f"{long}' does not exist"):
+        build_ds_config(TrainConfig(ds_config=str(long)))
 
 
 def test_user_json_as_base64_text_as_deepspeeds_autotuner_passes_it(tmp_path):

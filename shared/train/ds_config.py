@@ -178,7 +178,9 @@ def read_user_json(source: str | Path) -> tuple[dict, str]:
         try:
             cfg = json.loads(base64.urlsafe_b64decode(str(source).encode()).decode())
         except ValueError:  # binascii.Error, UnicodeDecodeError and JSONDecodeError are ValueErrors
-            shown = str(source) if len(str(source)) <= 80 else f"{str(source)[:77]}..."
+            # a long base64 blob is shortened; a path (urlsafe base64 has no "/") is named in full
+            text = str(source)
+            shown = text if len(text) <= 80 or "/" in text else f"{text[:77]}..."
             raise ValueError(f"DeepSpeed config file {shown!r} does not exist (and it is not base64 of a JSON "
                              "object, as DeepSpeed's autotuner passes)") from None
     if not isinstance(cfg, dict):
