@@ -55,6 +55,7 @@ from harness.order import round_order
 from harness.report import measured, spread
 from shared.train.cli import add_config_args, config_from_args, to_argv
 from shared.train.config import TrainConfig
+from shared.train.distributed import free_port
 from shared.train.ds_config import build_ds_config
 from shared.train.results import device_info, versions
 
@@ -173,8 +174,10 @@ def stop_process_group(pgid: int) -> None:
 def run_tuner(train: TrainConfig, ns, config_path: Path) -> tuple[list[str], float, int]:
     # --include, not --num_gpus: with --num_gpus the pool is every GPU of the machine (see the docstring)
     gpus = ",".join(str(i) for i in range(ns.world))
-    cmd = ["deepspeed", "--autotuning", "tune", "--include", f"localhost:{gpus}", str(RAW),
-           "--deepspeed_config", str(config_path.resolve()), "--steps", str(ns.end_profile_step + 1),
+    # DeepSpeed's launcher listens on 29500 unless told, and the autotuner runs experiment i on that port + i: a
+    # free port lets the search run beside another job (or test) that holds 29500
+    cmd = ["deepspeed", "--master_port", str(free_port()), "--autotuning", "tune", "--include", f"localhost:{gpus}",
+           str(RAW), "--deepspeed_config", str(config_path.resolve()), "--steps", str(ns.end_profile_step + 1),
            "--warmup_steps", str(ns.start_profile_step), *passthrough(train)]
     env = run_env()
     # The autotuner launches each experiment as `deepspeed ...`: the one installed beside this Python.

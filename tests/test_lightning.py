@@ -10,6 +10,7 @@ from pytorch_lightning.strategies import DeepSpeedStrategy
 from lightning_app.strategy import ZeroStrategy
 from lightning_app.train import lightning_ds_config
 from shared.train.config import TrainConfig
+from shared.train.distributed import free_port
 from shared.train.ds_config import build_ds_config
 from shared.train.results import RunResult
 from tests.helpers import FAST, LIGHTNING, RAW, run, torchrun
@@ -67,8 +68,9 @@ def test_two_processes_lightning_launcher_and_torchrun(tmp_path):
 @pytest.mark.slow
 def test_fabric_run_launcher(tmp_path):
     pytest.importorskip("click")  # `fabric run` (python -m lightning_fabric.cli) needs click
-    run([sys.executable, "-m", "lightning_fabric.cli", "--accelerator", "cpu", "--devices", "2", LIGHTNING, *FAST,
-         "--out", tmp_path / "f.json"])
+    # a free port: fabric's default 29400 may be held by a test on the other worker
+    run([sys.executable, "-m", "lightning_fabric.cli", "--accelerator", "cpu", "--devices", "2", "--main-port",
+         free_port(), LIGHTNING, *FAST, "--out", tmp_path / "f.json"])
     assert RunResult.from_json(tmp_path / "f.json").world_size == 2
 
 

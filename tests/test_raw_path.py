@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+from shared.train.distributed import free_port
 from shared.train.results import RunResult
 from tests.helpers import FAST, RAW, load, run, torchrun
 
@@ -45,7 +46,8 @@ def test_golden_losses_and_zero_init_matches_plain_init(tmp_path):
 
 def test_deepspeed_launcher_grad_accum_and_study_flags(tmp_path):
     out = tmp_path / "r.json"
-    run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", RAW, *FAST,
+    # a free port: the launcher's default 29500 may be held by a test on the other worker
+    run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", free_port(), RAW, *FAST,
          "--batch_size_per_gpu", "3", "--grad_accum", "2", "--attention", "reference", "--out", out])
     r = load(out)
     assert r["world_size"] == 2 and r["train"]["micro_batch"] == 3 and r["attention"] == "reference"
