@@ -5,6 +5,9 @@ PYTHON ?= python3
 TORCH ?= torch==2.13.0
 VENV := .venv
 PY := $(VENV)/bin/python
+# Test workers (pytest-xdist): most tests wait on Python processes that they start, each busy on one core; two
+# workers keep a 2-core machine busy. JOBS=0 runs every test in the pytest process itself.
+JOBS ?= 2
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,4 +22,4 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 
 test: lint
-	$(PY) -m pytest $(ARGS)
+	$(PY) -m pytest -n $(JOBS) --dist worksteal $(ARGS)
