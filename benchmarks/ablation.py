@@ -17,7 +17,8 @@ counters) and ablation.md (the table). A configuration that fails is recorded wi
 16, the tuned ZeRO-3 buckets; 20 steps of which 10 warm-up) and changes one lever per configuration: the chunked
 linear + cross-entropy (`+fused_loss`), that with the micro-batch it frees (`+fused_loss_mb24`), a padded
 vocabulary (`+vocab128`), DeepSpeed's own optimizer step instead of the fast one (`-fast_zero3_step`), DeepCompile
-without the small parameters kept gathered (`-persist_threshold`, shared/train/deepcompile_passes.py). The
+without the small parameters kept gathered (`-persist_threshold`, shared/train/deepcompile_passes.py), inductor's
+coordinate-descent tuning of its generated kernels (`+coordinate_descent`). The
 block-sparse kernel is not a lever here: it runs between compiled graphs, which DeepCompile's ZeRO-3 pass refuses
 (shared/train/config.py); benchmarks/attention.py compares it with SDPA at the model's shape. `baseline` runs
 first and again last (`baseline_again`): each configuration's ratio is against the mean of the baseline runs,
@@ -69,6 +70,7 @@ LAST_MILE = {
     "+vocab128": {"vocab_multiple": 128},
     "-fast_zero3_step": {"zero3_step": "deepspeed"},
     "-persist_threshold": {"deepcompile_persist": "deepspeed"},
+    "+coordinate_descent": {"coordinate_descent_tuning": True},
     "baseline_again": {},
 }
 REFERENCE = {"fusions": "naive", "last_mile": "baseline"}  # each set's ratios are against these runs

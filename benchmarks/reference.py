@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from shared.model.gpt import GPT, count_parameters
 from shared.train.cli import add_config_args, config_from_args
-from shared.train.compile import compile_blocks
+from shared.train.compile import compile_blocks, configure_inductor
 from shared.train.config import TrainConfig
 from shared.train.data import train_loader
 from shared.train.distributed import (
@@ -81,6 +81,7 @@ def main(train: TrainConfig, mode: str) -> RunResult:
     check_precision(device, train.precision)
     dist.init_process_group(backend=backend_for(device))
     rank, world = dist.get_rank(), dist.get_world_size()
+    configure_inductor(train)
     module, gpt, compiled = build_model(mode, train, device)
     optimizer = build_optimizer(gpt, train, device)
     scheduler = build_scheduler(optimizer, train)

@@ -32,6 +32,7 @@ from lightning_app.overheads import check_overheads
 from lightning_app.strategy import ZeroPrecision, ZeroStrategy
 from shared.train import checkpoint
 from shared.train.cli import parse_train_config
+from shared.train.compile import configure_inductor
 from shared.train.config import TrainConfig
 from shared.train.data import train_loader, val_loader
 from shared.train.distributed import check_before_start, check_precision, oom_message, run_cli
@@ -156,6 +157,7 @@ def main(train: TrainConfig) -> RunResult | None:
         start = checkpoint.client_state_of(resume_from).get("global_step", 0)
         if start >= train.steps:
             raise ValueError(f"checkpoint {resume_from} is at step {start}, not before --steps {train.steps}")
+    configure_inductor(train)
     timing = TimingCallback(train)
     run = RunCallback(train, timing, resume_from)
     ckpt = CheckpointCallback(train, timing)

@@ -23,7 +23,7 @@ from torchmetrics import MeanMetric
 from shared.model.gpt import GPT, count_parameters
 from shared.train import checkpoint, zero3_step
 from shared.train.cli import parse_train_config
-from shared.train.compile import compile_blocks
+from shared.train.compile import compile_blocks, configure_inductor
 from shared.train.config import TrainConfig
 from shared.train.data import train_loader, val_loader
 from shared.train.distributed import (
@@ -95,6 +95,7 @@ def main(train: TrainConfig) -> RunResult:
     model_cfg = train.model()
     ds_config = build_ds_config(train)
 
+    configure_inductor(train)
     seed_all(train.seed)
     # ZeRO-3 partitions each parameter as its module is built, so the full model never sits on one GPU.
     with deepspeed.zero.Init(config_dict_or_path=ds_config, enabled=train.stage == 3):

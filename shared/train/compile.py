@@ -36,6 +36,14 @@ def compile_blocks(gpt: nn.Module) -> nn.Module:
     return gpt
 
 
+def configure_inductor(train) -> None:
+    """Set the inductor options a TrainConfig asks for; call before anything is compiled in the process."""
+    if train.coordinate_descent_tuning:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.coordinate_descent_tuning = True
+
+
 def leaf_module_class() -> str:
     """The block's class as DeepSpeed's leaf_module config names it (module path + qualname), read from the class
     itself so that it cannot go stale when the model moves."""

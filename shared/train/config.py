@@ -117,6 +117,11 @@ class TrainConfig(FusedSwitches):
     with their release ops taken out of the compiled graphs so inductor fuses across them
     (shared/train/deepcompile_passes.py); deepspeed: DeepSpeed's own (none; its selective gathering may add some).
     Only with --compile deepcompile at stage 3"""
+    coordinate_descent_tuning: bool = False
+    """inductor's coordinate-descent tuning (torch._inductor.config.coordinate_descent_tuning): each generated
+    Triton kernel's block sizes and warps are benchmarked around the default at its first compile and the best is
+    cached with the compiled code (TORCHINDUCTOR_CACHE_DIR); it speeds up the LayerNorm + dropout and GELU kernels
+    (docs/results.md). Costs minutes of compile on a cold cache; CUDA only"""
     zero3_step: str = "fast"
     """fast | deepspeed: the ZeRO-3 optimizer step's gradient norm, fp32 gradient copy and unscale. fast: one kernel
     each on the flat gradient buffer (shared/train/zero3_step.py; norm accumulated in fp32) and the unscale/clip
@@ -245,6 +250,9 @@ class TrainConfig(FusedSwitches):
             raise ValueError(f"unknown zero3_step {self.zero3_step!r}; choose one of {ZERO3_STEPS}")
         if self.compile == "deepcompile":
             _check_deepcompile(self)
+        if self.coordinate_descent_tuning and not model_config.cuda_available():
+            raise ValueError("--coordinate_descent_tuning tunes inductor's Triton kernels, which only run on a CUDA "
+                             "GPU; on this machine inductor emits C++ and the flag would change nothing: drop it")
         if self.memory_efficient_linear and self.compile == "blocks" and self.stage == 3:
             raise ValueError("--memory_efficient_linear true cannot be used with --compile blocks under ZeRO-3: "
                              "DeepSpeed's linear makes dynamo recompile for every block "
