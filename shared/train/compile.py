@@ -7,6 +7,9 @@ docs/kernels.md, "Fused paths and torch.compile"). build_ds_config therefore mak
 compiling (`leaf_module_class`): one hook on the block gathers all its parameters, none fire inside it, and the
 compiled forward is one graph with no break, shared by every block (the parameters are graph inputs).
 
+`configure_inductor` sets the inductor options a run asks for (--coordinate_descent_tuning) for every mode that
+compiles: blocks, deepcompile, the fused kernels and the reference rows.
+
 torch.compile is called on first use, not at import: importing torch._dynamo costs seconds that a CLI refusal
 should not pay.
 """
