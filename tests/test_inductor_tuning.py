@@ -49,7 +49,7 @@ def test_a_tuned_run_trains_and_its_kernels_were_tuned(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
     out = tmp_path / "run.json"
     torchrun(RAW, 1, ["--preset", "tiny", "--steps", "8", "--warmup_steps", "3", "--compile", "blocks",
-                      "--coordinate_descent_tuning", "--out", out], timeout=600)
+                      "--coordinate_descent_tuning", "--out", out], timeout=420)
     result = load(out)
     assert result["train"]["coordinate_descent_tuning"] is True
     assert result["losses"][-1] < result["losses"][0]
