@@ -48,9 +48,13 @@ from shared.train.results import RunResult, differences, versions
 # What compare.py runs on a machine with GPUs when these flags are not given (the study's model and a longer run)
 GPU_DEFAULTS = {"preset": "1.5b", "micro_batch": 8, "steps": 30, "warmup_steps": 10}
 # ... and, where it can run, the fastest mode measured that passed its GPU tests: DeepCompile with the one-compile
-# schedule at micro-batch 16 (docs/results.md; benchmarks/results/deepcompile_1xh200_final, deepcompile_2xh200).
-GPU_DEEPCOMPILE_DEFAULTS = {"compile": "deepcompile", "deepcompile_schedule": "once", "micro_batch": 16}
-DEEPCOMPILE_DEFAULT_HELP = ("(default on GPUs: deepcompile, with --deepcompile_schedule once and --micro_batch 16, "
+# schedule at micro-batch 16 (docs/results.md; benchmarks/results/deepcompile_1xh200_final, deepcompile_2xh200), its
+# generated kernels tuned by inductor's coordinate descent (1.028x on the raw path in one call,
+# benchmarks/results/coordinate_descent_1xh200; both paths and the ceiling with it: coordinate_descent_compare_1xh200).
+GPU_DEEPCOMPILE_DEFAULTS = {"compile": "deepcompile", "deepcompile_schedule": "once", "micro_batch": 16,
+                            "coordinate_descent_tuning": True}
+DEEPCOMPILE_DEFAULT_HELP = ("(default on GPUs: deepcompile, with --deepcompile_schedule once, --micro_batch 16 and "
+                            "--coordinate_descent_tuning, "
                             "where it can run: ZeRO stage 1-3, no --val_every/--save_every, --ds_config, "
                             "--fused_layernorm, --attention blocksparse/xformers, --explain or --autotune; else none)")
 
@@ -76,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     for action in p._actions:  # the help says what compare.py changes on GPUs (see parse)
         if action.dest == "compile":
             action.help += " " + DEEPCOMPILE_DEFAULT_HELP
+        if action.dest == "coordinate_descent_tuning":
+            action.help += "; on with compare.py's GPU default (see --compile)"
         if action.dest in GPU_DEFAULTS:
             action.help = action.help.replace("(default: ", f"(default on GPUs: {GPU_DEFAULTS[action.dest]}; "
                                               "without a GPU: ")
@@ -164,7 +170,8 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
         if n_gpus and deepcompile_by_default(ns):
             _fill_unset(ns, GPU_DEEPCOMPILE_DEFAULTS)
             print(f"compare.py: --compile deepcompile --deepcompile_schedule {ns.deepcompile_schedule} --micro_batch "
-                  f"{ns.micro_batch} (the GPU default; --compile none or blocks for the others)", flush=True)
+                  f"{ns.micro_batch} --coordinate_descent_tuning {str(ns.coordinate_descent_tuning).lower()} (the GPU "
+                  "default; --compile none or blocks for the others)", flush=True)
         if n_gpus:
             _fill_unset(ns, GPU_DEFAULTS)
         ns.report_dir = Path(ns.out or "reports/latest")

@@ -13,20 +13,20 @@ counters) and ablation.md (the table). A configuration that fails is recorded wi
 
     python benchmarks/ablation.py --set last_mile --out benchmarks/results/last_mile_ablation_1xh200   # CUDA only
 
-`--set last_mile` starts from compare.py's GPU default instead (DeepCompile, --deepcompile_schedule once, micro-batch
-16, the tuned ZeRO-3 buckets; 20 steps of which 10 warm-up) and changes one lever per configuration: the chunked
-linear + cross-entropy (`+fused_loss`), that with the micro-batch it frees (`+fused_loss_mb24`), a padded
-vocabulary (`+vocab128`), DeepSpeed's own optimizer step instead of the fast one (`-fast_zero3_step`), DeepCompile
-without the small parameters kept gathered (`-persist_threshold`, shared/train/deepcompile_passes.py), inductor's
-coordinate-descent tuning of its generated kernels (`+coordinate_descent`). The
-block-sparse kernel is not a lever here: it runs between compiled graphs, which DeepCompile's ZeRO-3 pass refuses
-(shared/train/config.py); benchmarks/attention.py compares it with SDPA at the model's shape. `baseline` runs
-first and again last (`baseline_again`): each configuration's ratio is against the mean of the baseline runs,
-whose two values give the noise. Raw path only by default (`--paths`): a lever changes the shared model or step,
-which both paths run alike (compare.py measures their ratio). A DeepCompile run of the 1.5b preset takes ~3 min
-with its start-up and warm-up, so under a 10-minute time limit one GPU measures two or three; `--keep` continues
-an ablation in the same --out: the configurations it already measured with the same base settings, device and
-package versions are kept (and not run again if named), the others run.
+`--set last_mile` starts from compare.py's GPU default instead (DeepCompile, --deepcompile_schedule once,
+micro-batch 16, coordinate-descent kernel tuning, the tuned ZeRO-3 buckets; 20 steps of which 10 warm-up) and
+changes one lever per configuration: the chunked linear + cross-entropy (`+fused_loss`), that with the micro-batch
+it frees (`+fused_loss_mb24`), a padded vocabulary (`+vocab128`), DeepSpeed's own optimizer step instead of the fast
+one (`-fast_zero3_step`), DeepCompile without the small parameters kept gathered (`-persist_threshold`,
+shared/train/deepcompile_passes.py), inductor's generated kernels without coordinate-descent tuning
+(`-coordinate_descent`). The block-sparse kernel is not a lever here: it runs between compiled graphs, which
+DeepCompile's ZeRO-3 pass refuses (shared/train/config.py); benchmarks/attention.py compares it with SDPA at the
+model's shape. `baseline` runs first and again last (`baseline_again`): each configuration's ratio is against the
+mean of the baseline runs, whose two values give the noise. Raw path only by default (`--paths`): a lever changes
+the shared model or step, which both paths run alike (compare.py measures their ratio). A DeepCompile run of the
+1.5b preset takes ~3 min with its start-up and warm-up, so under a 10-minute time limit one GPU measures two or
+three; `--keep` continues an ablation in the same --out: the configurations it already measured with the same base
+settings, device and package versions are kept (and not run again if named), the others run.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ LAST_MILE = {
     "+vocab128": {"vocab_multiple": 128},
     "-fast_zero3_step": {"zero3_step": "deepspeed"},
     "-persist_threshold": {"deepcompile_persist": "deepspeed"},
-    "+coordinate_descent": {"coordinate_descent_tuning": True},
+    "-coordinate_descent": {"coordinate_descent_tuning": False},
     "baseline_again": {},
 }
 REFERENCE = {"fusions": "naive", "last_mile": "baseline"}  # each set's ratios are against these runs
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
     if last_mile and not cuda:
         p.error("--set last_mile measures levers on top of DeepCompile, which needs a CUDA GPU; on this machine use "
                 "--set fusions (the default)")
-    if last_mile:  # compare.py's GPU default: DeepCompile (one compile), micro-batch 16, tuned buckets
+    if last_mile:  # compare.py's GPU default: DeepCompile (one compile), micro-batch 16, tuned kernels and buckets
         defaults = {**GPU_DEEPCOMPILE_DEFAULTS, "steps": 20, "warmup_steps": 10, "zero_profile": "tuned"}
     else:
         defaults = {"micro_batch": 8 if cuda else 2, "steps": 14 if cuda else 6, "warmup_steps": 5 if cuda else 2,

@@ -121,8 +121,8 @@ class TrainConfig(FusedSwitches):
     """inductor's coordinate-descent tuning (torch._inductor.config.coordinate_descent_tuning): each generated
     Triton kernel's block sizes and warps are benchmarked around the default at its first compile and the best is
     cached with the compiled code (TORCHINDUCTOR_CACHE_DIR); it speeds up the LayerNorm + dropout and GELU kernels
-    (docs/results.md). A cold cache adds 70-80 s to a 1.5b DeepCompile warm-up (more to the unsharded ceiling's);
-    CUDA only"""
+    (docs/results.md). A cold cache adds 70-80 s to a 1.5b DeepCompile warm-up, a warm one nothing; CUDA only.
+    compare.py's GPU default (DeepCompile) turns it on"""
     zero3_step: str = "fast"
     """fast | deepspeed: the ZeRO-3 optimizer step's gradient norm, fp32 gradient copy and unscale. fast: one kernel
     each on the flat gradient buffer (shared/train/zero3_step.py; norm accumulated in fp32) and the unscale/clip
