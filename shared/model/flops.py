@@ -67,12 +67,18 @@ def matmul_flops(batch: int, seq: int, n_layer: int, hidden: int, vocab: int, k:
                  density: float = 1.0) -> float:
     """Exact matmul FLOPs of one training step of shared.model.gpt.GPT: k*l*(24Bsh^2 + 4*d*Bs^2h) + 6BshV, with d the
     share of the s x s score grid the attention computes (1 dense, causal_density(s) causal)."""
+    linear = k * n_layer * 24.0 * batch * seq * hidden**2 + 6.0 * batch * seq * hidden * vocab
+    return linear + attention_flops(batch, seq, n_layer, hidden, k, density)
+
+
+def attention_flops(batch: int, seq: int, n_layer: int, hidden: int, k: int = 3, density: float = 1.0) -> float:
+    """The attention's share of matmul_flops: the score and value products, k*l*4*d*B*s^2*h (model FLOPs: a
+    flash-style backward that recomputes the scores does 5 products where this counts 4)."""
     if k not in (3, 4):
         raise ValueError(f"k must be 3 (no recompute) or 4 (activation checkpointing), got {k}")
     if not 0.0 < density <= 1.0:
         raise ValueError(f"attention density must be in (0, 1], got {density}")
-    blocks = n_layer * (24.0 * batch * seq * hidden**2 + 4.0 * density * batch * seq**2 * hidden)
-    return k * blocks + 6.0 * batch * seq * hidden * vocab
+    return k * n_layer * 4.0 * density * batch * seq**2 * hidden
 
 
 def causal_density(seq: int) -> float:

@@ -1,0 +1,81 @@
+"""benchmarks/step_budget.py: a profiled step's kernel kinds against the FLOPs formula, the peak and a target."""
+
+import json
+
+import pytest
+
+from benchmarks import step_budget
+from shared.model import flops
+from tests.helpers import ROOT
+
+# A profiled run on the H200 (one GPU, the 1.5b preset, micro-batch 16), used as a template
+CEILING = ROOT / "benchmarks" / "results" / "coordinate_descent_compare_1xh200" / "runs" / "ceiling_0.json"
+
+
+def _run(tmp_path, name="run.json", **changes):
+    data = json.loads(CEILING.read_text())
+    for key, value in changes.items():
+        if key in ("model", "extra"):
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    path = tmp_path / name
+    path.write_text(json.dumps(data))
+    return path, data
+
+
+def test_the_matmul_and_attention_flops_add_up_to_the_exact_count():
+    for density in (1.0, flops.causal_density(2048), 0.25):
+        for k in (3, 4):
+            attention = flops.attention_flops(16, 2048, 24, 2304, k, density)
+            total = flops.matmul_flops(16, 2048, 24, 2304, 50257, k, density)
+            assert attention == pytest.approx(k * 24 * 4 * density * 16 * 2048**2 * 2304)
+            assert total - attention == pytest.approx(k * 24 * 24 * 16 * 2048 * 2304**2 + 6 * 16 * 2048 * 2304 * 50257)
+
+
+def test_a_target_equal_to_the_runs_own_throughput_leaves_no_gap(tmp_path, capsys):
+    path, data = _run(tmp_path)
+    report = step_budget.main([str(path), "--target", str(data["tflops_per_gpu"]), "--out", str(tmp_path / "b.json")])
+    row = report["runs"][0]
+    median_ms = data["step_time_s"]["median"] * 1e3
+    assert row["needed_step_ms"] == pytest.approx(median_ms) and abs(row["gap_ms"]) < 1e-6
+    kinds = data["extra"]["profile"]["step"]["by_kind_ms"]
+    m = data["model"]
+    # the two kinds' model FLOPs are the run's exact causal count, their rates those FLOPs over their device time
+    causal = flops.causal_flops(16, m["seq_len"], m["n_layer"], m["n_embd"], m["vocab_size"], 3)
+    assert row["matmul"]["model_flops"] + row["attention"]["model_flops"] == pytest.approx(causal)
+    assert row["attention"]["tflops"] == pytest.approx(row["attention"]["model_flops"] / kinds["attention"] / 1e9)
+    assert row["matmul"]["of_peak"] == pytest.approx(row["matmul"]["tflops"] / 989.4)
+    # what-ifs: the median step with the idle time removed, or with the attention at the matmuls' rate
+    idle_ms = data["extra"]["profile"]["step"]["idle_ms"]
+    assert row["what_if"]["no_idle"]["step_ms"] == pytest.approx(median_ms - idle_ms)
+    faster = row["what_if"]["attention_at_matmul_rate"]
+    assert faster["step_ms"] == pytest.approx(
+        median_ms - kinds["attention"] + row["attention"]["model_flops"] / row["matmul"]["tflops"] / 1e9)
+    assert faster["tflops_per_gpu"] > data["tflops_per_gpu"]
+    assert json.loads((tmp_path / "b.json").read_text())["derived_from"] == [str(path)]
+    assert "ceiling" in capsys.readouterr().out
+
+
+def test_a_sparse_layout_counts_its_blocks_and_a_cpu_run_has_no_peak(tmp_path):
+    path, data = _run(tmp_path, model={"layout": "local"}, layout_density=0.25,
+                      device={"type": "cpu", "name": "cpu", "count": 1})
+    row = step_budget.main([str(path)])["runs"][0]
+    m = data["model"]
+    assert row["attention"]["model_flops"] == pytest.approx(
+        flops.attention_flops(16, m["seq_len"], m["n_layer"], m["n_embd"], 3, 0.25))
+    assert row["peak_tflops"] is None and row["matmul"]["of_peak"] is None
+
+
+def test_a_run_without_a_profiled_step_is_refused_by_name(tmp_path, capsys):
+    path, _ = _run(tmp_path, extra={"profile": None})
+    with pytest.raises(SystemExit) as e:
+        step_budget.main([str(path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and "--profile_step" in err
+    with pytest.raises(SystemExit):
+        step_budget.main([str(tmp_path / "missing.json")])
+    assert "missing.json" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        step_budget.main([str(path), "--target", "0"])
