@@ -2,19 +2,13 @@
 
     python benchmarks/step_budget.py benchmarks/results/coordinate_descent_compare_1xh200/runs/*_0.json --target 560
 
-Reads run JSONs written with `--profile_step` (the profiled step's device time by kind of kernel,
-shared/train/step_profile.py) and reports, for each run:
-  - the matmuls' and the attention kernels' achieved rate: their model FLOPs (shared/model/flops.py: the linear
-    layers and the LM head; the score and value products over the causal triangle, or over the layout's blocks for
-    a sparse layout) over their device time in the profiled step, and that rate as a share of the device's peak;
-  - the time of the kinds that do no model FLOPs (inductor's generated elementwise kernels, the optimizer, copies)
-    and the device's idle time;
-  - the median step a target TFLOPs/GPU needs (the reported convention: the Megatron formula, k=3) and the gap;
-  - two what-ifs, each the median step with one change: the attention at the matmuls' achieved rate, and no idle
-    time.
-Nothing is measured here: every figure derives from the run JSONs named, which the output records. The profiled
-step synchronizes at each phase boundary, so its wall time is close to, not equal to, the run's median step.
-Writes --out (JSON) and prints a table.
+Reads run JSONs written with `--profile_step` and reports, for each run (harness/budget.py): the matmuls' and the
+attention kernels' achieved rate in the profiled step, as TFLOP/s and as a share of the device's peak; the time of
+the kinds that do no model FLOPs (inductor's generated elementwise kernels, the optimizer, copies) and the device's
+idle time; the median step a target TFLOPs/GPU needs (the reported convention: the Megatron formula) and the gap;
+two what-ifs, each the median step with one change: the attention at the matmuls' achieved rate, and no idle time.
+Nothing is measured here: every figure derives from the run JSONs named, which the output records. Writes --out
+(JSON) and prints a table.
 """
 
 from __future__ import annotations
@@ -25,62 +19,8 @@ import os
 import sys
 from pathlib import Path
 
-from shared.model import flops
+from harness.budget import step_budget
 from shared.train.results import RunResult
-
-TRIANGLE_LAYOUTS = ("causal", "dense")  # layouts whose attention is the causal triangle (shared/model/layouts.py)
-
-
-def attention_density(run: RunResult) -> float:
-    """The share of the s x s score grid the model's attention needs: the causal triangle, or the layout's blocks."""
-    if run.model["layout"] in TRIANGLE_LAYOUTS:
-        return flops.causal_density(run.model["seq_len"])
-    return run.layout_density
-
-
-def budget(run: RunResult, source: str, target: float) -> dict:
-    """One run's step, kind by kind, against the device's peak and a target TFLOPs/GPU."""
-    profile = run.extra.get("profile")
-    if not profile or "step" not in profile:
-        raise ValueError(f"{source} has no profiled step: rerun it with --profile_step N (a step past the warm-up)")
-    m, t = run.model, run.train
-    batch = t["micro_batch"] * t["grad_accum"] * run.world_size
-    args = (batch, m["seq_len"], m["n_layer"], m["n_embd"])
-    density = attention_density(run)
-    attention = flops.attention_flops(*args, run.flops_factor, density)
-    linear = flops.matmul_flops(*args, m["vocab_size"], run.flops_factor, density) - attention
-    per_gpu = 1.0 / run.world_size  # every figure below is one GPU's share of the step
-    peak = flops.peak_flops(run.device.get("name"), t["precision"]) if run.device.get("type") == "cuda" else None
-    step = profile["step"]
-    by_kind = step["by_kind_ms"]
-    median_ms = run.step_time_s["median"] * 1e3
-    formula = flops.megatron_flops(*args, m["vocab_size"], run.flops_factor) * per_gpu
-
-    def rate(model_flops: float, kind: str) -> dict:
-        ms = by_kind.get(kind)
-        tflops = model_flops * per_gpu / (ms * 1e-3) / 1e12 if ms else None
-        return {"model_flops": model_flops * per_gpu, "ms": ms, "tflops": tflops,
-                "of_peak": tflops * 1e12 / peak if tflops is not None and peak else None}
-
-    matmul, attn = rate(linear, "matmul"), rate(attention, "attention")
-    needed_ms = formula / (target * 1e12) * 1e3
-    what_if = {}
-    if matmul["tflops"] and attn["ms"] is not None:
-        at_matmul_rate = attn["model_flops"] / (matmul["tflops"] * 1e12) * 1e3
-        what_if["attention_at_matmul_rate"] = _step(median_ms - attn["ms"] + at_matmul_rate, formula)
-    what_if["no_idle"] = _step(median_ms - step["idle_ms"], formula)
-    return {
-        "source": source, "row": run.path, "command": run.command, "device": run.device.get("name"),
-        "precision": t["precision"], "world_size": run.world_size, "tflops_per_gpu": run.tflops_per_gpu,
-        "median_step_ms": median_ms, "profiled_step_ms": step["wall_ms"], "idle_ms": step["idle_ms"],
-        "by_kind_ms": by_kind, "peak_tflops": peak / 1e12 if peak else None, "matmul": matmul, "attention": attn,
-        "target_tflops_per_gpu": target, "needed_step_ms": needed_ms, "gap_ms": median_ms - needed_ms,
-        "what_if": what_if,
-    }
-
-
-def _step(ms: float, formula: float) -> dict:
-    return {"step_ms": ms, "tflops_per_gpu": formula / (ms * 1e-3) / 1e12}
 
 
 def _fmt(x: float | None, spec: str) -> str:
@@ -122,7 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for path in ns.runs:
         try:
-            rows.append(budget(RunResult.from_json(path), path, ns.target))
+            rows.append(step_budget(RunResult.from_json(path), ns.target, path))
         except (OSError, ValueError, KeyError, TypeError) as e:
             p.error(f"{path}: {e}")
     args = argv if argv is not None else sys.argv[1:]

@@ -11,6 +11,7 @@ import dataclasses
 import statistics
 from pathlib import Path
 
+from harness import budget
 from harness.launch import PATHS, REFERENCES
 from shared.train.config import TrainConfig
 from shared.train.results import RunResult, tflops_convention, versions
@@ -226,6 +227,7 @@ def build_report(train: TrainConfig, ns: argparse.Namespace, results: dict[str, 
                 if runs and (runs[0].extra or {}).get("profile")}
     if profiles:
         report["profiles"] = profiles
+        report["kernel_rates"] = {name: budget.kernel_rates(results[name][0], name) for name in profiles}
     if cross:
         report["cross_check"] = {
             path: {"ds_wall_clock_breakdown_ms": r.ds_breakdown_ms,
@@ -313,12 +315,14 @@ def format_table(report: dict) -> str:
                          f"{c['phase_timer_ms']['forward']:.2f} bwd {c['phase_timer_ms']['backward']:.2f} step "
                          f"{c['phase_timer_ms']['step']:.2f} ms")
     if report.get("profiles"):
-        lines += ["", format_profiles(report["profiles"], report["train"].get("profile_step"))]
+        lines += ["", format_profiles(report["profiles"], report["train"].get("profile_step"),
+                                      report.get("kernel_rates"))]
     return "\n".join(lines)
 
 
-def format_profiles(profiles: dict, step: int | None) -> str:
-    """The profiled step of each row's first run: per phase wall / busy / idle ms and the kernels' ms by kind."""
+def format_profiles(profiles: dict, step: int | None, rates: dict | None = None) -> str:
+    """The profiled step of each row's first run: per phase wall / busy / idle ms and the kernels' ms by kind, and the
+    matmuls' and the attention's achieved TFLOP/s over the step (harness/budget.kernel_rates) where given."""
     lines = [f"profiled step {step} of each row's first run (torch.profiler, a device sync at each phase boundary; "
              "ms; busy: some kernel running, idle: the rest)"]
     for name, prof in profiles.items():
@@ -331,7 +335,16 @@ def format_profiles(profiles: dict, step: int | None) -> str:
                 lines.append(f"  {'':<9} {'':<10} idle: host behind {idle['host_ms']:.1f} ({ops}), next kernel "
                              f"queued {idle['queued_ms']:.1f}" + (f", no launch record {idle['unlinked_ms']:.1f}"
                                                                   if idle["unlinked_ms"] else ""))
+        if rates and name in rates:
+            lines.append(f"  {'':<9} {'':<10} model FLOPs over the kernels' time: "
+                         + ", ".join(_rate(kind, rates[name][kind]) for kind in ("matmul", "attention")))
     return "\n".join(lines)
+
+
+def _rate(kind: str, r: dict) -> str:
+    if r["tflops"] is None:
+        return f"{kind} -"
+    return f"{kind} {r['tflops']:.0f} TFLOP/s" + (f" ({r['of_peak']:.0%} of peak)" if r["of_peak"] is not None else "")
 
 
 def format_parity(lp: dict) -> str:

@@ -1,5 +1,6 @@
 """compare.py end to end on CPU, and its refusal of bad arguments."""
 
+import dataclasses
 import json
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import torch
 
 import compare
 from harness import report as reports
+from shared.model.config import preset
 from shared.tools.prepare_data import prepare
 from shared.train.config import TrainConfig
 from shared.train.results import RunResult
@@ -176,16 +178,24 @@ def test_profiled_steps_are_reported_per_row():
     from shared.train.step_profile import summarize
 
     ranges = [("data", 0, 10), ("forward", 10, 110), ("backward", 110, 300), ("step", 300, 320)]
-    profiled = _run(2.0)
+    train = TrainConfig(precision="bf16", steps=4, warmup_steps=2, profile_step=1)
+    profiled = dataclasses.replace(_run(2.0), model=dataclasses.asdict(preset("tiny")),
+                                   train=dataclasses.asdict(train), device={"type": "cuda", "name": "NVIDIA H200"})
     profiled.extra = {"profile": summarize([("sm90_xmma_gemm", 20, 90), ("triton_poi_fused_add_0", 150, 200)],
                                            ranges, "cuda")}
-    report = reports.build_report(TrainConfig(precision="fp32", steps=4, warmup_steps=2, profile_step=1),
-                                  SimpleNamespace(world=1, repeats=1),
+    report = reports.build_report(train, SimpleNamespace(world=1, repeats=1),
                                   {"deepspeed": [profiled], "lightning": [_run(2.0)]}, {}, [])
     assert list(report["profiles"]) == ["deepspeed"]  # the Lightning run was not profiled
     text = reports.format_table(report)
     assert "profiled step 1 of each row's first run" in text
     assert "deepspeed forward    wall      0.1  busy      0.1  idle     0.0  kernels     1  | matmul 0.1" in text
+    # the matmuls' model FLOPs over their 70 us, against the H200's peak; no attention kernel ran
+    rates = report["kernel_rates"]["deepspeed"]
+    assert rates["matmul"]["ms"] == pytest.approx(0.07) and rates["attention"]["tflops"] is None
+    matmul_tflops = rates["matmul"]["model_flops"] / 0.07e-3 / 1e12
+    assert rates["matmul"]["tflops"] == pytest.approx(matmul_tflops)
+    assert (f"model FLOPs over the kernels' time: matmul {matmul_tflops:.0f} TFLOP/s "
+            f"({matmul_tflops / 989.4:.0%} of peak), attention -") in text
 
 
 def series(losses, norms=None, checksum=None):

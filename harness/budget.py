@@ -1,0 +1,84 @@
+"""How far a profiled step is from the hardware: the matmuls' and the attention's achieved rates, and the step a
+target throughput needs.
+
+Pure functions of a RunResult written with --profile_step (its step's device time by kind of kernel,
+shared/train/step_profile.py). The rates are model FLOPs (shared/model/flops.py: the linear layers and the LM head;
+the attention's score and value products over the causal triangle, or over the layout's blocks for a sparse
+layout) over the kind's device time in the profiled step; a flash-style backward that recomputes the scores does
+7/6 of the attention FLOPs counted. The profiled step synchronizes at each phase boundary, so its wall time is close
+to, not equal to, the run's median step. compare.py's report prints the rates of every profiled row;
+benchmarks/step_budget.py adds the target and the what-ifs.
+"""
+
+from __future__ import annotations
+
+from shared.model import flops
+from shared.train.results import RunResult
+
+TRIANGLE_LAYOUTS = ("causal", "dense")  # layouts whose attention is the causal triangle (shared/model/layouts.py)
+
+
+def attention_density(run: RunResult) -> float:
+    """The share of the s x s score grid the model's attention needs: the causal triangle, or the layout's blocks."""
+    if run.model["layout"] in TRIANGLE_LAYOUTS:
+        return flops.causal_density(run.model["seq_len"])
+    return run.layout_density
+
+
+def _profiled_step(run: RunResult, source: str) -> dict:
+    profile = (run.extra or {}).get("profile")
+    if not profile or "step" not in profile:
+        raise ValueError(f"{source} has no profiled step: rerun it with --profile_step N (a step past the warm-up)")
+    return profile["step"]
+
+
+def _shape(run: RunResult) -> tuple[int, int, int, int]:
+    """(global batch, seq, layers, hidden) of one optimizer step."""
+    m, t = run.model, run.train
+    return t["micro_batch"] * t["grad_accum"] * run.world_size, m["seq_len"], m["n_layer"], m["n_embd"]
+
+
+def kernel_rates(run: RunResult, source: str = "this run") -> dict:
+    """Per GPU: the model FLOPs, device ms, TFLOP/s and share of the device's peak of the matmuls and the attention
+    kernels in the profiled step (TFLOP/s None where the profile has no kernel of that kind, the share None where
+    the peak is unknown: a CPU, a device not in flops.PEAK_FLOPS)."""
+    by_kind = _profiled_step(run, source)["by_kind_ms"]
+    density = attention_density(run)
+    attention = flops.attention_flops(*_shape(run), run.flops_factor, density)
+    linear = flops.matmul_flops(*_shape(run), run.model["vocab_size"], run.flops_factor, density) - attention
+    peak = (flops.peak_flops(run.device.get("name"), run.train["precision"])
+            if run.device.get("type") == "cuda" else None)
+
+    def rate(model_flops: float, kind: str) -> dict:
+        per_gpu, ms = model_flops / run.world_size, by_kind.get(kind)
+        tflops = per_gpu / (ms * 1e-3) / 1e12 if ms else None
+        return {"model_flops": per_gpu, "ms": ms, "tflops": tflops,
+                "of_peak": tflops * 1e12 / peak if tflops is not None and peak else None}
+
+    return {"peak_tflops": peak / 1e12 if peak else None, "matmul": rate(linear, "matmul"),
+            "attention": rate(attention, "attention")}
+
+
+def step_budget(run: RunResult, target: float, source: str = "this run") -> dict:
+    """kernel_rates, the median step `target` TFLOPs/GPU needs (the reported convention, shared/model/flops.py) and
+    its gap to the run's, and what-ifs: the median step with the attention at the matmuls' rate, and without idle
+    time, each with the TFLOPs/GPU it would give."""
+    step = _profiled_step(run, source)
+    rates = kernel_rates(run, source)
+    formula = flops.megatron_flops(*_shape(run), run.model["vocab_size"], run.flops_factor) / run.world_size
+    median_ms = run.step_time_s["median"] * 1e3
+    needed_ms = formula / (target * 1e12) * 1e3
+
+    def at(ms: float) -> dict:
+        return {"step_ms": ms, "tflops_per_gpu": formula / (ms * 1e-3) / 1e12}
+
+    matmul, attn = rates["matmul"], rates["attention"]
+    what_if = {}
+    if matmul["tflops"] and attn["ms"] is not None:
+        what_if["attention_at_matmul_rate"] = at(median_ms - attn["ms"] + attn["model_flops"] / matmul["tflops"] / 1e9)
+    what_if["no_idle"] = at(median_ms - step["idle_ms"])
+    return {"source": source, "row": run.path, "command": run.command, "device": run.device.get("name"),
+            "precision": run.train["precision"], "world_size": run.world_size, "tflops_per_gpu": run.tflops_per_gpu,
+            "median_step_ms": median_ms, "profiled_step_ms": step["wall_ms"], "idle_ms": step["idle_ms"],
+            "by_kind_ms": step["by_kind_ms"], **rates, "target_tflops_per_gpu": target, "needed_step_ms": needed_ms,
+            "gap_ms": median_ms - needed_ms, "what_if": what_if}
