@@ -29,6 +29,9 @@ def _profiled_step(run: RunResult, source: str) -> dict:
     profile = (run.extra or {}).get("profile")
     if not profile or "step" not in profile:
         raise ValueError(f"{source} has no profiled step: rerun it with --profile_step N (a step past the warm-up)")
+    if profile.get("device") != "cuda":
+        raise ValueError(f"{source} was profiled on {profile.get('device')!r}: a CPU profile times operators, which "
+                         "nest, not kernels, so rates from it would mean nothing; profile a GPU run")
     return profile["step"]
 
 
@@ -40,14 +43,13 @@ def _shape(run: RunResult) -> tuple[int, int, int, int]:
 
 def kernel_rates(run: RunResult, source: str = "this run") -> dict:
     """Per GPU: the model FLOPs, device ms, TFLOP/s and share of the device's peak of the matmuls and the attention
-    kernels in the profiled step (TFLOP/s None where the profile has no kernel of that kind, the share None where
-    the peak is unknown: a CPU, a device not in flops.PEAK_FLOPS)."""
+    kernels in the profiled step of a GPU run (TFLOP/s None where the profile has no kernel of that kind, the share
+    None where the device is not in flops.PEAK_FLOPS)."""
     by_kind = _profiled_step(run, source)["by_kind_ms"]
     density = attention_density(run)
     attention = flops.attention_flops(*_shape(run), run.flops_factor, density)
     linear = flops.matmul_flops(*_shape(run), run.model["vocab_size"], run.flops_factor, density) - attention
-    peak = (flops.peak_flops(run.device.get("name"), run.train["precision"])
-            if run.device.get("type") == "cuda" else None)
+    peak = flops.peak_flops(run.device.get("name"), run.train["precision"])
 
     def rate(model_flops: float, kind: str) -> dict:
         per_gpu, ms = model_flops / run.world_size, by_kind.get(kind)

@@ -227,7 +227,8 @@ def build_report(train: TrainConfig, ns: argparse.Namespace, results: dict[str, 
                 if runs and (runs[0].extra or {}).get("profile")}
     if profiles:
         report["profiles"] = profiles
-        report["kernel_rates"] = {name: budget.kernel_rates(results[name][0], name) for name in profiles}
+        report["kernel_rates"] = {name: budget.kernel_rates(results[name][0], name) for name, prof in profiles.items()
+                                  if prof.get("device") == "cuda"}  # a CPU profile times nested operators
     if cross:
         report["cross_check"] = {
             path: {"ds_wall_clock_breakdown_ms": r.ds_breakdown_ms,
@@ -344,7 +345,7 @@ def format_profiles(profiles: dict, step: int | None, rates: dict | None = None)
 def _rate(kind: str, r: dict) -> str:
     if r["tflops"] is None:
         return f"{kind} -"
-    return f"{kind} {r['tflops']:.0f} TFLOP/s" + (f" ({r['of_peak']:.0%} of peak)" if r["of_peak"] is not None else "")
+    return f"{kind} {r['tflops']:.3g} TFLOP/s" + (f" ({r['of_peak']:.0%} of peak)" if r["of_peak"] is not None else "")
 
 
 def format_parity(lp: dict) -> str:

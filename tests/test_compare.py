@@ -194,8 +194,13 @@ def test_profiled_steps_are_reported_per_row():
     assert rates["matmul"]["ms"] == pytest.approx(0.07) and rates["attention"]["tflops"] is None
     matmul_tflops = rates["matmul"]["model_flops"] / 0.07e-3 / 1e12
     assert rates["matmul"]["tflops"] == pytest.approx(matmul_tflops)
-    assert (f"model FLOPs over the kernels' time: matmul {matmul_tflops:.0f} TFLOP/s "
+    assert (f"model FLOPs over the kernels' time: matmul {matmul_tflops:.3g} TFLOP/s "
             f"({matmul_tflops / 989.4:.0%} of peak), attention -") in text
+    # a CPU profile times nested operators, not kernels: no rates from it
+    profiled.extra = {"profile": summarize([("aten::mm", 20, 90)], ranges, "cpu")}
+    report = reports.build_report(train, SimpleNamespace(world=1, repeats=1),
+                                  {"deepspeed": [profiled], "lightning": [_run(2.0)]}, {}, [])
+    assert report["kernel_rates"] == {} and "model FLOPs over" not in reports.format_table(report)
 
 
 def series(losses, norms=None, checksum=None):

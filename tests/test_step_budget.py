@@ -57,14 +57,15 @@ def test_a_target_equal_to_the_runs_own_throughput_leaves_no_gap(tmp_path, capsy
     assert "ceiling" in capsys.readouterr().out
 
 
-def test_a_sparse_layout_counts_its_blocks_and_a_cpu_run_has_no_peak(tmp_path):
+def test_a_sparse_layout_counts_its_blocks_and_an_unknown_device_has_no_peak(tmp_path):
     path, data = _run(tmp_path, model={"layout": "local"}, layout_density=0.25,
-                      device={"type": "cpu", "name": "cpu", "count": 1})
-    row = step_budget.main([str(path)])["runs"][0]
+                      device={"type": "cuda", "name": "Some Future GPU", "count": 1})
+    with pytest.warns(UserWarning, match="no peak FLOP/s known"):
+        row = step_budget.main([str(path)])["runs"][0]
     m = data["model"]
     assert row["attention"]["model_flops"] == pytest.approx(
         flops.attention_flops(16, m["seq_len"], m["n_layer"], m["n_embd"], 3, 0.25))
-    assert row["peak_tflops"] is None and row["matmul"]["of_peak"] is None
+    assert row["peak_tflops"] is None and row["matmul"]["of_peak"] is None and row["matmul"]["tflops"] > 0
 
 
 def test_a_run_without_a_profiled_step_is_refused_by_name(tmp_path, capsys):
@@ -79,3 +80,9 @@ def test_a_run_without_a_profiled_step_is_refused_by_name(tmp_path, capsys):
     assert "missing.json" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         step_budget.main([str(path), "--target", "0"])
+    cpu, data = _run(tmp_path, "cpu.json")
+    data["extra"]["profile"]["device"] = "cpu"
+    cpu.write_text(json.dumps(data))
+    with pytest.raises(SystemExit):
+        step_budget.main([str(cpu)])
+    assert "was profiled on 'cpu'" in capsys.readouterr().err
