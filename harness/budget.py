@@ -25,11 +25,16 @@ def attention_density(run: RunResult) -> float:
     return run.layout_density
 
 
+def is_gpu_profile(profile: dict) -> bool:
+    """Whether a profiled step timed kernels (a GPU run): a CPU profile times operators, which nest."""
+    return profile.get("device") == "cuda"
+
+
 def _profiled_step(run: RunResult, source: str) -> dict:
     profile = (run.extra or {}).get("profile")
     if not profile or "step" not in profile:
         raise ValueError(f"{source} has no profiled step: rerun it with --profile_step N (a step past the warm-up)")
-    if profile.get("device") != "cuda":
+    if not is_gpu_profile(profile):
         raise ValueError(f"{source} was profiled on {profile.get('device')!r}: a CPU profile times operators, which "
                          "nest, not kernels, so rates from it would mean nothing; profile a GPU run")
     return profile["step"]
@@ -46,9 +51,9 @@ def kernel_rates(run: RunResult, source: str = "this run") -> dict:
     kernels in the profiled step of a GPU run (TFLOP/s None where the profile has no kernel of that kind, the share
     None where the device is not in flops.PEAK_FLOPS)."""
     by_kind = _profiled_step(run, source)["by_kind_ms"]
-    density = attention_density(run)
-    attention = flops.attention_flops(*_shape(run), run.flops_factor, density)
-    linear = flops.matmul_flops(*_shape(run), run.model["vocab_size"], run.flops_factor, density) - attention
+    density, shape = attention_density(run), _shape(run)
+    attention = flops.attention_flops(*shape, run.flops_factor, density)
+    linear = flops.matmul_flops(*shape, run.model["vocab_size"], run.flops_factor, density) - attention
     peak = flops.peak_flops(run.device.get("name"), run.train["precision"])
 
     def rate(model_flops: float, kind: str) -> dict:

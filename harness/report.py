@@ -228,7 +228,7 @@ def build_report(train: TrainConfig, ns: argparse.Namespace, results: dict[str, 
     if profiles:
         report["profiles"] = profiles
         report["kernel_rates"] = {name: budget.kernel_rates(results[name][0], name) for name, prof in profiles.items()
-                                  if prof.get("device") == "cuda"}  # a CPU profile times nested operators
+                                  if budget.is_gpu_profile(prof)}
     if cross:
         report["cross_check"] = {
             path: {"ds_wall_clock_breakdown_ms": r.ds_breakdown_ms,
