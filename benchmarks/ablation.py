@@ -13,15 +13,16 @@ counters) and ablation.md (the table). A configuration that fails is recorded wi
 
     python benchmarks/ablation.py --set last_mile --out benchmarks/results/last_mile_ablation_1xh200   # CUDA only
 
-`--set last_mile` starts from compare.py's GPU default instead (DeepCompile, --deepcompile_schedule once,
-micro-batch 16, coordinate-descent kernel tuning, the tuned ZeRO-3 buckets; 20 steps of which 10 warm-up) and
-changes one lever per configuration: the chunked linear + cross-entropy (`+fused_loss`), that with the micro-batch
-it frees (`+fused_loss_mb24`), a padded vocabulary (`+vocab128`), DeepSpeed's own optimizer step instead of the fast
-one (`-fast_zero3_step`), DeepCompile without the small parameters kept gathered (`-persist_threshold`,
+`--set last_mile` starts from compare.py's GPU default instead (DeepCompile, --deepcompile_schedule once, micro-
+batch 16, coordinate-descent kernel tuning, the tuned ZeRO-3 buckets; 20 steps of which 10 warm-up) and changes one
+lever per configuration: the chunked linear + cross-entropy (`+fused_loss`), that with the micro-batch it frees
+(`+fused_loss_mb24`), a padded vocabulary (`+vocab128`), DeepSpeed's own optimizer step instead of the fast one
+(`-fast_zero3_step`), DeepCompile without the small parameters kept gathered (`-persist_threshold`,
 shared/train/deepcompile_passes.py), inductor's generated kernels without coordinate-descent tuning
-(`-coordinate_descent`). The block-sparse kernel is not a lever here: it runs between compiled graphs, which
-DeepCompile's ZeRO-3 pass refuses (shared/train/config.py); benchmarks/attention.py compares it with SDPA at the
-model's shape. `baseline` runs first and again last (`baseline_again`): each configuration's ratio is against the
+(`-coordinate_descent`), the MLP bias's gradient summed by a matmul (`+matmul_bias_grad`). The block-sparse kernel
+is not a lever here: it runs between compiled graphs, which DeepCompile's ZeRO-3 pass refuses
+(shared/train/config.py); benchmarks/attention.py compares it with SDPA at the model's shape.
+`baseline` runs first and again last (`baseline_again`): each configuration's ratio is against the
 mean of the baseline runs, whose two values give the noise. Raw path only by default (`--paths`): a lever changes
 the shared model or step, which both paths run alike (compare.py measures their ratio). A DeepCompile run of the
 1.5b preset takes ~3 min with its start-up and warm-up, so under a 10-minute time limit one GPU measures two or
@@ -71,6 +72,7 @@ LAST_MILE = {
     "-fast_zero3_step": {"zero3_step": "deepspeed"},
     "-persist_threshold": {"deepcompile_persist": "deepspeed"},
     "-coordinate_descent": {"coordinate_descent_tuning": False},
+    "+matmul_bias_grad": {"matmul_bias_grad": True},
     "baseline_again": {},
 }
 REFERENCE = {"fusions": "naive", "last_mile": "baseline"}  # each set's ratios are against these runs

@@ -371,3 +371,22 @@ def test_kernel_resources_first_candidates_compile_for_hopper_without_spilling(t
     assert not {"H", "COL_WIDTH", "seed"} & set(dkdv["divisible_by_16"])
     for r in rows:
         assert "error" not in r and r["spill_bytes"] == 0 and 0 < r["registers"] <= 255, r
+
+
+def test_mlp_tail_times_both_bias_gradients_and_checks_them_against_float32(tmp_path):
+    out = tmp_path / "mlp_tail.json"
+    r = run([sys.executable, str(ROOT / "benchmarks" / "mlp_tail.py"), "--rows", "64", "--cols", "48",
+             "--dtype", "fp32", "--rounds", "2", "--rep", "5", "--out", str(out)], timeout=200)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["command"].endswith("--out " + str(out)) and res["versions"]["torch"] and res["device"]["type"] == "cpu"
+    assert set(res["variants"]) == {"inductor", "matmul_grad"}
+    for v in res["variants"].values():
+        assert len(v["ms"]) == 2 and v["min_ms"] <= v["median_ms"] <= v["max_ms"]
+        assert v["errors"]["dx"] < 1e-5 and v["errors"]["db_relative"] < 1e-5  # fp32 against fp32
+    assert res["variants"]["inductor"]["speedup_vs_inductor_per_round"] == [1.0, 1.0]
+
+
+def test_mlp_tail_refuses_bad_sizes():
+    r = run([sys.executable, str(ROOT / "benchmarks" / "mlp_tail.py"), "--rows", "0"], check=False, timeout=60)
+    assert r.returncode == 2 and "--rows must be >= 1, got 0" in r.stderr

@@ -154,7 +154,7 @@ def test_every_fused_flag_is_recorded():
 
     assert set(fused_paths(preset("tiny", **dict.fromkeys(FUSED_FLAGS, True))).values()) == {True}
     assert list(fused_paths(preset("tiny"))) == ["chunked_linear_cross_entropy", "bias_dropout_add", "bias_gelu",
-                                                 "layernorm_liger"]
+                                                 "bias_gelu_matmul_grad", "layernorm_liger"]
     assert set(fused_paths(preset("tiny")).values()) == {False}  # None (the CUDA rule) resolved: off on CPU
 
 
@@ -164,23 +164,90 @@ def test_bias_dropout_add_keep_rate_and_mask_gpu(dtype):
     _keep_rate_and_mask("cuda", dtype)
 
 
+def test_column_sum_is_the_sum_over_every_row():
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(3, 50, 7, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(fused_ops.column_sum(t), t.sum(dim=(0, 1)))
+    assert fused_ops.column_sum(torch.ones(1, 5)).tolist() == [1.0] * 5  # a single row too
+
+
+def test_the_matmul_bias_grad_matches_autograd_of_the_reference():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(6, generator=g, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(fused_ops._BiasGeluMatmulGrad.apply, (x, b))
+    x32, b32 = x.detach().float().requires_grad_(), b.detach().float().requires_grad_()
+    gy = torch.randn(2, 5, 6, generator=g)
+    out = fused_ops.bias_gelu_matmul_grad(x32, b32)  # compiled, as the model runs it
+    ref = F.gelu(x32 + b32, approximate="tanh")
+    torch.testing.assert_close(out, ref)
+    for got, exp in zip(torch.autograd.grad(out, [x32, b32], gy), torch.autograd.grad(ref, [x32, b32], gy)):
+        torch.testing.assert_close(got, exp)
+    torch.testing.assert_close(fused_ops.bias_gelu_matmul_grad(x32, None), F.gelu(x32, approximate="tanh"))
+
+
+def test_the_model_takes_the_matmul_bias_grad_only_with_the_fused_gelu():
+    from shared.model.gpt import GeluLinear
+
+    on = preset("tiny", fused_bias_gelu=True, matmul_bias_grad=True)
+    assert GeluLinear(on).bias_gelu is fused_ops.bias_gelu_matmul_grad
+    assert GeluLinear(preset("tiny", fused_bias_gelu=True)).bias_gelu is fused_ops.bias_gelu
+    with pytest.raises(ValueError, match="matmul_bias_grad changes the backward of fused_bias_gelu"):
+        preset("tiny", fused_bias_gelu=False, matmul_bias_grad=True)
+
+
 @pytest.mark.gpu
-def test_bf16_fused_paths_match_the_references_on_gpu():
+@pytest.mark.parametrize("tuning", [False, True])
+def test_bf16_matmul_bias_grad_matches_the_reference_on_gpu(tuning):
+    """The bias gradient through the matmul, compiled with and without coordinate-descent tuning (under which
+    inductor rewrites products with a dimension of 1), against float32 autograd: 32k rows as in the model."""
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(16 * 2048, 1024, device=dev, generator=g, dtype=dt, requires_grad=True)
+    b = (0.1 * torch.randn(1024, device=dev, generator=g, dtype=dt)).requires_grad_()
+    gy = torch.randn_like(x)
+    with inductor_config.patch(coordinate_descent_tuning=tuning):
+        out = fused_ops.bias_gelu_matmul_grad(x, b)
+        dx, db = torch.autograd.grad(out, [x, b], gy)
+    xf, bf = x.detach().float().requires_grad_(), b.detach().float().requires_grad_()
+    ref = F.gelu(xf + bf, approximate="tanh")
+    dxf, dbf = torch.autograd.grad(ref, [xf, bf], gy.float())
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(dx.float(), dxf, rtol=2e-2, atol=2e-2)
+    assert (db.float() - dbf).norm() / dbf.norm() < 1e-2
+    torch._dynamo.reset()
+
+
+def _bf16_inputs():
     dev, dt = torch.device("cuda"), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(8 * 2048, 2304, device=dev, generator=g, dtype=dt, requires_grad=True)
     w = torch.randn(2304, device=dev, generator=g, dtype=dt).requires_grad_()
     b = torch.randn(2304, device=dev, generator=g, dtype=dt).requires_grad_()
+    return x, w, b, torch.randn(x.shape, device=dev, generator=g, dtype=dt)
+
+
+@pytest.mark.gpu
+def test_bf16_liger_layernorm_matches_the_reference_on_gpu():
+    pytest.importorskip("liger_kernel", reason="fused_layernorm's liger-kernel is not installed here")
+    x, w, b, gy = _bf16_inputs()
     # liger LayerNorm vs F.layer_norm: bf16 in and out, fp32 statistics in both
     out = fused_ops.layer_norm(x, w, b, 1e-5)
     ref = F.layer_norm(x, (2304,), w, b, 1e-5)
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
-    gy = torch.randn_like(out)
     got = torch.autograd.grad(out, [x, w, b], gy)
     exp = torch.autograd.grad(ref, [x, w, b], gy)
     torch.testing.assert_close(got[0], exp[0], rtol=2e-2, atol=2e-2)
     for a, e in zip(got[1:], exp[1:]):  # summed over 16k rows: compare relative to the norm
         assert (a.float() - e.float()).norm() / e.float().norm() < 1e-2
+
+
+@pytest.mark.gpu
+def test_bf16_bias_gelu_matches_the_reference_on_gpu():
+    x, _, b, gy = _bf16_inputs()
     out = fused_ops.bias_gelu(x, b)
     ref = F.gelu(x + b, approximate="tanh")
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)

@@ -31,6 +31,9 @@ class FusedSwitches:
     fused_bias_gelu: bool | None = None
     """gelu(x W^T + b) as one compiled kernel (shared/model/fused_ops.py); default: on with CUDA, off on CPU. Chosen
     from a single run (+3.5% raw, as fused_bias_dropout_add: inside single-run noise)"""
+    matmul_bias_grad: bool = False
+    """with fused_bias_gelu: the MLP bias's gradient summed over the B*T rows by a matmul with a row of ones
+    (fused_ops.column_sum) instead of the reduction kernel inductor generates for it (benchmarks/mlp_tail.py)"""
     fused_layernorm: bool = False
     """liger-kernel's Triton LayerNorm (CUDA only)"""
 
@@ -42,7 +45,8 @@ class FusedSwitches:
 # The switches' names (the fields of FusedSwitches), and the key each has in a result JSON's `fused` dict.
 FUSED_FLAGS = tuple(f.name for f in dataclasses.fields(FusedSwitches))
 FUSED_RESULT_KEYS = {"fused_loss": "chunked_linear_cross_entropy", "fused_bias_dropout_add": "bias_dropout_add",
-                     "fused_bias_gelu": "bias_gelu", "fused_layernorm": "layernorm_liger"}
+                     "fused_bias_gelu": "bias_gelu", "matmul_bias_grad": "bias_gelu_matmul_grad",
+                     "fused_layernorm": "layernorm_liger"}
 assert set(FUSED_RESULT_KEYS) == set(FUSED_FLAGS), "every fused switch needs its result key"
 
 
@@ -121,6 +125,9 @@ class GPTConfig(FusedSwitches):
                 raise ValueError(f"{name} must be in [0, 1), got {value!r}")
         if self.layout not in LAYOUTS and not self.layout.endswith(".pt"):
             raise ValueError(f"unknown layout {self.layout!r}; choose one of {LAYOUTS} or a path to a .pt file")
+        if self.matmul_bias_grad and not self.fused_bias_gelu:
+            raise ValueError("matmul_bias_grad changes the backward of fused_bias_gelu, which is off here (it is off "
+                             "on CPU unless asked): turn on fused_bias_gelu too")
         if self.fused_layernorm and not self.bias:
             raise ValueError("fused_layernorm (liger-kernel's LayerNorm) needs bias=True")
 

@@ -86,10 +86,11 @@ class GeluLinear(Linear):
     def __init__(self, cfg: GPTConfig):
         super().__init__(cfg.n_embd, 4 * cfg.n_embd, cfg.bias)
         self.fused = cfg.fused_bias_gelu
+        self.bias_gelu = fused_ops.bias_gelu_matmul_grad if cfg.matmul_bias_grad else fused_ops.bias_gelu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            return fused_ops.bias_gelu(F.linear(x, self.weight), self.bias)
+            return self.bias_gelu(F.linear(x, self.weight), self.bias)
         return F.gelu(F.linear(x, self.weight, self.bias), approximate="tanh")
 
 
