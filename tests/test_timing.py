@@ -176,3 +176,47 @@ def test_profiled_gpu_step_links_every_gap_to_a_launch():
         assert idle["host_ms"] + idle["queued_ms"] == pytest.approx(p["idle_ms"], abs=1e-6)
     forward = timer.profile["phases"]["forward"]["idle"]
     assert forward["host_ms"] > 0 and any(o["name"].startswith("aten::") for o in forward["host_ops"])
+
+
+def test_python_frames_are_told_from_launches_and_lengthen_the_lists():
+    from shared.train.step_profile import PY_FRAME, TOP_HOST, TOP_WITH_STACK, innermost, summarize
+
+    for name in ("deepspeed/runtime/engine.py(2983): forward", "cuda_utils.py(10): launch",
+                 "<built-in method item of Tensor object>", "<built-in function isinstance>"):
+        assert PY_FRAME.match(name), name
+    for name in ("cudaLaunchKernel", "cuLaunchKernelEx", "aten::mm", "dc::allgather_param", "(no operator)"):
+        assert not PY_FRAME.match(name), name
+    # 12 host calls, each alone in a gap before the next kernel: more than TOP_HOST
+    calls = [(f"model.py({i}): f{i}", 10 * i + 1, 10 * i + 9) for i in range(12)]
+    kernels = [("gemm", 10 * i + 9, 10 * i + 10, (10 * i + 8, 1)) for i in range(12)]
+    for frames in (False, True):
+        s = summarize(kernels, [("forward", 0, 120)], "cuda", {1: innermost(calls)}, 1, python_frames=frames)
+        listed = s["phases"]["forward"]["idle"]["host_ops"]  # the 12 calls and "(no operator)" before each
+        assert len(listed) == (13 if frames else TOP_HOST) and TOP_WITH_STACK >= 13
+        assert s.get("python_frames", False) is frames
+
+
+def test_profile_stack_needs_a_profiled_step():
+    from shared.train.config import TrainConfig
+
+    with pytest.raises(ValueError, match="profile_stack records Python frames in the profiled step"):
+        TrainConfig(profile_stack=True)
+    assert TrainConfig(steps=4, warmup_steps=2, profile_step=1, profile_stack=True).profile_stack
+
+
+@pytest.mark.gpu
+def test_profile_stack_names_the_python_function_the_device_waited_on():
+    a = torch.randn(2048, 2048, device="cuda")
+
+    def host_bound_forward():
+        for _ in range(200):  # many tiny launches: the device waits on this loop
+            a[:1, :1].add_(1)
+        return (a @ a).sum().item()
+
+    timer = PhaseTimer(torch.device("cuda"), profile_step=1, profile_stack=True)
+    timer.start()
+    _steps(timer, 3, work=host_bound_forward)
+    timer.finish()
+    assert timer.profile["python_frames"] is True
+    frames = [o["name"] for o in timer.profile["phases"]["forward"]["idle"]["host_inclusive"]]
+    assert any("host_bound_forward" in f for f in frames), frames

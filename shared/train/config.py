@@ -161,6 +161,10 @@ class TrainConfig(FusedSwitches):
     boundary, and write its summary into the result JSON (extra.profile: per phase wall, busy and idle ms, kernel
     ms per kind, top kernels; shared/train/step_profile.py). Must be a warm-up step (< warmup_steps), so no timed
     step is perturbed; with DeepCompile pick one after its compiles (e.g. warmup_steps - 1)"""
+    profile_stack: bool = False
+    """with profile_step: record Python frames too (torch.profiler's with_stack), so that the host code the device
+    waited on is named down to the Python function (extra.profile idle.host_ops / host_inclusive; CUDA). Tracing
+    every Python call slows the host, so that step's idle times grow: read the frames, not the milliseconds"""
     log_every: int = 10
     """print a progress line every N steps (read asynchronously: no extra host sync)"""
     out: str = "runs/result.json"
@@ -210,6 +214,8 @@ class TrainConfig(FusedSwitches):
             raise ValueError(f"profile_step ({self.profile_step}) must be >= 0 and below warmup_steps "
                              f"({self.warmup_steps}): the profiled step is slowed by the profiler and its syncs, so "
                              "it must be one of the steps no timing figure counts")
+        if self.profile_stack and self.profile_step is None:
+            raise ValueError("profile_stack records Python frames in the profiled step: give --profile_step too")
         if not self.lr > 0:  # also refuses NaN
             raise ValueError(f"lr must be positive, got {self.lr!r}")
         for name in ("min_lr", "weight_decay", "grad_clip", "lr_warmup_steps"):

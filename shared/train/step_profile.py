@@ -17,12 +17,18 @@ windows (`host_ops`, the innermost operator of the thread that launched the next
 code the profiler saw no operator for, e.g. Python between calls; `host_inclusive`, every operator open then);
 `queued_ms`, idle although the next kernel was already launched (a wait on another stream's event, or launch
 latency); `unlinked_ms`, gaps before kernels without a launch record.
+
+With `--profile_stack` the profiler also records every Python call (with_stack): the host code the device waited on
+is then named down to the Python function ("file.py(line): function" entries among the operators, longer lists;
+`python_frames` says whether any were recorded, with a warning when none were). The tracing slows the host, so that
+step's idle milliseconds grow; the names are the point.
 """
 
 from __future__ import annotations
 
 import bisect
 import re
+import warnings
 
 import torch
 
@@ -38,8 +44,10 @@ KINDS = (
 TOP = 15  # kernels listed per phase
 TOP_HOST = 10  # host operators listed per phase under idle.host_ops
 TOP_FRAMES = 15  # enclosing operators listed per phase under idle.host_inclusive
+TOP_WITH_STACK = 40  # both lists' length when Python frames are recorded (--profile_stack)
 NO_OP = "(no operator)"
 RANGE = "zero3bench/"  # the record_function ranges that mark each phase on the host
+PY_FRAME = re.compile(r"^(<built-in |\S+\.py\(\d+\): )")  # torch.profiler's names of Python calls (with_stack)
 
 
 def kind_of(name: str) -> str:
@@ -93,7 +101,8 @@ def innermost(ops: list[tuple[str, float, float]]) -> list[tuple[float, float, s
 
 
 def idle_causes(kernels: list[tuple], ranges: list[tuple[str, float, float]],
-                host: dict[int, list[tuple[float, float, str]]], main: int) -> dict:
+                host: dict[int, list[tuple[float, float, str]]], main: int,
+                top: tuple[int, int] = (TOP_HOST, TOP_FRAMES)) -> dict:
     """Split the idle time of some host ranges (one phase's) by cause. kernels: (name, start_us, end_us, launch),
     each inside one of the ranges, launch = (launch_us, host thread) or None; host: innermost() per thread; main:
     the thread that marks the phases.
@@ -143,15 +152,16 @@ def idle_causes(kernels: list[tuple], ranges: list[tuple[str, float, float]],
         return [{"name": k[:160], "ms": us / 1e3} for k, us in sorted(d.items(), key=lambda kv: -kv[1])[:n]]
 
     return {"host_ms": host_us / 1e3, "queued_ms": queued_us / 1e3, "unlinked_ms": unlinked_us / 1e3,
-            "host_ops": listed(by_op, TOP_HOST), "host_inclusive": listed(inclusive, TOP_FRAMES)}
+            "host_ops": listed(by_op, top[0]), "host_inclusive": listed(inclusive, top[1])}
 
 
 def summarize(kernels: list[tuple], ranges: list[tuple[str, float, float]], device: str,
-              host: dict[int, list] | None = None, main: int = 0) -> dict:
+              host: dict[int, list] | None = None, main: int = 0, python_frames: bool = False) -> dict:
     """kernels: (name, start_us, end_us[, launch]) on the device; ranges: (phase, start_us, end_us) on the host, the
     same clock, one per phase of each micro-step. Each kernel goes to the range that holds its start; kernels
     outside every range are counted apart (`unattributed_ms`), never dropped. With `host` (innermost() of each
-    thread's operators), `main` and the kernels' launches, each phase also gets `idle` (idle_causes)."""
+    thread's operators), `main` and the kernels' launches, each phase also gets `idle` (idle_causes); with
+    `python_frames` (Python calls among the host operators) its lists are TOP_WITH_STACK long."""
     if not ranges:
         raise ValueError("no phase ranges in the profile: the step's marks were not recorded")
     ranges = sorted(ranges, key=lambda r: r[1])
@@ -187,10 +197,12 @@ def summarize(kernels: list[tuple], ranges: list[tuple[str, float, float]], devi
                "by_kind_ms": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
                "top": [{"name": n[:160], "kind": kind_of(n), "calls": c, "ms": ms} for n, (c, ms) in top]}
         if host is not None and phase is not None:
-            out["idle"] = idle_causes(ks, of_phase[phase], host, main)
+            n = TOP_WITH_STACK if python_frames else None
+            out["idle"] = idle_causes(ks, of_phase[phase], host, main, (n or TOP_HOST, n or TOP_FRAMES))
         return out
 
-    return {"device": device, "step": part([k for g in groups.values() for k in g], sum(walls.values())),
+    return {"device": device, **({"python_frames": True} if python_frames else {}),
+            "step": part([k for g in groups.values() for k in g], sum(walls.values())),
             "phases": {p: part(groups[p], walls[p], p) for p in groups},
             "unattributed_ms": sum(b - a for _, a, b, *_ in loose) / 1e3}
 
@@ -198,8 +210,9 @@ def summarize(kernels: list[tuple], ranges: list[tuple[str, float, float]], devi
 class StepProfiler:
     """Profiles one step; PhaseTimer calls begin() at the step's first boundary and phase() at each mark."""
 
-    def __init__(self, cuda: bool, phases: tuple[str, ...]):
+    def __init__(self, cuda: bool, phases: tuple[str, ...], with_stack: bool = False):
         self.cuda = cuda
+        self.with_stack = with_stack  # record Python calls too (--profile_stack)
         self.phases = phases  # PhaseTimer's, in the order they are marked
         self.prof = None
         self._range = None
@@ -214,7 +227,7 @@ class StepProfiler:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self.prof = torch.profiler.profile(activities=activities)
+        self.prof = torch.profiler.profile(activities=activities, with_stack=self.with_stack)
         self.prof.__enter__()
         self._open(self.phases[0])
 
@@ -239,6 +252,21 @@ class StepProfiler:
         self.summary = self._summarize()
         self.prof = None
 
+    def _python_calls(self) -> list[tuple[str, float, float, int]]:
+        """The Python calls the profiler recorded (with_stack), as (name, start_us, end_us, thread) on the clock of
+        its events: read from its event tree, which holds them in every torch version (events() lists them only in
+        some)."""
+        from torch._C._profiler import _EventType
+
+        results = self.prof.profiler.kineto_results
+        t0, out, todo = results.trace_start_ns(), [], list(results.experimental_event_tree())
+        while todo:
+            node = todo.pop()
+            todo.extend(node.children)
+            if node.tag in (_EventType.PyCall, _EventType.PyCCall):
+                out.append((node.name, (node.start_time_ns - t0) / 1e3, (node.end_time_ns - t0) / 1e3, node.start_tid))
+        return out
+
     def _summarize(self) -> dict:
         events = self.prof.events()
         ranges = [(e.name[len(RANGE):], e.time_range.start, e.time_range.end) for e in events
@@ -247,16 +275,24 @@ class StepProfiler:
             cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and not e.is_async]
             # A kernel's launch is the runtime or driver call (cudaLaunchKernel, cuLaunchKernelEx, cudaMemcpyAsync,
             # ...) with the kernel's correlation id.
-            launches = {e.id: (e.time_range.start, e.thread) for e in cpu if e.name.startswith("cu")}
+            launches = {e.id: (e.time_range.start, e.thread) for e in cpu
+                        if e.name.startswith("cu") and not PY_FRAME.match(e.name)}
             kernels = [(e.name, e.time_range.start, e.time_range.end, launches.get(e.id)) for e in events
                        if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation]
             ops: dict[int, list] = {}
-            for e in cpu:
-                if not e.name.startswith(RANGE):  # " at 0x...": one name per built-in, whatever object it is bound to
-                    name = re.sub(r" at 0x[0-9a-f]+", "", e.name)
-                    ops.setdefault(e.thread, []).append((name, e.time_range.start, e.time_range.end))
+            calls = self._python_calls() if self.with_stack else []
+            if self.with_stack and not calls:
+                warnings.warn(f"--profile_stack: torch {torch.__version__}'s profiler recorded no Python calls in the "
+                              "profiled step; its idle causes name operators only (python_frames false)",
+                              stacklevel=2)
+            for name, a, b, thread in [(e.name, e.time_range.start, e.time_range.end, e.thread) for e in cpu
+                                       if not (calls and PY_FRAME.match(e.name))] + calls:
+                if not name.startswith(RANGE):  # " at 0x...": one name per built-in, whatever object it is bound to
+                    ops.setdefault(thread, []).append((re.sub(r" at 0x[0-9a-f]+", "", name), a, b))
             main = next((e.thread for e in cpu if e.name.startswith(RANGE)), 0)
-            return summarize(kernels, ranges, "cuda", {t: innermost(o) for t, o in ops.items()}, main)
+            summary = summarize(kernels, ranges, "cuda", {t: innermost(o) for t, o in ops.items()}, main,
+                                python_frames=bool(calls))
+            return {**summary, "python_frames": bool(calls)} if self.with_stack else summary
         # CPU: the operators' self time stands in for kernels (top-level aten ops, each with its own interval)
         ops = [(e.name, e.time_range.start, e.time_range.start + e.self_cpu_time_total) for e in events
                if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("aten::")
