@@ -32,7 +32,7 @@ class FusedSwitches:
     """gelu(x W^T + b) as one compiled kernel (shared/model/fused_ops.py); default: on with CUDA, off on CPU. Chosen
     from a single run (+3.5% raw, as fused_bias_dropout_add: inside single-run noise)"""
     matmul_bias_grad: bool = False
-    """with fused_bias_gelu: the MLP bias's gradient summed over the B*T rows by a matmul with a row of ones
+    """with fused_bias_gelu: the MLP bias's gradient summed over the B*T rows by a matmul with rows of ones
     (fused_ops.column_sum) instead of the reduction kernel inductor generates for it (benchmarks/mlp_tail.py)"""
     fused_layernorm: bool = False
     """liger-kernel's Triton LayerNorm (CUDA only)"""
