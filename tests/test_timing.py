@@ -220,3 +220,29 @@ def test_profile_stack_names_the_python_function_the_device_waited_on():
     assert timer.profile["python_frames"] is True
     frames = [o["name"] for o in timer.profile["phases"]["forward"]["idle"]["host_inclusive"]]
     assert any("host_bound_forward" in f for f in frames), frames
+
+
+def test_the_python_calls_come_from_the_profilers_event_tree():
+    import types
+
+    from shared.train.step_profile import StepProfiler
+    from shared.train.timing import PHASES
+
+    def host_side_work():
+        return torch.ones(8).add_(1)
+
+    sp = StepProfiler(False, PHASES, with_stack=True)
+    sp.begin()
+    host_side_work()
+    sp.phase("data", last=False)
+    sp._range.__exit__(None, None, None)
+    sp.prof.__exit__(None, None, None)
+    calls = [c for c in sp._python_calls() if c[0].endswith(": host_side_work")]
+    events = [e for e in sp.prof.events() if e.name.endswith(": host_side_work")]
+    assert len(calls) == 1 and calls[0][1] < calls[0][2]
+    if events:  # where events() lists Python calls too, both give the same time and thread
+        assert calls[0][1:] == pytest.approx((events[0].time_range.start, events[0].time_range.end,
+                                              events[0].thread))
+    sp.prof = types.SimpleNamespace(profiler=types.SimpleNamespace())  # a profiler without the event tree
+    with pytest.warns(UserWarning, match="cannot read the profiler's Python calls"):
+        assert sp._python_calls() == []

@@ -256,10 +256,14 @@ class StepProfiler:
         """The Python calls the profiler recorded (with_stack), as (name, start_us, end_us, thread) on the clock of
         its events: read from its event tree, which holds them in every torch version (events() lists them only in
         some)."""
-        from torch._C._profiler import _EventType
+        try:
+            from torch._C._profiler import _EventType
 
-        results = self.prof.profiler.kineto_results
-        t0, out, todo = results.trace_start_ns(), [], list(results.experimental_event_tree())
+            results = self.prof.profiler.kineto_results
+            t0, out, todo = results.trace_start_ns(), [], list(results.experimental_event_tree())
+        except (ImportError, AttributeError, RuntimeError) as e:  # a torch whose profiler lacks the tree
+            warnings.warn(f"--profile_stack: cannot read the profiler's Python calls ({e!r})", stacklevel=2)
+            return []
         while todo:
             node = todo.pop()
             todo.extend(node.children)
