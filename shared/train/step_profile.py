@@ -156,12 +156,13 @@ def idle_causes(kernels: list[tuple], ranges: list[tuple[str, float, float]],
 
 
 def summarize(kernels: list[tuple], ranges: list[tuple[str, float, float]], device: str,
-              host: dict[int, list] | None = None, main: int = 0, python_frames: bool = False) -> dict:
+              host: dict[int, list] | None = None, main: int = 0, python_frames: bool | None = None) -> dict:
     """kernels: (name, start_us, end_us[, launch]) on the device; ranges: (phase, start_us, end_us) on the host, the
     same clock, one per phase of each micro-step. Each kernel goes to the range that holds its start; kernels
     outside every range are counted apart (`unattributed_ms`), never dropped. With `host` (innermost() of each
-    thread's operators), `main` and the kernels' launches, each phase also gets `idle` (idle_causes); with
-    `python_frames` (Python calls among the host operators) its lists are TOP_WITH_STACK long."""
+    thread's operators), `main` and the kernels' launches, each phase also gets `idle` (idle_causes).
+    `python_frames` (given for a --profile_stack profile: whether Python calls are among the host operators) is
+    recorded, and when true the idle lists are TOP_WITH_STACK long."""
     if not ranges:
         raise ValueError("no phase ranges in the profile: the step's marks were not recorded")
     ranges = sorted(ranges, key=lambda r: r[1])
@@ -201,7 +202,7 @@ def summarize(kernels: list[tuple], ranges: list[tuple[str, float, float]], devi
             out["idle"] = idle_causes(ks, of_phase[phase], host, main, (n or TOP_HOST, n or TOP_FRAMES))
         return out
 
-    return {"device": device, **({"python_frames": True} if python_frames else {}),
+    return {"device": device, **({"python_frames": python_frames} if python_frames is not None else {}),
             "step": part([k for g in groups.values() for k in g], sum(walls.values())),
             "phases": {p: part(groups[p], walls[p], p) for p in groups},
             "unattributed_ms": sum(b - a for _, a, b, *_ in loose) / 1e3}
@@ -294,9 +295,8 @@ class StepProfiler:
                 if not name.startswith(RANGE):  # " at 0x...": one name per built-in, whatever object it is bound to
                     ops.setdefault(thread, []).append((re.sub(r" at 0x[0-9a-f]+", "", name), a, b))
             main = next((e.thread for e in cpu if e.name.startswith(RANGE)), 0)
-            summary = summarize(kernels, ranges, "cuda", {t: innermost(o) for t, o in ops.items()}, main,
-                                python_frames=bool(calls))
-            return {**summary, "python_frames": bool(calls)} if self.with_stack else summary
+            return summarize(kernels, ranges, "cuda", {t: innermost(o) for t, o in ops.items()}, main,
+                             python_frames=bool(calls) if self.with_stack else None)
         # CPU: the operators' self time stands in for kernels (top-level aten ops, each with its own interval)
         ops = [(e.name, e.time_range.start, e.time_range.start + e.self_cpu_time_total) for e in events
                if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("aten::")
