@@ -19,7 +19,9 @@ lever per configuration: the chunked linear + cross-entropy (`+fused_loss`), tha
 (`+fused_loss_mb24`), a padded vocabulary (`+vocab128`), DeepSpeed's own optimizer step instead of the fast one
 (`-fast_zero3_step`), DeepCompile without the small parameters kept gathered (`-persist_threshold`,
 shared/train/deepcompile_passes.py), inductor's generated kernels without coordinate-descent tuning
-(`-coordinate_descent`), the MLP bias's gradient summed by a matmul (`+matmul_bias_grad`). The block-sparse kernel
+(`-coordinate_descent`), the MLP bias's gradient summed by a matmul (`+matmul_bias_grad`), eager ZeRO-3's list of
+persistent parameters kept under DeepCompile, so each step gathers them again (`-drop_eager_persist`,
+shared/train/ds_runtime.drop_eager_persistent). The block-sparse kernel
 is not a lever here: it runs between compiled graphs, which DeepCompile's ZeRO-3 pass refuses
 (shared/train/config.py); benchmarks/attention.py compares it with SDPA at the model's shape.
 `baseline` runs first and again last (`baseline_again`): each configuration's ratio is against the
@@ -73,6 +75,7 @@ LAST_MILE = {
     "-persist_threshold": {"deepcompile_persist": "deepspeed"},
     "-coordinate_descent": {"coordinate_descent_tuning": False},
     "+matmul_bias_grad": {"matmul_bias_grad": True},
+    "-drop_eager_persist": {"deepcompile_eager_persist": "deepspeed"},
     "baseline_again": {},
 }
 REFERENCE = {"fusions": "naive", "last_mile": "baseline"}  # each set's ratios are against these runs

@@ -84,6 +84,7 @@ def build_strategy(train: TrainConfig) -> ZeroStrategy:
     return ZeroStrategy(config=lightning_ds_config(train), precision_plugin=precision,
                         compile_mode=train.compile, deepcompile_schedule=train.deepcompile_schedule,
                         deepcompile_persist=train.deepcompile_persist,
+                        deepcompile_eager_persist=train.deepcompile_eager_persist,
                         zero3_step=train.zero3_step)
 
 

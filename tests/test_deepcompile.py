@@ -278,6 +278,7 @@ def test_both_paths_train_with_deepcompile_and_compile_the_same_graphs(tmp_path,
         assert r["fused"]["compile"] == "deepcompile" and r["ds_config"]["compile"] == {"deepcompile": True}
         assert r["fused"]["dynamo_graph_breaks"] == 0 and r["fused"]["dynamo_recompile_limit_hits"] == 0
         assert r["extra"]["warmup_s"] > 0 and r["losses"][-1] < r["losses"][0] - 1.0
+        assert r["extra"]["deepcompile_eager_persist_dropped"] > 0  # the default: no eager gather after each step
     counters = ("dynamo_graphs", "dynamo_graph_breaks", "dynamo_recompile_limit_hits")
     assert {k: raw["fused"][k] for k in counters} == {k: pl["fused"][k] for k in counters}
     # Same compiled graph, same RNG seeds: the paths' losses agree as closely as the eager paths' do. Compared over

@@ -70,6 +70,23 @@ def test_the_fused_adamw_takes_the_unscale_and_trains_like_deepspeeds_multiply(c
             assert fast["checksum"]["sum_sq"] != fused["fast_clip0"]["checksum"]["sum_sq"]  # the clip did act
 
 
+def test_without_the_eager_persistent_list_the_step_leaves_nothing_gathered(check):
+    """Under DeepCompile (persistence off), eager ZeRO-3's persistent list made each step gather those parameters,
+    which the next forward then partitioned again; drop_eager_persistent empties it (the run JSON records how many:
+    tests/test_deepcompile.py)."""
+    r = check["eager_persist"]
+    assert r["listed"] > 0  # the tiny preset's biases and LayerNorm weights are under its persistence threshold
+    assert "still persistent" in r["refusal"] and r["kept_after_refusal"] == r["listed"]  # refused, nothing lost
+    assert r["gathered_after_step"] == [r["listed"], 0]
+    assert r["dropped"] == r["listed"] and r["left"] == 0 and r["offload_left"] == 0  # one list, shared
+    assert all(math.isfinite(v) for v in r["losses"])
+
+
+def test_eager_persist_flag_is_validated():
+    with pytest.raises(ValueError, match="unknown deepcompile_eager_persist 'keep'"):
+        TrainConfig(deepcompile_eager_persist="keep")
+
+
 def test_the_raw_path_runs_the_fast_step_by_default_records_it_and_trains_like_deepspeeds(tmp_path):
     """(Lightning against the raw path, counts included: tests/test_lightning.py)"""
     fast, ds = tmp_path / "fast.json", tmp_path / "ds.json"

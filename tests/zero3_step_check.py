@@ -4,6 +4,8 @@ On each rank, after one backward of the tiny GPT under ZeRO-3: DeepSpeed's gradi
 are computed first (their originals), then the fast ones on the same gradients; then engine.step() must run the
 fast code and report the same global norm. Then, with torch's fused AdamW (which has a CPU kernel), three steps
 with the fast and with DeepSpeed's step, clipping on and off: the fast one hands the unscale to the optimizer.
+Last, the step's eager gather of ZeRO-3's persistent parameters, as it runs once DeepCompile has turned persistence
+off (shared/train/ds_runtime.drop_eager_persistent): gathered after each step with the list, not without it.
 Writes the figures of rank 0 to argv[1] (JSON).
 """
 
@@ -22,7 +24,7 @@ from shared.train.config import TrainConfig
 from shared.train.data import train_loader
 from shared.train.distributed import ensure_env, exit_process, seed_all
 from shared.train.ds_config import build_ds_config
-from shared.train.ds_runtime import param_checksum
+from shared.train.ds_runtime import drop_eager_persistent, param_checksum
 from shared.train.optim import build_optimizer, build_scheduler, param_groups
 
 
@@ -55,6 +57,38 @@ def train_fused(train: TrainConfig, mode: str, rank: int) -> dict:
         norms.append(float(engine.get_global_grad_norm()))
     return {"checksum": param_checksum(engine.module), "losses": losses, "norms": norms,
             "calls": zero3_step.calls(engine), "grad_scale_left": hasattr(engine.optimizer.optimizer, "grad_scale")}
+
+
+def eager_persist(train: TrainConfig, rank: int) -> dict:
+    """Two steps of the tiny GPT whose parameters are no longer persistent (what DeepCompile's set-up does to
+    them: p.ds_persist = False), the first with eager ZeRO-3's persistent list, the second after
+    drop_eager_persistent; how many parameters each step left gathered."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    engine = build_engine(train, lambda model: build_optimizer(model, train, torch.device("cpu")))
+    listed = len(engine.optimizer.persistent_parameters)
+    try:  # still persistent (no DeepCompile): refused, and the list is kept
+        drop_eager_persistent(engine)
+        refusal = None
+    except RuntimeError as e:
+        refusal = str(e)
+    kept_after_refusal = len(engine.optimizer.persistent_parameters)
+    for p in engine.module.parameters():
+        p.ds_persist = False
+    batches = iter(train_loader(train, rank, 0, pin_memory=False))
+    gathered, losses = [], []
+    for drop in (False, True):
+        dropped = drop_eager_persistent(engine) if drop else None
+        x, y = next(batches)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+        gathered.append(sum(p.ds_status == ZeroParamStatus.AVAILABLE for p in engine.module.parameters()))
+    return {"listed": listed, "refusal": refusal, "kept_after_refusal": kept_after_refusal, "dropped": dropped,
+            "left": len(engine.optimizer.persistent_parameters),
+            "offload_left": len(engine.optimizer.parameter_offload.persistent_parameters),
+            "gathered_after_step": gathered, "losses": losses}
 
 
 def main(out: str) -> None:
@@ -103,9 +137,11 @@ def main(out: str) -> None:
     fused = {f"{mode}_clip{clip:g}": train_fused(TrainConfig(preset="tiny", steps=3, warmup_steps=1, grad_clip=clip),
                                                 mode, rank)
              for clip in (0.0, 0.05) for mode in ("fast", "deepspeed")}
+    persist = eager_persist(train, rank)
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"fused": fused, "ds_norms": ds_norms, "fast_norms": fast_norms, "same_fp32": same_fp32,
+            json.dump({"fused": fused, "eager_persist": persist,
+                       "ds_norms": ds_norms, "fast_norms": fast_norms, "same_fp32": same_fp32,
                        "calls_direct": calls_direct, "fallback_norm": fallback_norm, "calls_fallback": calls_fallback,
                        "step_norm": step_norm, "calls_step": calls_step, "n_groups": len(groups),
                        "next_loss": float(loss.detach()), "world": dist.get_world_size()}, f)

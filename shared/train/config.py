@@ -39,6 +39,9 @@ DEEPCOMPILE_SCHEDULES = ("deepspeed", "once")
 # Which parameters DeepCompile keeps gathered from the start (shared/train/deepcompile_passes.py): threshold = those at
 # most ZeRO-3's persistence threshold, their releases taken out of the compiled graphs; deepspeed = none (its own).
 DEEPCOMPILE_PERSIST = ("threshold", "deepspeed")
+# Eager ZeRO-3's list of persistent parameters under DeepCompile (shared/train/ds_runtime.drop_eager_persistent):
+# drop = emptied, so the optimizer step no longer gathers them eagerly; deepspeed = kept (DeepSpeed 0.19.8).
+DEEPCOMPILE_EAGER_PERSIST = ("drop", "deepspeed")
 NAN_POLICIES = ("stop", "skip")
 # The ZeRO-3 optimizer step (shared/train/zero3_step.py): fast = the gradient norm and fp32 gradient copy on the flat
 # gradient buffer, one kernel each, and the unscale inside torch's fused AdamW; deepspeed = DeepSpeed's per-parameter
@@ -117,6 +120,13 @@ class TrainConfig(FusedSwitches):
     with their release ops taken out of the compiled graphs so inductor fuses across them
     (shared/train/deepcompile_passes.py); deepspeed: DeepSpeed's own (none; its selective gathering may add some).
     Only with --compile deepcompile at stage 3"""
+    deepcompile_eager_persist: str = "drop"
+    """drop | deepspeed: eager ZeRO-3's list of persistent parameters, under DeepCompile at stage 3. ZeRO-3 lists
+    them when the engine is built and all-gathers them after every optimizer step; DeepCompile turns persistence off
+    but keeps the list, so each step gathered the small parameters eagerly and the next forward partitioned them
+    again, host work the device waits on (docs/results.md). drop: the list is emptied after DeepCompile is set up
+    (shared/train/ds_runtime.drop_eager_persistent); deepspeed: kept, DeepSpeed 0.19.8's behaviour. Only with
+    --compile deepcompile at stage 3"""
     coordinate_descent_tuning: bool = False
     """inductor's coordinate-descent tuning (torch._inductor.config.coordinate_descent_tuning): each generated
     Triton kernel's block sizes and warps are benchmarked around the default at its first compile and the best is
@@ -250,6 +260,9 @@ class TrainConfig(FusedSwitches):
         if self.deepcompile_persist not in DEEPCOMPILE_PERSIST:
             raise ValueError(f"unknown deepcompile_persist {self.deepcompile_persist!r}; choose one of "
                              f"{DEEPCOMPILE_PERSIST}")
+        if self.deepcompile_eager_persist not in DEEPCOMPILE_EAGER_PERSIST:
+            raise ValueError(f"unknown deepcompile_eager_persist {self.deepcompile_eager_persist!r}; choose one of "
+                             f"{DEEPCOMPILE_EAGER_PERSIST}")
         if self.deepcompile_schedule not in DEEPCOMPILE_SCHEDULES:
             raise ValueError(f"unknown deepcompile_schedule {self.deepcompile_schedule!r}; choose one of "
                              f"{DEEPCOMPILE_SCHEDULES}")

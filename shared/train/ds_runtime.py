@@ -108,7 +108,7 @@ def deepcompile_schedule(name: str, stage: int, persist_threshold: int | None = 
 
 
 def compile_engine(engine, mode: str, rank: int = 0, schedule: str = "deepspeed", stage: int = 3,
-                   persist: str = "deepspeed") -> None:
+                   persist: str = "deepspeed", eager_persist: str = "deepspeed") -> None:
     """Apply a TrainConfig.compile mode that lives in the engine: deepcompile calls engine.compile() (inductor).
 
     The compiled graph is built at the first forward; DeepCompile profiles it and compiles it with its passes on the
@@ -137,7 +137,43 @@ def compile_engine(engine, mode: str, rank: int = 0, schedule: str = "deepspeed"
         # DeepSpeed falls back to plain torch.compile when its pass cannot run (e.g. ZeRO stage 0): never report a
         # run as DeepCompile that is not one.
         raise RuntimeError("DeepSpeed did not activate DeepCompile (engine.is_deepcompile_active() is False)")
+    if stage == 3 and eager_persist == "drop":
+        drop_eager_persistent(engine)
     align_schedule(engine)
+
+
+# How many parameters the last drop_eager_persistent of this process took off the list (the run JSON reports it,
+# shared/train/results.py); None: it did not run.
+EAGER_PERSIST_DROPPED: int | None = None
+
+
+def drop_eager_persistent(engine) -> int:
+    """Under DeepCompile at ZeRO-3: empty eager ZeRO-3's list of persistent parameters; returns how many it held.
+
+    ZeRO-3 lists its persistent parameters (at most stage3_param_persistence_threshold elements) when the engine is
+    built, and all-gathers them after every optimizer step (deepspeed/runtime/zero/stage3._post_step). DeepCompile,
+    set up later, turns persistence off (p.ds_persist = False; deepspeed/compile/init_z3.py) and gathers inside its
+    graphs (shared/train/deepcompile_passes keeps the small ones gathered there, in DeepCompile's own buffers), but
+    leaves the list: with DeepSpeed 0.19.8 each step gathered them eagerly, and the next forward's eager-fallback
+    context partitioned them again (deepspeed/compile/z3_eager_fallback.release_available_params_for_next_forward:
+    every gathered parameter that is not persistent), host work the device waited on at the start of each forward
+    (a step profiled with Python frames, docs/results.md). The optimizer and its parameter-offload helper share the
+    list; it is emptied in place, so checkpoint loads and saves skip it too (nothing of it is gathered any more)."""
+    global EAGER_PERSIST_DROPPED
+    # the ZeRO-3 optimizer's list (or, without an optimizer, DeepSpeedZeRoOffload's own)
+    persistent = getattr(engine.optimizer, "persistent_parameters", None)
+    if persistent is None:
+        EAGER_PERSIST_DROPPED = 0
+        return 0
+    still = [p for p in persistent if getattr(p, "ds_persist", False)]
+    if still:
+        raise RuntimeError(f"{len(still)} parameters are still persistent under DeepCompile (ds_persist), which "
+                           "gathers them eagerly in every forward: this DeepSpeed does not turn persistence off as "
+                           "0.19.8 does; run with --deepcompile_eager_persist deepspeed")
+    n = len(persistent)
+    persistent.clear()
+    EAGER_PERSIST_DROPPED = n
+    return n
 
 
 def align_schedule(engine, backend=None) -> None:

@@ -182,6 +182,8 @@ def build_result(*, path: str, train: TrainConfig, model_cfg: GPTConfig, ds_conf
                "warmup_s": timing.get("warmup_s"), "compile_s": compile_seconds(),
                "deepcompile_passes_s": _deepcompile_pass_seconds(),
                "deepcompile_persist": getattr(sys.modules.get("shared.train.deepcompile_passes"), "LAST_STATS", None),
+               "deepcompile_eager_persist_dropped": getattr(sys.modules.get("shared.train.ds_runtime"),
+                                                            "EAGER_PERSIST_DROPPED", None),
                **({"profile": timing["profile"]} if timing.get("profile") else {})},
     )
 
