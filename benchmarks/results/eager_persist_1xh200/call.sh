@@ -1,0 +1,28 @@
+# Call C: the ablation's -drop_eager_persist (eager ZeRO-3's persistent list kept under DeepCompile, DeepSpeed
+# 0.19.8's behaviour) and baseline (the list dropped: the new default), raw path, compare.py's GPU default.
+# PART=2: baseline_again, then the GPU test of a DeepCompile run's validation, checkpoint, export and resume.
+source .whl/activate.sh || exit 1
+export PYTHONPATH=$PWD:$PYTHONPATH
+export TORCHINDUCTOR_CACHE_DIR=/tmp/ind_cache TORCH_EXTENSIONS_DIR=/tmp/tx
+T0=$SECONDS; DEADLINE=${DEADLINE:-585}
+left() { echo $(( DEADLINE - (SECONDS - T0) - 5 )); }
+W=/tmp/eagerp; mkdir -p $W /tmp/ind_cache
+echo "warm: $(ls /tmp/ind_cache | wc -l) cache entries, ablation runs: $(ls $W/abl/runs 2>/dev/null | tr '\n' ' ')"
+cp -rn devrun/bc/. /tmp/ind_cache/ 2>/dev/null
+if [ ! -d $W/abl ] && [ -d devrun/abl ]; then cp -r devrun/abl $W/abl; echo "restored ablation folder"; fi
+nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv > $W/gpus_$PART.txt 2>&1
+python3 -c "
+from shared.train.ds_runtime import normalize_cuda_arch_list; print(normalize_cuda_arch_list())
+from deepspeed.ops.op_builder.dc import DeepCompileBuilder; DeepCompileBuilder().load(); print('dc op built')
+" > $W/op_build_$PART.log 2>&1
+echo "op build $(tail -1 $W/op_build_$PART.log) $((SECONDS-T0)) s"
+if [ "$PART" = 1 ]; then CONFIGS=-drop_eager_persist,baseline; else CONFIGS=baseline_again; fi
+timeout -k 20 "$(left)" python3 benchmarks/ablation.py --set last_mile --configs=$CONFIGS --keep --timeout 400 \
+  --out $W/abl > $W/ablation_call$PART.log 2>&1
+echo "ablation rc=$? at $((SECONDS-T0)) s"; tail -14 $W/ablation_call$PART.log
+if [ "$PART" != 1 ] && [ "$(left)" -gt 150 ]; then
+  timeout -k 10 "$(left)" python3 -m pytest -q -m gpu tests/test_deepcompile.py -k "resumes_at_the_end and raw" \
+    -p no:cacheprovider -rA > $W/gpu_tests_$PART.log 2>&1; echo "gpu tests rc=$? at $((SECONDS-T0)) s"
+  tail -3 $W/gpu_tests_$PART.log
+fi
+cd /tmp && tar czf $OUT/eagerp.tgz eagerp; ls -la $OUT
