@@ -32,12 +32,13 @@ class ZeroStrategy(DeepSpeedStrategy):
 
     def __init__(self, *args, compile_mode: str = "none", deepcompile_schedule: str = "deepspeed",
                  deepcompile_persist: str = "deepspeed", deepcompile_eager_persist: str = "deepspeed",
-                 zero3_step: str = "deepspeed", **kwargs):
+                 deepcompile_cached_walks: bool = False, zero3_step: str = "deepspeed", **kwargs):
         super().__init__(*args, **kwargs)
         self.compile_mode = compile_mode
         self.deepcompile_schedule = deepcompile_schedule
         self.deepcompile_persist = deepcompile_persist
         self.deepcompile_eager_persist = deepcompile_eager_persist
+        self.deepcompile_cached_walks = deepcompile_cached_walks
         self.zero3_step = zero3_step
 
     @property
@@ -64,7 +65,7 @@ class ZeroStrategy(DeepSpeedStrategy):
         # applied right after it, as the raw loop does (the engine's module hands compile() to the GPT).
         stage = self.config["zero_optimization"]["stage"]
         compile_engine(engine, self.compile_mode, self.global_rank, self.deepcompile_schedule, stage,
-                       self.deepcompile_persist, self.deepcompile_eager_persist)
+                       self.deepcompile_persist, self.deepcompile_eager_persist, self.deepcompile_cached_walks)
         zero3_step.apply(engine, self.zero3_step)  # the raw loop's optimizer step (shared/train/zero3_step.py)
         return engine, ds_optimizer
 

@@ -85,6 +85,7 @@ def build_strategy(train: TrainConfig) -> ZeroStrategy:
                         compile_mode=train.compile, deepcompile_schedule=train.deepcompile_schedule,
                         deepcompile_persist=train.deepcompile_persist,
                         deepcompile_eager_persist=train.deepcompile_eager_persist,
+                        deepcompile_cached_walks=train.deepcompile_cached_walks,
                         zero3_step=train.zero3_step)
 
 

@@ -263,6 +263,24 @@ def kjv(tmp_path_factory):
     return prefix
 
 
+def test_the_lightning_strategy_hands_every_deepcompile_option_to_compile_engine(monkeypatch):
+    """The raw loop passes the config's DeepCompile options to ds_runtime.compile_engine; so must Lightning's
+    strategy, from the same TrainConfig."""
+    from lightning_app import strategy
+    from lightning_app.train import build_strategy
+
+    calls = []
+    monkeypatch.setattr(strategy, "compile_engine", lambda *args: calls.append(args))
+    monkeypatch.setattr(strategy.zero3_step, "apply", lambda engine, mode: calls.append(("zero3_step", mode)))
+    train = TrainConfig(deepcompile_schedule="once", deepcompile_persist="deepspeed",
+                        deepcompile_eager_persist="deepspeed", deepcompile_cached_walks=True, zero3_step="deepspeed")
+    zs = build_strategy(train)
+    monkeypatch.setattr(zs, "_initialize", lambda model, optimizer, scheduler=None: ("engine", "optimizer"))
+    assert zs._setup_model_and_optimizer("model", "optimizer") == ("engine", "optimizer")
+    assert calls == [("engine", "none", zs.global_rank, "once", 3, "deepspeed", "deepspeed", True),
+                     ("zero3_step", "deepspeed")]
+
+
 def _train(script, tmp_path, name, kjv, *args, steps=30):
     out = tmp_path / f"{name}.json"
     torchrun(script, 1, [*GPU_BASE, "--data", kjv, "--steps", str(steps), "--warmup_steps", "8", *args,
@@ -316,6 +334,17 @@ def test_the_once_schedule_trains_like_deepspeeds_schedule(tmp_path, kjv):
     assert once["extra"]["deepcompile_passes_s"] > 0
     tail = lambda r: sum(r["losses"][-10:]) / 10
     assert abs(tail(once) - tail(default)) <= 0.03 and once["losses"][-1] < once["losses"][0] - 1.0
+
+
+@pytest.mark.gpu
+def test_the_cached_walks_train_like_deepspeeds_walks(tmp_path, kjv):
+    """--deepcompile_cached_walks replaces DeepSpeed's walks of the model around each step (CPU equivalence:
+    tests/test_zero3_step.py); under DeepCompile the run trains as the default does."""
+    default = _train(RAW, tmp_path, "default", kjv, "--compile", "deepcompile")
+    cached = _train(RAW, tmp_path, "cached", kjv, "--compile", "deepcompile", "--deepcompile_cached_walks", "true")
+    assert cached["train"]["deepcompile_cached_walks"] is True and cached["fused"]["dynamo_graph_breaks"] == 0
+    tail = lambda r: sum(r["losses"][-10:]) / 10
+    assert abs(tail(cached) - tail(default)) <= 0.03 and cached["losses"][-1] < cached["losses"][0] - 1.0
 
 
 @pytest.mark.gpu

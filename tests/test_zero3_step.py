@@ -82,6 +82,17 @@ def test_without_the_eager_persistent_list_the_step_leaves_nothing_gathered(chec
     assert all(math.isfinite(v) for v in r["losses"])
 
 
+def test_cached_walks_release_and_mark_what_deepspeeds_walks_do(check):
+    r = check["cached_walks"]
+    assert "lacks" in r["refusal"]  # no DeepCompile fallback context to replace: refused
+    assert r["walks_when_partitioned"] == 0  # nothing gathered: DeepSpeed's walk of the tree is skipped
+    assert len(r["gathered_before"]) == 2 and r["walk"] == {"walks": 1, "gathered_after": []}  # gathered: it runs
+    ds, cached = r["contexts"]["deepspeed"], r["contexts"]["cached"]
+    assert ds == cached and ds["released"] == r["expected_released"] and ds["gathered_after"] == []
+    assert ds["in_forward_inside"] == [True] and ds["in_forward_after"] == [False]
+    assert math.isfinite(r["loss"]) and r["gathered_after_step"] == []
+
+
 def test_eager_persist_flag_is_validated():
     with pytest.raises(ValueError, match="unknown deepcompile_eager_persist 'keep'"):
         TrainConfig(deepcompile_eager_persist="keep")

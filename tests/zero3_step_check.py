@@ -5,7 +5,8 @@ are computed first (their originals), then the fast ones on the same gradients; 
 fast code and report the same global norm. Then, with torch's fused AdamW (which has a CPU kernel), three steps
 with the fast and with DeepSpeed's step, clipping on and off: the fast one hands the unscale to the optimizer.
 Last, the step's eager gather of ZeRO-3's persistent parameters, as it runs once DeepCompile has turned persistence
-off (shared/train/ds_runtime.drop_eager_persistent): gathered after each step with the list, not without it.
+off (shared/train/ds_runtime.drop_eager_persistent): gathered after each step with the list, not without it; and
+the cached walks (ds_runtime.cache_deepcompile_walks) against DeepSpeed's own on the same parameter states.
 Writes the figures of rank 0 to argv[1] (JSON).
 """
 
@@ -24,7 +25,7 @@ from shared.train.config import TrainConfig
 from shared.train.data import train_loader
 from shared.train.distributed import ensure_env, exit_process, seed_all
 from shared.train.ds_config import build_ds_config
-from shared.train.ds_runtime import drop_eager_persistent, param_checksum
+from shared.train.ds_runtime import cache_deepcompile_walks, drop_eager_persistent, param_checksum
 from shared.train.optim import build_optimizer, build_scheduler, param_groups
 
 
@@ -91,6 +92,59 @@ def eager_persist(train: TrainConfig, rank: int) -> dict:
             "gathered_after_step": gathered, "losses": losses}
 
 
+def cached_walks(train: TrainConfig, rank: int) -> dict:
+    """cache_deepcompile_walks on an engine set up as DeepCompile leaves it (persistence off, the list dropped, the
+    eager-fallback context attached): when the optimizer step's release walks DeepSpeed's tree, and what the
+    forward context releases and marks, against DeepSpeed's own fallback on the same states."""
+    from deepspeed.compile.z3_eager_fallback import DeepCompileZ3EagerFallback
+    from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    engine = build_engine(train, lambda model: build_optimizer(model, train, torch.device("cpu")))
+    for p in engine.module.parameters():
+        p.ds_persist = False
+    drop_eager_persistent(engine)
+    try:  # no fallback context (not DeepCompile): refused
+        cache_deepcompile_walks(engine)
+        refusal = None
+    except RuntimeError as e:
+        refusal = str(e)
+    params = list(engine.module.parameters())
+    walks = []
+    deepspeeds_walk = engine.optimizer._partition_all_parameters
+    engine.optimizer._partition_all_parameters = lambda: (walks.append(1), deepspeeds_walk())[1]
+    deepspeeds = DeepCompileZ3EagerFallback(engine)
+    engine._deepcompile_z3_eager_fallback = DeepCompileZ3EagerFallback(engine)
+    cache_deepcompile_walks(engine)
+    gathered = lambda: [p.ds_id for p in params if p.ds_status != ZeroParamStatus.NOT_AVAILABLE]
+    engine.optimizer._partition_all_parameters()
+    walks_when_partitioned = len(walks)
+    params[0].all_gather()
+    params[3].all_gather()
+    gathered_before = gathered()
+    engine.optimizer._partition_all_parameters()
+    walk = {"walks": len(walks) - walks_when_partitioned, "gathered_after": gathered()}
+    in_forward = lambda: sorted({m._parameters._in_forward for m in engine.module.modules()
+                                 if isinstance(m._parameters, ZeROOrderedDict)})
+    contexts = {}
+    for name, fallback in (("deepspeed", deepspeeds), ("cached", engine._deepcompile_z3_eager_fallback)):
+        params[1].all_gather()
+        params[5].all_gather()
+        with fallback.forward_context():
+            inside = in_forward()
+            released = sorted(fallback._last_pre_forward_released_param_ids)
+        contexts[name] = {"released": released, "in_forward_inside": inside, "in_forward_after": in_forward(),
+                          "gathered_after": gathered()}
+    batches = iter(train_loader(train, rank, 0, pin_memory=False))
+    x, y = next(batches)
+    loss = engine(x, y)
+    engine.backward(loss)
+    engine.step()
+    return {"refusal": refusal, "walks_when_partitioned": walks_when_partitioned, "gathered_before": gathered_before,
+            "walk": walk, "contexts": contexts, "expected_released": sorted([params[1].ds_id, params[5].ds_id]),
+            "loss": float(loss.detach()), "gathered_after_step": gathered()}
+
+
 def main(out: str) -> None:
     ensure_env()
     deepspeed.init_distributed(dist_backend="gloo")
@@ -138,9 +192,10 @@ def main(out: str) -> None:
                                                 mode, rank)
              for clip in (0.0, 0.05) for mode in ("fast", "deepspeed")}
     persist = eager_persist(train, rank)
+    walks = cached_walks(train, rank)
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"fused": fused, "eager_persist": persist,
+            json.dump({"fused": fused, "eager_persist": persist, "cached_walks": walks,
                        "ds_norms": ds_norms, "fast_norms": fast_norms, "same_fp32": same_fp32,
                        "calls_direct": calls_direct, "fallback_norm": fallback_norm, "calls_fallback": calls_fallback,
                        "step_norm": step_norm, "calls_step": calls_step, "n_groups": len(groups),

@@ -108,7 +108,7 @@ def deepcompile_schedule(name: str, stage: int, persist_threshold: int | None = 
 
 
 def compile_engine(engine, mode: str, rank: int = 0, schedule: str = "deepspeed", stage: int = 3,
-                   persist: str = "deepspeed", eager_persist: str = "deepspeed") -> None:
+                   persist: str = "deepspeed", eager_persist: str = "deepspeed", cached_walks: bool = False) -> None:
     """Apply a TrainConfig.compile mode that lives in the engine: deepcompile calls engine.compile() (inductor).
 
     The compiled graph is built at the first forward; DeepCompile profiles it and compiles it with its passes on the
@@ -139,6 +139,8 @@ def compile_engine(engine, mode: str, rank: int = 0, schedule: str = "deepspeed"
         raise RuntimeError("DeepSpeed did not activate DeepCompile (engine.is_deepcompile_active() is False)")
     if stage == 3 and eager_persist == "drop":
         drop_eager_persistent(engine)
+    if stage == 3 and cached_walks:
+        cache_deepcompile_walks(engine)
     align_schedule(engine)
 
 
@@ -174,6 +176,69 @@ def drop_eager_persistent(engine) -> int:
     persistent.clear()
     EAGER_PERSIST_DROPPED = n
     return n
+
+
+def cache_deepcompile_walks(engine) -> None:
+    """Under DeepCompile at ZeRO-3 (TrainConfig.deepcompile_cached_walks): the host's per-step walks of the model,
+    over lists taken once instead of the module tree walked each time.
+
+    DeepSpeed 0.19.8 walks the whole module tree in Python around every compiled step, work the device waits on
+    (a step profiled with Python frames, docs/results.md):
+    - ZeRO-3's optimizer step starts with _partition_all_parameters, three walks of every parameter (release each
+      one gathered, then check twice). Under DeepCompile the graphs gather into their own buffers, so it finds
+      nothing gathered; here a pass over the cached parameters checks that, and DeepSpeed's own walk runs only when
+      some parameter is not partitioned (an eager access outside the graph gathered it).
+    - The eager-fallback context of every forward (deepspeed/compile/z3_eager_fallback.py) walks the modules twice
+      (marking their parameter dicts in and out of the forward) and the parameters once (partitioning those left
+      gathered); the same three steps run over the cached lists.
+    The model's modules and parameters must not change after compilation (true of this project's GPT). Refuses a
+    DeepSpeed whose fallback lacks the 0.19.8 internals these replace, rather than run something else."""
+    import torch
+    from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict, ensure_zero_ordered_dict
+    from deepspeed.runtime.zero.partition_parameters import DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR, ZeroParamStatus
+
+    fallback = getattr(engine, "_deepcompile_z3_eager_fallback", None)
+    needed = ("_release_unclaimed_tracked_params", "_outstanding_forward_graph_ids",
+              "_last_pre_forward_released_param_ids", "release_available_params_for_next_forward",
+              "_enable_forward_fallback", "_disable_forward_fallback")
+    missing = [n for n in needed if not hasattr(fallback, n)]
+    if missing or not hasattr(engine.optimizer, "_partition_all_parameters"):
+        raise RuntimeError("--deepcompile_cached_walks replaces DeepSpeed 0.19.8's DeepCompile ZeRO-3 fallback "
+                           f"internals, which this DeepSpeed lacks ({', '.join(missing) or '_partition_all_parameters'}"
+                           "); run without it")
+    modules = tuple(engine.module.modules())
+    params = tuple(engine.module.parameters())
+    walk_all = engine.optimizer._partition_all_parameters
+
+    def partition_all_parameters():
+        if any(p.ds_status != ZeroParamStatus.NOT_AVAILABLE for p in params):
+            walk_all()  # something is gathered or in flight: DeepSpeed's own walk releases it
+
+    def enable_forward_fallback():
+        for module in modules:
+            ensure_zero_ordered_dict(module)
+            module._parameters._in_forward = True
+
+    def disable_forward_fallback():
+        for module in modules:
+            if isinstance(module._parameters, ZeROOrderedDict):
+                module._parameters._in_forward = False
+
+    @torch.no_grad()
+    def release_available_params_for_next_forward():  # DeepSpeed 0.19.8's, over the cached parameters
+        released = fallback._release_unclaimed_tracked_params()
+        if not fallback._outstanding_forward_graph_ids:
+            for param in params:
+                if (param.ds_status == ZeroParamStatus.AVAILABLE and not getattr(param, "ds_persist", False)
+                        and not getattr(param, DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR, 0)):
+                    param.partition()
+                    released.append(param.ds_id)
+        fallback._last_pre_forward_released_param_ids = released
+
+    engine.optimizer._partition_all_parameters = partition_all_parameters
+    fallback._enable_forward_fallback = enable_forward_fallback
+    fallback._disable_forward_fallback = disable_forward_fallback
+    fallback.release_available_params_for_next_forward = release_available_params_for_next_forward
 
 
 def align_schedule(engine, backend=None) -> None:
