@@ -169,9 +169,10 @@ def drop_eager_persistent(engine) -> int:
         return 0
     still = [p for p in persistent if getattr(p, "ds_persist", False)]
     if still:
-        raise RuntimeError(f"{len(still)} parameters are still persistent under DeepCompile (ds_persist), which "
-                           "gathers them eagerly in every forward: this DeepSpeed does not turn persistence off as "
-                           "0.19.8 does; run with --deepcompile_eager_persist deepspeed")
+        raise RuntimeError(f"{len(still)} parameters on ZeRO-3's persistent list are still persistent (ds_persist): "
+                           "DeepCompile turns persistence off in DeepSpeed 0.19.8, not here, and without the list's "
+                           "gather after each step they would go stale; run with --deepcompile_eager_persist "
+                           "deepspeed")
     n = len(persistent)
     persistent.clear()
     EAGER_PERSIST_DROPPED = n
