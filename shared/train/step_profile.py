@@ -182,6 +182,8 @@ def summarize(kernels: list[tuple], ranges: list[tuple[str, float, float]], devi
         else:
             loose.append(k)
 
+    idle_top = (TOP_WITH_STACK, TOP_WITH_STACK) if python_frames else (TOP_HOST, TOP_FRAMES)  # idle lists' lengths
+
     def part(ks: list, wall_us: float, phase: str | None = None) -> dict:
         by_kind: dict[str, float] = {}
         by_name: dict[str, list] = {}
@@ -198,8 +200,7 @@ def summarize(kernels: list[tuple], ranges: list[tuple[str, float, float]], devi
                "by_kind_ms": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
                "top": [{"name": n[:160], "kind": kind_of(n), "calls": c, "ms": ms} for n, (c, ms) in top]}
         if host is not None and phase is not None:
-            n = TOP_WITH_STACK if python_frames else None
-            out["idle"] = idle_causes(ks, of_phase[phase], host, main, (n or TOP_HOST, n or TOP_FRAMES))
+            out["idle"] = idle_causes(ks, of_phase[phase], host, main, idle_top)
         return out
 
     return {"device": device, **({"python_frames": python_frames} if python_frames is not None else {}),
