@@ -273,11 +273,11 @@ def test_the_lightning_strategy_hands_every_deepcompile_option_to_compile_engine
     monkeypatch.setattr(strategy, "compile_engine", lambda *args: calls.append(args))
     monkeypatch.setattr(strategy.zero3_step, "apply", lambda engine, mode: calls.append(("zero3_step", mode)))
     train = TrainConfig(deepcompile_schedule="once", deepcompile_persist="deepspeed",
-                        deepcompile_eager_persist="deepspeed", deepcompile_cached_walks=True, zero3_step="deepspeed")
+                        deepcompile_eager_persist="deepspeed", deepcompile_cached_walks=False, zero3_step="deepspeed")
     zs = build_strategy(train)
     monkeypatch.setattr(zs, "_initialize", lambda model, optimizer, scheduler=None: ("engine", "optimizer"))
     assert zs._setup_model_and_optimizer("model", "optimizer") == ("engine", "optimizer")
-    assert calls == [("engine", "none", zs.global_rank, "once", 3, "deepspeed", "deepspeed", True),
+    assert calls == [("engine", "none", zs.global_rank, "once", 3, "deepspeed", "deepspeed", False),
                      ("zero3_step", "deepspeed")]
 
 
@@ -297,6 +297,7 @@ def test_both_paths_train_with_deepcompile_and_compile_the_same_graphs(tmp_path,
         assert r["fused"]["dynamo_graph_breaks"] == 0 and r["fused"]["dynamo_recompile_limit_hits"] == 0
         assert r["extra"]["warmup_s"] > 0 and r["losses"][-1] < r["losses"][0] - 1.0
         assert r["extra"]["deepcompile_eager_persist_dropped"] > 0  # the default: no eager gather after each step
+        assert r["extra"]["deepcompile_cached_walks"]["modules"] > 0  # the default: the walks over cached lists
     counters = ("dynamo_graphs", "dynamo_graph_breaks", "dynamo_recompile_limit_hits")
     assert {k: raw["fused"][k] for k in counters} == {k: pl["fused"][k] for k in counters}
     # Same compiled graph, same RNG seeds: the paths' losses agree as closely as the eager paths' do. Compared over
@@ -338,13 +339,14 @@ def test_the_once_schedule_trains_like_deepspeeds_schedule(tmp_path, kjv):
 
 @pytest.mark.gpu
 def test_the_cached_walks_train_like_deepspeeds_walks(tmp_path, kjv):
-    """--deepcompile_cached_walks replaces DeepSpeed's walks of the model around each step (CPU equivalence:
-    tests/test_zero3_step.py); under DeepCompile the run trains as the default does."""
-    default = _train(RAW, tmp_path, "default", kjv, "--compile", "deepcompile")
-    cached = _train(RAW, tmp_path, "cached", kjv, "--compile", "deepcompile", "--deepcompile_cached_walks", "true")
-    assert cached["train"]["deepcompile_cached_walks"] is True and cached["fused"]["dynamo_graph_breaks"] == 0
+    """--deepcompile_cached_walks (the default) replaces DeepSpeed's walks of the model around each step (CPU
+    equivalence: tests/test_zero3_step.py); under DeepCompile the run trains as with DeepSpeed's own walks."""
+    cached = _train(RAW, tmp_path, "cached", kjv, "--compile", "deepcompile")
+    walks = _train(RAW, tmp_path, "walks", kjv, "--compile", "deepcompile", "--deepcompile_cached_walks", "false")
+    assert cached["extra"]["deepcompile_cached_walks"]["parameters"] > 0 and cached["fused"]["dynamo_graph_breaks"] == 0
+    assert walks["extra"]["deepcompile_cached_walks"] is None
     tail = lambda r: sum(r["losses"][-10:]) / 10
-    assert abs(tail(cached) - tail(default)) <= 0.03 and cached["losses"][-1] < cached["losses"][0] - 1.0
+    assert abs(tail(cached) - tail(walks)) <= 0.03 and cached["losses"][-1] < cached["losses"][0] - 1.0
 
 
 @pytest.mark.gpu

@@ -85,6 +85,7 @@ def test_without_the_eager_persistent_list_the_step_leaves_nothing_gathered(chec
 def test_cached_walks_release_and_mark_what_deepspeeds_walks_do(check):
     r = check["cached_walks"]
     assert "lacks" in r["refusal"]  # no DeepCompile fallback context to replace: refused
+    assert r["recorded"] == {"modules": r["n_modules"], "parameters": r["n_params"]}  # what the run JSON reports
     assert r["walks_when_partitioned"] == 0  # nothing gathered: DeepSpeed's walk of the tree is skipped
     assert len(r["gathered_before"]) == 2 and r["walk"] == {"walks": 1, "gathered_after": []}  # gathered: it runs
     ds, cached = r["contexts"]["deepspeed"], r["contexts"]["cached"]

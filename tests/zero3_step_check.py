@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from shared.model.gpt import GPT
-from shared.train import zero3_step
+from shared.train import ds_runtime, zero3_step
 from shared.train.config import TrainConfig
 from shared.train.data import train_loader
 from shared.train.distributed import ensure_env, exit_process, seed_all
@@ -140,7 +140,9 @@ def cached_walks(train: TrainConfig, rank: int) -> dict:
     loss = engine(x, y)
     engine.backward(loss)
     engine.step()
-    return {"refusal": refusal, "walks_when_partitioned": walks_when_partitioned, "gathered_before": gathered_before,
+    return {"refusal": refusal, "recorded": ds_runtime.CACHED_WALKS, "n_params": len(params),
+            "n_modules": len(list(engine.module.modules())), "walks_when_partitioned": walks_when_partitioned,
+            "gathered_before": gathered_before,
             "walk": walk, "contexts": contexts, "expected_released": sorted([params[1].ds_id, params[5].ds_id]),
             "loss": float(loss.detach()), "gathered_after_step": gathered()}
 

@@ -179,6 +179,11 @@ def drop_eager_persistent(engine) -> int:
     return n
 
 
+# The walks cache_deepcompile_walks replaced in this process, {"modules": n, "parameters": m} (the run JSON reports
+# it, shared/train/results.py); None: it did not run.
+CACHED_WALKS: dict | None = None
+
+
 def cache_deepcompile_walks(engine) -> None:
     """Under DeepCompile at ZeRO-3 (TrainConfig.deepcompile_cached_walks): the host's per-step walks of the model,
     over lists taken once instead of the module tree walked each time.
@@ -240,6 +245,8 @@ def cache_deepcompile_walks(engine) -> None:
     fallback._enable_forward_fallback = enable_forward_fallback
     fallback._disable_forward_fallback = disable_forward_fallback
     fallback.release_available_params_for_next_forward = release_available_params_for_next_forward
+    global CACHED_WALKS
+    CACHED_WALKS = {"modules": len(modules), "parameters": len(params)}
 
 
 def align_schedule(engine, backend=None) -> None:

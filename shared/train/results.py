@@ -184,6 +184,7 @@ def build_result(*, path: str, train: TrainConfig, model_cfg: GPTConfig, ds_conf
                "deepcompile_persist": getattr(sys.modules.get("shared.train.deepcompile_passes"), "LAST_STATS", None),
                "deepcompile_eager_persist_dropped": getattr(sys.modules.get("shared.train.ds_runtime"),
                                                             "EAGER_PERSIST_DROPPED", None),
+               "deepcompile_cached_walks": getattr(sys.modules.get("shared.train.ds_runtime"), "CACHED_WALKS", None),
                **({"profile": timing["profile"]} if timing.get("profile") else {})},
     )
 
