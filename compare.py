@@ -20,6 +20,7 @@ import dataclasses
 import json
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -29,8 +30,11 @@ from harness.launch import (
     GRACE_S,
     PATHS,
     REFERENCES,
+    TIME_LIMIT_EXIT,
     CompareError,
     Stopped,
+    TimeLimit,
+    TimeLimitReached,
     launch,
     raise_stopped,
     run_group,
@@ -102,6 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue a cut compare: keep the runs that an earlier invocation with the same flags left in "
                         "--out (runs/<row>_<round>.json), run only the missing ones; a run made with other settings "
                         "is refused by name. With --autotune: continue a cut search from --out's autotune.json")
+    p.add_argument("--time_limit", "--time-limit", type=float, default=None,
+                   help="seconds this invocation may take (a job's or a session's time limit): a run starts only if "
+                        "the time left is at least the longest run made so far in this invocation (the first always "
+                        f"starts); else compare stops with exit status {TIME_LIMIT_EXIT}, its finished runs in --out, "
+                        "and the same command with --keep_runs runs the rest. Needs --out; not with --explain/"
+                        "--autotune/--cross_check (--budget_s bounds a search)")
     p.add_argument("--parallel", action="store_true",
                    help="run the two paths of each pair at the same time, each on its own GPU (and the reference "
                         "rows likewise): one-GPU runs on a machine with >= 2 GPUs, half the wall time; the runs "
@@ -160,6 +170,11 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
         if ns.keep_runs and (ns.explain or ns.cross_check or not ns.out):
             raise ValueError("--keep_runs continues a compare run or an autotune search in its --out folder; it needs "
                              "--out and does not combine with --explain/--cross_check")
+        if ns.time_limit is not None and (ns.time_limit <= 0 or not ns.out or ns.explain or ns.autotune
+                                          or ns.cross_check):
+            raise ValueError(f"--time_limit must be positive and needs --out, where the runs it lets finish stay for "
+                             f"--keep_runs; it does not combine with --explain/--autotune/--cross_check, got "
+                             f"--time_limit {ns.time_limit:g}" + ("" if ns.out else " without --out"))
         if ns.autotune:
             ns.mb_grid = ns.mb_grid or ("4,8,12,16,24,32" if n_gpus else "1,2,4")
             ns.budget_s = ns.budget_s or (1200.0 if n_gpus else 300.0)
@@ -225,6 +240,7 @@ def kept_runs(ns: argparse.Namespace, train: TrainConfig) -> dict[tuple[str, int
 
 
 def main(argv: list[str] | None = None) -> dict:
+    t0 = time.monotonic()
     argv = sys.argv[1:] if argv is None else argv
     train, ns = parse(argv)
     out_dir: Path = ns.report_dir
@@ -251,28 +267,33 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"\nwrote {out_dir / 'explain.json'}, {out_dir / 'explain.md'}")
         return report
     results: dict[str, list[RunResult]] = {p: [] for p in (*PATHS, *ns.references)}
+    plan = []  # (round, the paths run together)
     for i in range(ns.repeats):
-        order = round_order(PATHS, i)
-        refs = round_references(ns, i)
-        groups = [order, refs] if ns.parallel else [[p] for p in [*order, *refs]]
-        for group in filter(None, groups):
-            for path in [p for p in group if (p, i) in ns.kept]:
-                print(f"  {path} (round {i + 1}): kept from {out_dir / 'runs' / f'{path}_{i}.json'} (--keep_runs)",
-                      flush=True)
-                results[path].append(ns.kept[(path, i)])
-            group = [p for p in group if (p, i) not in ns.kept]
-            if not group:
-                continue
+        order, refs = round_order(PATHS, i), round_references(ns, i)
+        plan += [(i, g) for g in ([order, refs] if ns.parallel else [[p] for p in [*order, *refs]]) if g]
+    to_run = sum((p, i) not in ns.kept for i, group in plan for p in group)
+    clock = TimeLimit(ns.time_limit, t0, to_run, out_dir / "runs", ["python", "compare.py", *argv],
+                      ("--keep_runs", "--keep-runs"))
+    for i, group in plan:
+        for path in [p for p in group if (p, i) in ns.kept]:
+            print(f"  {path} (round {i + 1}): kept from {out_dir / 'runs' / f'{path}_{i}.json'} (--keep_runs)",
+                  flush=True)
+            results[path].append(ns.kept[(path, i)])
+        group = [p for p in group if (p, i) not in ns.kept]
+        if not group:
+            continue
+        clock.before(f"{' and '.join(group)} (round {i + 1})")
 
-            def launch_one(slot: int, path: str, i: int = i) -> RunResult:
-                # The ceiling is one unsharded process on the first GPU whatever the run's world size; with
-                # --parallel every run of a group has a GPU of its own.
-                env = {"CUDA_VISIBLE_DEVICES": visible_gpu(slot)} if ns.parallel or path == "ceiling" else None
-                return launch(path, train, row_world(ns, path), out_dir / "runs" / f"{path}_{i}.json",
-                              out_dir / "logs" / f"{path}_{i}.log", ns.timeout, env=env)
+        def launch_one(slot: int, path: str, i: int = i) -> RunResult:
+            # The ceiling is one unsharded process on the first GPU whatever the run's world size; with
+            # --parallel every run of a group has a GPU of its own.
+            env = {"CUDA_VISIBLE_DEVICES": visible_gpu(slot)} if ns.parallel or path == "ceiling" else None
+            return launch(path, train, row_world(ns, path), out_dir / "runs" / f"{path}_{i}.json",
+                          out_dir / "logs" / f"{path}_{i}.log", ns.timeout, env=env)
 
-            for path, result in run_group(group, launch_one).items():
-                results[path].append(result)
+        for path, result in run_group(group, launch_one).items():
+            results[path].append(result)
+        clock.after(len(group))
     cross = {}
     if ns.cross_check:
         diag = dataclasses.replace(train, wall_clock_breakdown=True)
@@ -290,15 +311,24 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
-if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, raise_stopped)
+def cli(argv: list[str] | None = None) -> int:
+    """compare.py's exit status: 0, 1 (a run failed), 2 (a bad flag: argparse exits), TIME_LIMIT_EXIT, 128 + signal."""
     try:
-        main()
+        main(argv)
     except CompareError as e:
         print(f"compare.py: error: {e}", file=sys.stderr)
-        sys.exit(1)
+        return 1
+    except TimeLimitReached as e:
+        print(f"compare.py: {e}", file=sys.stderr)
+        return TIME_LIMIT_EXIT
     except (Stopped, KeyboardInterrupt) as e:
         name = str(e) if isinstance(e, Stopped) else "SIGINT"
         print(f"compare.py: stopped by {name}; the run in progress was stopped with it (SIGTERM to its process "
               f"group, SIGKILL after {GRACE_S}s); no report was written", file=sys.stderr)
-        sys.exit(128 + signal.Signals[name].value)
+        return 128 + signal.Signals[name].value
+    return 0
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, raise_stopped)
+    sys.exit(cli())

@@ -30,7 +30,9 @@ mean of the baseline runs, whose two values give the noise. Raw path only by def
 the shared model or step, which both paths run alike (compare.py measures their ratio). A DeepCompile run of the
 1.5b preset takes ~3 min with its start-up and warm-up, so under a 10-minute time limit one GPU measures two or
 three; `--keep` continues an ablation in the same --out: the configurations it already measured with the same base
-settings, device and package versions are kept (and not run again if named), the others run.
+settings, device and package versions are kept (and not run again if named), the others run. `--time_limit SECONDS`
+starts a configuration only if the longest one so far still fits in the time left, else stops (exit status 3) with
+the command that runs the rest.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from pathlib import Path
 import torch
 
 from compare import GPU_DEEPCOMPILE_DEFAULTS
-from harness.launch import CompareError, launch
+from harness.launch import TIME_LIMIT_EXIT, CompareError, TimeLimit, TimeLimitReached, launch
 from harness.report import measured
 from shared.train.config import TrainConfig
 from shared.train.results import device_info, versions
@@ -130,7 +132,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--keep", action="store_true", help="keep what --out/ablation.json already measured with the "
                    "same base settings, device and versions (named configurations that ran are not run again)")
     p.add_argument("--timeout", type=int, default=600)
+    p.add_argument("--time_limit", type=float, default=None,
+                   help="seconds this invocation may take: a configuration starts only if the time left is at least "
+                        "the longest configuration made so far in this invocation (the first always starts); else "
+                        f"the ablation stops with exit status {TIME_LIMIT_EXIT}, what it measured written, and the "
+                        "same command with --keep runs the rest. Not with a micro-batch sweep")
     p.add_argument("--out", default="reports/ablation")
+    t_start = time.monotonic()
     ns = p.parse_args(argv)
     last_mile = ns.lever_set == "last_mile"
     all_configs = LAST_MILE if last_mile else configurations(cuda)
@@ -159,6 +167,10 @@ def main(argv: list[str] | None = None) -> dict:
     mb_sweep = ns.mb_sweep if ns.mb_sweep is not None else "12,16,24" if cuda and not last_mile else ""
     try:
         sweep = [int(x) for x in mb_sweep.split(",") if x.strip()]
+        if ns.time_limit is not None and (ns.time_limit <= 0 or sweep):
+            raise ValueError(f"--time_limit must be positive and stops between configurations, not inside a "
+                             f"micro-batch sweep (--mb_sweep ''), got --time_limit {ns.time_limit:g}"
+                             + (f" with --mb_sweep {mb_sweep}" if sweep else ""))
         base = TrainConfig(preset=ns.preset, stage=3, precision="bf16" if cuda else "fp32",
                            log_every=max(defaults["steps"] // 2, 1), **defaults)
     except ValueError as e:
@@ -197,18 +209,23 @@ def main(argv: list[str] | None = None) -> dict:
         (out / "ablation.md").write_text(table(report))
         return report
 
+    done_ok = lambda name: [r for r in kept if r["config"] == name and r["path"] in paths and r["ok"]]
+    to_run = [n for n in names if {r["path"] for r in done_ok(n)} != set(paths)]
+    command = ["python", "benchmarks/ablation.py", *(argv if argv is not None else sys.argv[1:])]
+    clock = TimeLimit(ns.time_limit, t_start, len(to_run) * len(paths), out / "ablation.json", command, ("--keep",))
     with ThreadPoolExecutor(max_workers=2 if parallel else 1) as pool:
         for name in names:
-            done = [r for r in kept if r["config"] == name and r["path"] in paths and r["ok"]]
-            if {r["path"] for r in done} == set(paths):
+            if name not in to_run:
                 print(f"== {name}: kept from {out / 'ablation.json'}", flush=True)
-                rows += done
+                rows += done_ok(name)
                 continue
+            clock.before(name)
             print(f"== {name} {all_configs[name]}", flush=True)
             jobs = [pool.submit(run_one, base, name, all_configs[name], path, out, gpus[path], ns.timeout)
                     for path in paths]
             rows += [j.result() for j in jobs]
             write()
+            clock.after(len(paths))
         # the largest micro-batch without activation checkpointing: raw path, naive on GPU 0 and all on GPU 1
         def largest(name: str, gpu: int | None) -> list[dict]:
             found = []
@@ -299,4 +316,8 @@ def _fmt(tflops: float) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except TimeLimitReached as e:
+        print(f"ablation.py: {e}", file=sys.stderr)
+        sys.exit(TIME_LIMIT_EXIT)

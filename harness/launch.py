@@ -60,6 +60,43 @@ class Stopped(BaseException):
     KeyboardInterrupt is, so that the searches' `except Exception` (a failed candidate) does not swallow it."""
 
 
+# Exit status of compare.py and benchmarks/ablation.py when --time_limit stopped them between runs (the finished runs
+# are kept; the same command with --keep_runs / --keep runs the rest): distinct from a failure (1), a bad flag (2)
+# and a signal (128 + n).
+TIME_LIMIT_EXIT = 3
+
+
+class TimeLimitReached(Exception):
+    """--time_limit: the next run would not end inside the limit; it was not started, nothing is lost."""
+
+
+class TimeLimit:
+    """--time_limit: before each run (or group of runs side by side), whether the longest one made so far in this
+    invocation still fits in the time left; the first always starts (nothing to estimate from). A stop names the
+    command that runs the rest: `command` with a keep flag (the first of `keep_flags`) added if it has none."""
+
+    def __init__(self, limit_s: float | None, t0: float, runs: int, where: Path, command: list,
+                 keep_flags: tuple[str, ...]):
+        self.limit_s, self.t0, self.left, self.where = limit_s, t0, runs, where
+        self.command = [str(a) for a in command]
+        if not set(keep_flags) & set(self.command):
+            self.command.append(keep_flags[0])
+        self.started, self.longest = t0, 0.0
+
+    def before(self, what: str) -> None:
+        self.started = time.monotonic()
+        left_s = (self.limit_s or 0) - (self.started - self.t0)
+        if self.limit_s is not None and self.longest and left_s < self.longest:
+            raise TimeLimitReached(
+                f"--time_limit {self.limit_s:g}: {left_s:.0f} s left, and the longest so far took "
+                f"{self.longest:.0f} s; stopped before {what}, {self.left} run(s) left. The finished runs are in "
+                f"{self.where}; to run the rest: {' '.join(self.command)}")
+
+    def after(self, n_runs: int) -> None:
+        self.longest = max(self.longest, time.monotonic() - self.started)
+        self.left -= n_runs
+
+
 def raise_stopped(signum, frame) -> None:
     """Signal handler: turn SIGTERM into Stopped (installed by compare.py's entry point)."""
     raise Stopped(signal.Signals(signum).name)

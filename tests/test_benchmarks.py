@@ -390,3 +390,39 @@ def test_mlp_tail_times_both_bias_gradients_and_checks_them_against_float32(tmp_
 def test_mlp_tail_refuses_bad_sizes():
     r = run([sys.executable, str(ROOT / "benchmarks" / "mlp_tail.py"), "--rows", "0"], check=False, timeout=60)
     assert r.returncode == 2 and "--rows must be >= 1, got 0" in r.stderr
+
+
+def test_ablation_time_limit_stops_between_configurations_and_keep_runs_the_rest(tmp_path, monkeypatch, capsys):
+    """--time_limit: a configuration starts only if the longest so far fits in the time left; what ran is written,
+    and the printed command (with --keep) runs only the rest. Runs take 100 s of a fake clock (no real run)."""
+    import time
+
+    ablation = load_module("ablation", ABLATION)
+    clock, ran = [50.0], []
+
+    def fake_run(base, name, flags, path, out, gpu, timeout):
+        ran.append(name)
+        clock[0] += 100.0
+        return {"config": name, "path": path, "flags": flags, "micro_batch": base.micro_batch, "ok": True,
+                "tflops_per_gpu": 1.0 + len(ran), "step_time_s": {"min": 0.1, "max": 0.2}, "peak_mem_gib": 1.0,
+                "device": None}
+
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(ablation, "run_one", fake_run)
+    args = ["--configs", "naive,+bias_dropout_add,+bias_gelu", "--paths", "deepspeed", "--mb_sweep", "",
+            "--out", str(tmp_path)]
+    with pytest.raises(ablation.TimeLimitReached, match=r"stopped before \+bias_gelu, 1 run\(s\) left") as e:
+        ablation.main([*args, "--time_limit", "250"])
+    assert ran == ["naive", "+bias_dropout_add"]
+    assert {r["config"] for r in load(tmp_path / "ablation.json")["rows"]} == {"naive", "+bias_dropout_add"}
+    assert str(e.value).endswith(" ".join(["python", "benchmarks/ablation.py", *args, "--time_limit", "250", "--keep"]))
+    report = ablation.main([*args, "--time_limit", "250", "--keep"])  # the printed command: only the rest runs
+    assert ran == ["naive", "+bias_dropout_add", "+bias_gelu"] and report["kept"] == ["+bias_dropout_add", "naive"]
+    assert [r["config"] for r in report["rows"]] == ["naive", "+bias_dropout_add", "+bias_gelu"]
+
+
+def test_ablation_time_limit_is_checked_before_any_run(tmp_path):
+    for args, match in [(["--time_limit", "-1"], "--time_limit must be positive"),
+                        (["--time_limit", "60", "--mb_sweep", "4"], "got --time_limit 60 with --mb_sweep 4")]:
+        proc = run([sys.executable, ABLATION, *args, "--out", tmp_path], check=False, timeout=60)
+        assert proc.returncode == 2 and match in proc.stderr, proc.stderr[-500:]

@@ -347,3 +347,39 @@ def test_reference_and_parallel_flags_are_checked_before_any_run(tmp_path):
                         (["--reference", "--repeats", "2", "--reference_rounds", "3"], "a value from 1 to --repeats")]:
         proc = run([sys.executable, COMPARE, *args, "--out", tmp_path], check=False, timeout=60)
         assert proc.returncode == 2 and match in proc.stderr, proc.stderr[-1000:]
+
+
+def test_time_limit_stops_between_runs_when_the_longest_would_not_fit(tmp_path, monkeypatch, capsys):
+    """--time_limit: a run starts only if the longest run of this invocation still fits in the time left; compare
+    then stops with TIME_LIMIT_EXIT and prints the command that runs the rest (--keep_runs). Runs take 100 s of a
+    fake clock here, so the test does not depend on the machine's speed."""
+    clock, launched = [1000.0], []
+
+    def fake_launch(path, train, world, out, log, timeout, env=None):
+        launched.append(out.name)
+        clock[0] += 100.0
+        return SimpleNamespace(path=path)
+
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(compare, "launch", fake_launch)
+    base = ["--repeats", "2", "--out", str(tmp_path)]
+    assert compare.cli([*base, "--time_limit", "250"]) == compare.TIME_LIMIT_EXIT
+    # 0 -> 100 -> 200 s; 50 s left < the longest run (100 s): the third is not started
+    assert launched == ["deepspeed_0.json", "lightning_0.json"]
+    err = capsys.readouterr().err
+    assert "--time_limit 250: 50 s left, and the longest so far took 100 s; stopped before lightning (round 2), " \
+           "2 run(s) left" in err
+    assert f"to run the rest: python compare.py {' '.join(base)} --time_limit 250 --keep_runs" in err
+    launched.clear()
+    assert compare.cli([*base, "--time_limit", "1"]) == compare.TIME_LIMIT_EXIT
+    assert launched == ["deepspeed_0.json"]  # the first run always starts: nothing to estimate from
+
+
+@pytest.mark.parametrize("args, match", [(["--time_limit", "0", "--out", "r"], "--time_limit must be positive"),
+                                         (["--time_limit", "60"], "got --time_limit 60 without --out"),
+                                         (["--time_limit", "60", "--out", "r", "--explain"], "--explain/--autotune"),
+                                         (["--time_limit", "60", "--out", "r", "--cross_check"], "--cross_check")])
+def test_time_limit_is_checked_before_any_run(args, match, capsys):
+    with pytest.raises(SystemExit) as e:
+        compare.cli(args)
+    assert e.value.code == 2 and match in capsys.readouterr().err
