@@ -131,8 +131,8 @@ class TrainConfig(FusedSwitches):
     """under DeepCompile at stage 3: the host's walks of the model around each step (ZeRO-3's release of every
     parameter at the optimizer step, the eager-fallback context's marking of every module at each forward) over
     lists taken once (shared/train/ds_runtime.cache_deepcompile_walks); same behaviour, less Python the device
-    waits on: 1.006-1.011x on one H200 (docs/results.md). false: DeepSpeed 0.19.8's own walks. Only with --compile
-    deepcompile at stage 3 (other modes and stages ignore it, as they do --deepcompile_persist)"""
+    waits on: 1.006-1.007x on one H200, two pairs (docs/results.md). false: DeepSpeed 0.19.8's own walks. Only
+    with --compile deepcompile at stage 3 (other modes and stages ignore it, as they do --deepcompile_persist)"""
     coordinate_descent_tuning: bool = False
     """inductor's coordinate-descent tuning (torch._inductor.config.coordinate_descent_tuning): each generated
     Triton kernel's block sizes and warps are benchmarked around the default at its first compile and the best is
