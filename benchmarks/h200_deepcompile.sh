@@ -30,6 +30,10 @@
 #   STAGE=autotune  compare.py --autotune on GPUS GPUs (default 1) over GRID (default 16,24), each candidate STEPS /
 #               WARMUP steps, its budget what is left of the call; KEEP=<an earlier call's autotune folder, in the repo>
 #               continues that search (--keep_runs): candidates measured there are not run again
+#   STAGE=headline  compare.py's GPU default on GPUS GPUs (default 1): both paths, REPEATS rounds (default 2), the
+#               ceiling in round 1, step PROFILE_STEP (default 9) profiled, over as many calls as it takes: each call
+#               runs what fits in it (--time_limit; exit status 3 when it stopped before a run) and KEEP=<the last
+#               call's headline_<GPUS>xh200 folder, in the repo> continues it (--keep_runs) until the report is written
 # SCHED picks --deepcompile_schedule (deepspeed | once); EXTRA adds flags to every training run (e.g. "--profile_step
 # 9"); TESTS names the deepcompile GPU tests of `steps` and of `split`'s second call; FACTORS the explain factors;
 # REFROUNDS runs the reference rows of `pair`/`two` in the first N rounds only (compare.py --reference_rounds).
@@ -172,6 +176,15 @@ case "$STAGE" in
     if [ -n "${KEEP:-}" ] && [ "$G" = 1 ]; then
       gpu_test_each 0 ${TESTS:-"test_deepcompile_validates_saves_exports_and_resumes_at_the_end[lightning]"}
     fi ;;
+  headline)
+    G=${GPUS:-1}; C="headline_${G}xh200"
+    if [ -n "${KEEP:-}" ]; then cp -r "$KEEP" "$W/$C"; fi
+    # compare.py stops between runs by itself; the outer timeout only guards a first run longer than the call
+    timeout -k 25 "$(left)" python3 compare.py --gpus "$G" --preset 1.5b --stage 3 --precision bf16 \
+      --steps "${STEPS:-20}" --warmup_steps "${WARMUP:-10}" --profile_step "${PROFILE_STEP:-9}" ${EXTRA:-} \
+      --repeats "${REPEATS:-2}" --reference ceiling --reference_rounds 1 --keep_runs --time_limit "$(( $(left) - 20 ))" \
+      --timeout 400 --out "$W/$C" > "$W/$C.log" 2>&1
+    echo "compare exit $? (3: stopped before a run that would not fit; KEEP=<this folder> continues it)" ;;
   autotune)
     if [ -n "${KEEP:-}" ]; then cp -r "$KEEP" "$W/autotune"; K=(--keep_runs); else K=(); fi
     # -k 25: compare.py's own SIGTERM handler takes up to 15 s to stop the candidate it runs

@@ -88,7 +88,7 @@ class TimeLimit:
         left_s = (self.limit_s or 0) - (self.started - self.t0)
         if self.limit_s is not None and self.longest and left_s < self.longest:
             raise TimeLimitReached(
-                f"--time_limit {self.limit_s:g}: {left_s:.0f} s left, and the longest so far took "
+                f"--time_limit {self.limit_s:g}: {max(left_s, 0):.0f} s left, and the longest so far took "
                 f"{self.longest:.0f} s; stopped before {what}, {self.left} run(s) left. The finished runs are in "
                 f"{self.where}; to run the rest: {' '.join(self.command)}")
 
