@@ -392,7 +392,7 @@ def test_mlp_tail_refuses_bad_sizes():
     assert r.returncode == 2 and "--rows must be >= 1, got 0" in r.stderr
 
 
-def test_ablation_time_limit_stops_between_configurations_and_keep_runs_the_rest(tmp_path, monkeypatch, capsys):
+def test_ablation_time_limit_stops_between_configurations_and_keep_runs_the_rest(tmp_path, monkeypatch):
     """--time_limit: a configuration starts only if the longest so far fits in the time left; what ran is written,
     and the printed command (with --keep) runs only the rest. Runs take 100 s of a fake clock (no real run)."""
     import time
