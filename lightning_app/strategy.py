@@ -24,22 +24,19 @@ from pytorch_lightning.plugins.precision import DeepSpeedPrecision
 from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy
 
 from shared.train import zero3_step
+from shared.train.config import TrainConfig
 from shared.train.ds_runtime import align_schedule, compile_engine
 
 
 class ZeroStrategy(DeepSpeedStrategy):
     strategy_name = "zero3bench_deepspeed"
 
-    def __init__(self, *args, compile_mode: str = "none", deepcompile_schedule: str = "deepspeed",
-                 deepcompile_persist: str = "deepspeed", deepcompile_eager_persist: str = "deepspeed",
-                 deepcompile_cached_walks: bool = False, zero3_step: str = "deepspeed", **kwargs):
+    def __init__(self, *args, train: TrainConfig | None = None, **kwargs):
+        """train: the run's config, whose compile mode that lives in the engine (DeepCompile, with its options) and
+        ZeRO-3 optimizer step are applied to the engine as the raw loop applies them; None: neither (Lightning's
+        DeepSpeedStrategy as it is)."""
         super().__init__(*args, **kwargs)
-        self.compile_mode = compile_mode
-        self.deepcompile_schedule = deepcompile_schedule
-        self.deepcompile_persist = deepcompile_persist
-        self.deepcompile_eager_persist = deepcompile_eager_persist
-        self.deepcompile_cached_walks = deepcompile_cached_walks
-        self.zero3_step = zero3_step
+        self.train = train
 
     @property
     def _on_cpu(self) -> bool:
@@ -63,10 +60,9 @@ class ZeroStrategy(DeepSpeedStrategy):
         engine, ds_optimizer = self._initialize(model, optimizer, lr_scheduler)
         # Lightning 2.6 only calls deepspeed.initialize; a compile mode that lives in the engine (DeepCompile) is
         # applied right after it, as the raw loop does (the engine's module hands compile() to the GPT).
-        stage = self.config["zero_optimization"]["stage"]
-        compile_engine(engine, self.compile_mode, self.global_rank, self.deepcompile_schedule, stage,
-                       self.deepcompile_persist, self.deepcompile_eager_persist, self.deepcompile_cached_walks)
-        zero3_step.apply(engine, self.zero3_step)  # the raw loop's optimizer step (shared/train/zero3_step.py)
+        if self.train is not None:
+            compile_engine(engine, self.train, self.global_rank)
+            zero3_step.apply(engine, self.train.zero3_step)  # the raw loop's step (shared/train/zero3_step.py)
         return engine, ds_optimizer
 
     def load_checkpoint(self, checkpoint_path, *args, **kwargs):

@@ -81,12 +81,7 @@ def build_strategy(train: TrainConfig) -> ZeroStrategy:
         # stage-3 defaults for prefetch and persistence, DeepSpeed's synchronized throughput timer).
         return ZeroStrategy(stage=train.stage, logging_batch_size_per_gpu=train.micro_batch,
                             precision_plugin=precision)
-    return ZeroStrategy(config=lightning_ds_config(train), precision_plugin=precision,
-                        compile_mode=train.compile, deepcompile_schedule=train.deepcompile_schedule,
-                        deepcompile_persist=train.deepcompile_persist,
-                        deepcompile_eager_persist=train.deepcompile_eager_persist,
-                        deepcompile_cached_walks=train.deepcompile_cached_walks,
-                        zero3_step=train.zero3_step)
+    return ZeroStrategy(config=lightning_ds_config(train), precision_plugin=precision, train=train)
 
 
 class DataModule(pl.LightningDataModule):

@@ -115,8 +115,7 @@ def main(train: TrainConfig) -> RunResult:
     if start >= train.steps:
         raise ValueError(f"checkpoint {resume_from} is at step {start}, not before --steps {train.steps}")
     # after the resume: DeepCompile registers the loaded shards
-    compile_engine(engine, train.compile, rank, train.deepcompile_schedule, train.stage, train.deepcompile_persist,
-                   train.deepcompile_eager_persist, train.deepcompile_cached_walks)
+    compile_engine(engine, train, rank)
     zero3_step.apply(engine, train.zero3_step)
 
     pin = device.type == "cuda"

@@ -264,8 +264,8 @@ def kjv(tmp_path_factory):
 
 
 def test_the_lightning_strategy_hands_every_deepcompile_option_to_compile_engine(monkeypatch):
-    """The raw loop passes the config's DeepCompile options to ds_runtime.compile_engine; so must Lightning's
-    strategy, from the same TrainConfig."""
+    """The raw loop passes its TrainConfig, every DeepCompile option in it, to ds_runtime.compile_engine; so must
+    Lightning's strategy, the same config."""
     from lightning_app import strategy
     from lightning_app.train import build_strategy
 
@@ -277,8 +277,8 @@ def test_the_lightning_strategy_hands_every_deepcompile_option_to_compile_engine
     zs = build_strategy(train)
     monkeypatch.setattr(zs, "_initialize", lambda model, optimizer, scheduler=None: ("engine", "optimizer"))
     assert zs._setup_model_and_optimizer("model", "optimizer") == ("engine", "optimizer")
-    assert calls == [("engine", "none", zs.global_rank, "once", 3, "deepspeed", "deepspeed", False),
-                     ("zero3_step", "deepspeed")]
+    assert calls == [("engine", train, zs.global_rank), ("zero3_step", "deepspeed")]
+    assert calls[0][1] is train
 
 
 def _train(script, tmp_path, name, kjv, *args, steps=30):

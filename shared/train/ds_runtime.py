@@ -5,6 +5,10 @@ from __future__ import annotations
 import os
 import re
 import statistics
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shared.train.config import TrainConfig
 
 # DeepSpeed's per-micro-step timer names (deepspeed/utils/timer.py), filled with "wall_clock_breakdown": true.
 BREAKDOWN_TIMERS = {"forward": "fwd_microstep", "backward": "bwd_microstep", "step": "step_microstep"}
@@ -107,17 +111,18 @@ def deepcompile_schedule(name: str, stage: int, persist_threshold: int | None = 
     return [(0, [zero3_compile.add_z3_gather_release, *keep]), (DEEPCOMPILE_WARMUP, full)]  # DeepSpeed's, plus ours
 
 
-def compile_engine(engine, mode: str, rank: int = 0, schedule: str = "deepspeed", stage: int = 3,
-                   persist: str = "deepspeed", eager_persist: str = "deepspeed", cached_walks: bool = False) -> None:
-    """Apply a TrainConfig.compile mode that lives in the engine: deepcompile calls engine.compile() (inductor).
+def compile_engine(engine, train: TrainConfig, rank: int = 0) -> None:
+    """Apply train.compile where it lives in the engine: deepcompile calls engine.compile() (inductor), with the
+    config's DeepCompile options (schedule, persistence, the eager list, the cached walks).
 
     The compiled graph is built at the first forward; DeepCompile profiles it and compiles it with its passes on the
     schedule of deepcompile_schedule, whose compile steps the timing excludes (TrainConfig validation). The
     module compiled is the engine's module: the GPT in the raw loop; in Lightning the GPTModule hands it on to its
     GPT (lightning_app/module.GPTModule.compile), so both paths compile the same forward + loss.
     """
-    if mode != "deepcompile":
+    if train.compile != "deepcompile":
         return
+    schedule, stage, persist = train.deepcompile_schedule, train.stage, train.deepcompile_persist
     prepare_op_build(rank)  # DeepCompile builds its `dc` op here
     import torch._inductor.config as inductor_config
 
@@ -137,9 +142,9 @@ def compile_engine(engine, mode: str, rank: int = 0, schedule: str = "deepspeed"
         # DeepSpeed falls back to plain torch.compile when its pass cannot run (e.g. ZeRO stage 0): never report a
         # run as DeepCompile that is not one.
         raise RuntimeError("DeepSpeed did not activate DeepCompile (engine.is_deepcompile_active() is False)")
-    if stage == 3 and eager_persist == "drop":
+    if stage == 3 and train.deepcompile_eager_persist == "drop":
         drop_eager_persistent(engine)
-    if stage == 3 and cached_walks:
+    if stage == 3 and train.deepcompile_cached_walks:
         cache_deepcompile_walks(engine)
     align_schedule(engine)
 
