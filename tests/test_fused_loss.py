@@ -83,26 +83,50 @@ def test_both_paths_train_with_the_fused_loss_and_record_it(tmp_path):
     assert raw["losses"] == pytest.approx(plain_run["losses"], abs=1e-5) and pl["losses"] == raw["losses"]
 
 
+def _peak_bytes(fn) -> int:
+    """Peak CUDA memory allocated by fn() above what was allocated before it."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
 @pytest.mark.gpu
 def test_bf16_on_gpu_matches_and_never_holds_the_full_fp32_logits():
-    dev = torch.device("cuda")
-    n, c, v = 8 * 2048, 2304, 50257  # the 1.5b preset at micro-batch 8
-    x = (torch.randn(n, c, device=dev) * 0.5).bfloat16().requires_grad_()
+    dev, c, v = torch.device("cuda"), 2304, 50257  # the 1.5b preset's width and vocabulary
     w = (torch.randn(v, c, device=dev) * 0.02).bfloat16().requires_grad_()
-    t = torch.randint(0, v, (n,), device=dev)
+
+    def batch(n):
+        x = (torch.randn(n, c, device=dev) * 0.5).bfloat16().requires_grad_()
+        return x, torch.randint(0, v, (n,), device=dev)
+
+    x, t = batch(8 * 2048)  # micro-batch 8
     ref = plain(x, w, t)
     ref.backward()
     gx, gw = x.grad.clone(), w.grad.clone()
     x.grad = w.grad = None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
     out = chunked_linear_cross_entropy(x, w, t)
     out.backward()
-    peak = torch.cuda.max_memory_allocated() - base
     # bf16 operands: the loss to 1e-3 relative; gradients through one bf16 rounding of softmax - onehot
     torch.testing.assert_close(out.float(), ref.float(), rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(x.grad.float(), gx.float(), rtol=2e-2, atol=1e-4)
     torch.testing.assert_close(w.grad.float(), gw.float(), rtol=2e-2, atol=1e-4)
-    full_fp32_logits = n * v * 4  # 3.3 GB
-    assert peak < full_fp32_logits / 2, f"peak {peak / 2**30:.2f} GiB"
+    del x, t, ref, out, gx, gw
+    w.grad = None
+
+    def peak(loss, n):
+        x, t = batch(n)
+        return _peak_bytes(lambda: loss(x, w, t).backward())
+
+    n8, n16 = 8 * 2048, 16 * 2048
+    chunked8, chunked16, plain16 = peak(chunked_linear_cross_entropy, n8), peak(chunked_linear_cross_entropy, n16), \
+        peak(plain, n16)
+    gib = 2**30
+    full_fp32_logits = n16 * v * 4  # 6.1 GiB at micro-batch 16
+    assert chunked16 < full_fp32_logits / 2, f"peak {chunked16 / gib:.2f} GiB"
+    assert chunked16 < plain16 / 3, f"chunked {chunked16 / gib:.2f} GiB, plain {plain16 / gib:.2f} GiB"
+    # one chunk of logits whatever the batch: twice the rows adds only row-sized buffers (x's gradient), not logits
+    grown = chunked16 - chunked8
+    assert grown < 4 * (n16 - n8) * c * 2 + 64 * 2**20, f"peak grew by {grown / gib:.2f} GiB with the batch"
