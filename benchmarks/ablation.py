@@ -22,7 +22,9 @@ shared/train/deepcompile_passes.py), inductor's generated kernels without coordi
 (`-coordinate_descent`), the MLP bias's gradient summed by a matmul (`+matmul_bias_grad`), eager ZeRO-3's list of
 persistent parameters kept under DeepCompile, so each step gathers them again (`-drop_eager_persist`,
 shared/train/ds_runtime.drop_eager_persistent), DeepSpeed's own walks of the model around each step instead
-of lists taken once (`-cached_walks`, shared/train/ds_runtime.cache_deepcompile_walks). The block-sparse kernel
+of lists taken once (`-cached_walks`, shared/train/ds_runtime.cache_deepcompile_walks), the optimizer step's
+gradient copy, AdamW and parameter copy in one Triton kernel (`+fused_zero3_step`, shared/kernels/adamw.py). The
+block-sparse kernel
 is not a lever here: it runs between compiled graphs, which DeepCompile's ZeRO-3 pass refuses
 (shared/train/config.py); benchmarks/attention.py compares it with SDPA at the model's shape.
 `baseline` runs first and again last (`baseline_again`): each configuration's ratio is against the
@@ -80,6 +82,7 @@ LAST_MILE = {
     "+matmul_bias_grad": {"matmul_bias_grad": True},
     "-drop_eager_persist": {"deepcompile_eager_persist": "deepspeed"},
     "-cached_walks": {"deepcompile_cached_walks": False},
+    "+fused_zero3_step": {"zero3_step": "fused"},
     "baseline_again": {},
 }
 REFERENCE = {"fusions": "naive", "last_mile": "baseline"}  # each set's ratios are against these runs

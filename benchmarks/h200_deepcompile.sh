@@ -18,7 +18,8 @@
 #   STAGE=split a GPUS-GPU compare (default 1) over two calls: KEEP unset runs round 1 (both paths, ceiling, FSDP2;
 #               --repeats 1); KEEP=<the first call's compare_<GPUS>xh200 folder, in the repo> continues it with
 #               --repeats 2 --keep_runs (round 2's pair), then, on one GPU, the Lightning DeepCompile resume test
-#   STAGE=steps GPU 0: the ZeRO-3 optimizer step, --zero3_step fast and deepspeed alternated (STEP_ROUNDS rounds);
+#   STAGE=steps GPU 0: the ZeRO-3 optimizer step, --zero3_step STEP_MODES (default "fast deepspeed") alternated
+#               (STEP_ROUNDS rounds);
 #               GPU 1: the deepcompile GPU tests named in TESTS, one pytest each
 #   STAGE=lastmile  the block-sparse kernel's GPU tests (TEST_K selects, default those with dropout), attention
 #               with and without dropout as in `probe` (plus flex), then benchmarks/ablation.py --set last_mile over
@@ -86,9 +87,9 @@ optimizer_profile() {  # where the ZeRO-3 optimizer step's time goes, torch Adam
       --out "$W/optimizer_step_$opt.json" > "$W/optimizer_step_$opt.log" 2>&1
   done
 }
-zero3_steps() {  # GPU $1: the ZeRO-3 optimizer step with the fast and DeepSpeed's gradient norm and fp32 copy
+zero3_steps() {  # GPU $1: the ZeRO-3 optimizer step, each of STEP_MODES (default: fast and DeepSpeed's) alternated
   for r in $(seq 0 $(( ${STEP_ROUNDS:-2} - 1 ))); do
-    for mode in fast deepspeed; do
+    for mode in ${STEP_MODES:-fast deepspeed}; do
       CUDA_VISIBLE_DEVICES=$1 timeout -k 10 "$(left)" python3 benchmarks/optimizer_step.py --preset 1.5b --stage 3 \
         --precision bf16 --micro_batch 4 --steps 11 --warmup_steps 3 --zero3_step $mode \
         --out "$W/optimizer_step_${mode}_$r.json" > "$W/optimizer_step_${mode}_$r.log" 2>&1

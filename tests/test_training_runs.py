@@ -33,13 +33,14 @@ def kjv(tmp_path_factory):
     return prefix
 
 
-@pytest.mark.parametrize("path", ["raw", "lightning"])
-def test_resume_before_the_midpoint_gives_the_same_losses_as_an_uninterrupted_run(tmp_path, kjv, path):
+@pytest.mark.parametrize("path, step", [("raw", "fast"), ("lightning", "fast"), ("raw", "fused")])
+def test_resume_before_the_midpoint_gives_the_same_losses_as_an_uninterrupted_run(tmp_path, kjv, path, step):
     # Resumed at step 2 of 8, on real text: Lightning once counted its in-epoch batch index from the restored
     # position against a loader of the remaining steps only, ended the epoch early and replayed the data from
-    # step 2k+1 on; a resume at or after the midpoint (3 of 6) could not show it.
+    # step 2k+1 on; a resume at or after the midpoint (3 of 6) could not show it. `fused`: the AdamW kernel's
+    # moments and step count are saved and restored as torch's AdamW state (Triton's interpreter here).
     ck = tmp_path / "ck"
-    args = [*BASE, "--data", kjv, "--steps", "8"]
+    args = [*BASE, "--data", kjv, "--steps", "8", "--zero3_step", step]
     first = torchrun(SCRIPTS[path], 2, [*args, "--ckpt_dir", ck, "--save_every", "2", "--keep_last", "0",
                                         "--out", tmp_path / "full.json"])
     full = load(tmp_path / "full.json")["losses"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import subprocess
 import sys
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from shared.train.config import TrainConfig
 from shared.train.zero3_step import _flat_region
 from tests.helpers import FAST, RAW, ROOT, load, run, torchrun
+from tests.helpers import env as run_env
 
 
 def test_flat_region_is_the_buffer_span_that_the_views_tile_in_order():
@@ -70,6 +72,28 @@ def test_the_fused_adamw_takes_the_unscale_and_trains_like_deepspeeds_multiply(c
             assert fast["checksum"]["sum_sq"] != fused["fast_clip0"]["checksum"]["sum_sq"]  # the clip did act
 
 
+def test_the_adamw_kernel_trains_like_torchs_fused_adamw_and_keeps_its_state(check):
+    """--zero3_step fused: the AdamW kernel (Triton's interpreter here) in place of the fp32 gradient copy, torch's
+    AdamW and the parameter copy; the same training, and the optimizer state torch's AdamW would have saved."""
+    fused = check["fused"]
+    for precision in ("", "fp32_"):
+        for clip in ("0", "0.05"):
+            kernel, fast = fused[f"{precision}fused_clip{clip}"], fused[f"{precision}fast_clip{clip}"]
+            calls = kernel["calls"]
+            assert calls["adamw_kernel"] == 3 * 2 and calls["adamw_torch"] == 0  # 3 steps, 2 sub-groups
+            assert calls["unscale_fused"] == 3 * 2 and calls["unscale_deepspeed"] == 0
+            assert not kernel["grad_scale_left"]
+            assert kernel["state"] == fast["state"]  # step, exp_avg, exp_avg_sq per sub-group, as torch keeps them
+            if precision:  # fp32: the same update up to the order of fp32 operations
+                assert kernel["losses"] == pytest.approx(fast["losses"], rel=1e-6)
+                assert kernel["norms"] == pytest.approx(fast["norms"], rel=1e-6)
+                assert kernel["checksum"]["sum_sq"] == pytest.approx(fast["checksum"]["sum_sq"], rel=1e-6)
+            else:  # bf16: the interpreter truncates the bf16 copy where a GPU rounds it (tests/test_adamw_kernel.py)
+                assert kernel["losses"] == pytest.approx(fast["losses"], rel=1e-3)
+                assert kernel["checksum"]["sum_sq"] == pytest.approx(fast["checksum"]["sum_sq"], rel=1e-2)
+        assert fused[f"{precision}fused_clip0"]["checksum"] != fused[f"{precision}fused_clip0.05"]["checksum"]
+
+
 def test_without_the_eager_persistent_list_the_step_leaves_nothing_gathered(check):
     """Under DeepCompile (persistence off), eager ZeRO-3's persistent list made each step gather those parameters,
     which the next forward then partitioned again; drop_eager_persistent empties it (the run JSON records how many:
@@ -116,3 +140,44 @@ def test_the_raw_path_runs_the_fast_step_by_default_records_it_and_trains_like_d
 
 
 FAST_STEPS = int(FAST[FAST.index("--steps") + 1])
+
+
+def test_the_raw_path_runs_the_fused_step_and_a_cpu_without_the_interpreter_refuses_it(tmp_path):
+    out = tmp_path / "fused.json"
+    run([sys.executable, RAW, *FAST, "--zero3_step", "fused", "--out", out])  # conftest: TRITON_INTERPRET=1
+    r = load(out)
+    assert r["train"]["zero3_step"] == "fused"
+    calls = r["extra"]["zero3_step_calls"]
+    assert calls["adamw_kernel"] == 2 * FAST_STEPS and calls["adamw_torch"] == 0 and calls["deepspeed"] == 0
+    assert all(math.isfinite(v) for v in r["losses"])
+    env = {k: v for k, v in run_env().items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, RAW, *FAST, "--zero3_step", "fused", "--out", tmp_path / "cpu.json"],
+                          capture_output=True, text=True, env=env, timeout=240, cwd=ROOT)
+    assert proc.returncode != 0 and "zero3_step 'fused' runs its AdamW kernel in Triton" in proc.stderr
+    assert not (tmp_path / "cpu.json").exists()
+
+
+@pytest.mark.gpu
+def test_gpu_fused_step_trains_like_the_fast_step(tmp_path):
+    """bf16 on a GPU: the AdamW kernel reads the bf16 gradient partition and writes the bf16 parameters; the run
+    trains as the fast step's (torch's fused AdamW and DeepSpeed's copies) up to rounding."""
+    from shared.tools.prepare_data import prepare
+
+    data = tmp_path / "kjv"
+    prepare(ROOT / "data" / "kjv.txt", data, "byte")
+    base = ["--preset", "125m", "--n_layer", "2", "--seq_len", "512", "--vocab_size", "256", "--micro_batch", "8",
+            "--lr", "1e-3", "--min_lr", "1e-4", "--lr_warmup_steps", "5", "--log_every", "10", "--data", data,
+            "--steps", "20", "--warmup_steps", "5", "--compile", "none", "--grad_clip", "1.0"]
+    runs = {}
+    for mode in ("fast", "fused"):
+        out = tmp_path / f"{mode}.json"
+        torchrun(RAW, 1, [*base, "--zero3_step", mode, "--out", out], timeout=600)
+        runs[mode] = load(out)
+    fast, fused = runs["fast"], runs["fused"]
+    calls = fused["extra"]["zero3_step_calls"]
+    assert calls["adamw_kernel"] == 2 * 20 and calls["adamw_torch"] == 0 and calls["deepspeed"] == 0
+    print("losses fast/fused:", fast["losses"], fused["losses"])
+    assert fused["losses"][0] == fast["losses"][0]  # the same first forward
+    assert max(abs(a - b) for a, b in zip(fast["losses"], fused["losses"], strict=True)) < 2e-2
+    assert fused["losses"][-1] < fused["losses"][0] - 1.0
+    assert fused["param_checksum"]["sum_sq"] == pytest.approx(fast["param_checksum"]["sum_sq"], rel=1e-3)

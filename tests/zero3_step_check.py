@@ -3,7 +3,8 @@
 On each rank, after one backward of the tiny GPT under ZeRO-3: DeepSpeed's gradient norm and fp32 gradient copy
 are computed first (their originals), then the fast ones on the same gradients; then engine.step() must run the
 fast code and report the same global norm. Then, with torch's fused AdamW (which has a CPU kernel), three steps
-with the fast and with DeepSpeed's step, clipping on and off: the fast one hands the unscale to the optimizer.
+with the fast, with DeepSpeed's and with the fused step (the AdamW kernel, in Triton's interpreter), clipping on
+and off: the fast one hands the unscale to the optimizer, the fused one to the kernel.
 Last, the step's eager gather of ZeRO-3's persistent parameters, as it runs once DeepCompile has turned persistence
 off (shared/train/ds_runtime.drop_eager_persistent): gathered after each step with the list, not without it; and
 the cached walks (ds_runtime.cache_deepcompile_walks) against DeepSpeed's own on the same parameter states.
@@ -56,8 +57,11 @@ def train_fused(train: TrainConfig, mode: str, rank: int) -> dict:
         engine.step()
         losses.append(float(loss.detach()))
         norms.append(float(engine.get_global_grad_norm()))
+    state = engine.optimizer.optimizer.state.values()
     return {"checksum": param_checksum(engine.module), "losses": losses, "norms": norms,
-            "calls": zero3_step.calls(engine), "grad_scale_left": hasattr(engine.optimizer.optimizer, "grad_scale")}
+            "calls": zero3_step.calls(engine), "grad_scale_left": hasattr(engine.optimizer.optimizer, "grad_scale"),
+            "state": sorted([sorted(st), float(st["step"]), str(st["step"].device), str(st["exp_avg"].dtype)]
+                            for st in state)}
 
 
 def eager_persist(train: TrainConfig, rank: int) -> dict:
@@ -192,7 +196,11 @@ def main(out: str) -> None:
     engine.step()
     fused = {f"{mode}_clip{clip:g}": train_fused(TrainConfig(preset="tiny", steps=3, warmup_steps=1, grad_clip=clip),
                                                 mode, rank)
-             for clip in (0.0, 0.05) for mode in ("fast", "deepspeed")}
+             for clip in (0.0, 0.05) for mode in ("fast", "deepspeed", "fused")}
+    # the kernel against torch's AdamW with no bf16 rounding between them (the interpreter truncates to bf16)
+    fused.update({f"fp32_{mode}_clip{clip:g}": train_fused(
+        TrainConfig(preset="tiny", steps=3, warmup_steps=1, grad_clip=clip, precision="fp32"), mode, rank)
+        for clip in (0.0, 0.05) for mode in ("fast", "fused")})
     persist = eager_persist(train, rank)
     walks = cached_walks(train, rank)
     if rank == 0:

@@ -45,8 +45,9 @@ DEEPCOMPILE_EAGER_PERSIST = ("drop", "deepspeed")
 NAN_POLICIES = ("stop", "skip")
 # The ZeRO-3 optimizer step (shared/train/zero3_step.py): fast = the gradient norm and fp32 gradient copy on the flat
 # gradient buffer, one kernel each, and the unscale inside torch's fused AdamW; deepspeed = DeepSpeed's per-parameter
-# loops and its multiply.
-ZERO3_STEPS = ("fast", "deepspeed")
+# loops and its multiply; fused = fast with the fp32 gradient copy, torch's AdamW and the 16-bit parameter copy in one
+# Triton kernel (shared/kernels/adamw.py).
+ZERO3_STEPS = ("fast", "fused", "deepspeed")
 
 
 @dataclass
@@ -140,10 +141,12 @@ class TrainConfig(FusedSwitches):
     (docs/results.md). A cold cache adds 70-80 s to a 1.5b DeepCompile warm-up, a warm one nothing; CUDA only.
     compare.py's GPU default (DeepCompile) turns it on"""
     zero3_step: str = "fast"
-    """fast | deepspeed: the ZeRO-3 optimizer step's gradient norm, fp32 gradient copy and unscale. fast: one kernel
-    each on the flat gradient buffer (shared/train/zero3_step.py; norm accumulated in fp32) and the unscale/clip
-    factor handed to torch's fused AdamW instead of a multiply pass; deepspeed: DeepSpeed's own per-parameter loops
-    (norm in fp64) and multiply. Other stages ignore it"""
+    """fast | fused | deepspeed: the ZeRO-3 optimizer step's gradient norm, fp32 gradient copy and unscale. fast: one
+    kernel each on the flat gradient buffer (shared/train/zero3_step.py; norm accumulated in fp32) and the
+    unscale/clip factor handed to torch's fused AdamW instead of a multiply pass; fused: fast, with the gradient copy,
+    torch's AdamW and the copy of the fp32 parameters into the 16-bit ones in one Triton kernel (AdamW only; on a CPU
+    under TRITON_INTERPRET=1 only); deepspeed: DeepSpeed's own per-parameter loops (norm in fp64) and multiply. Other
+    stages ignore it"""
     zero_profile: str = "tuned"
     """DeepSpeed config rules: tuned (the default; see shared/train/ds_config.py; chosen from a single pair of runs per
     profile, raw first: +8.5% raw per GPU on 2 H200s, inside single-pair noise) |

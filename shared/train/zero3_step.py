@@ -25,6 +25,14 @@ order, and hands the call to DeepSpeed's own method when they are not (frozen pa
 norm is not the plain 2-norm of one data-parallel group (model or expert parallelism); the unscale does the same
 for any other optimizer (DeepSpeed's FusedAdam, a non-fused AdamW on CPU) or a GradScaler. `calls(engine)` counts
 each, and every result records them (extra.zero3_step_calls), so a run that fell back says so.
+
+`fused` (`install(zero_opt, fused_adamw=True)`) is `fast` with the sub-group's update in one more pass fewer: the
+fp32 gradient copy, torch's AdamW and DeepSpeed's copy of the fp32 parameters into the 16-bit partition become one
+Triton kernel (shared/kernels/adamw.py) that reads the 16-bit gradient partition where it lies, divides it by the
+combined scale, updates the fp32 parameters and moments and writes the 16-bit copy. The moments and the step count
+stay in torch's AdamW state, laid out as torch keeps them, so checkpoints are the same as `fast`'s. It takes torch's
+AdamW only (no amsgrad, no maximize, a float learning rate, the step count on the parameter's device as the fused
+kernel keeps it); any other sub-group step runs `fast`'s, counted apart (`adamw_kernel`, `adamw_torch`).
 """
 
 from __future__ import annotations
@@ -66,9 +74,37 @@ def _folds_scale(zero_opt) -> bool:
             and not getattr(zero_opt, "zenflow", False) and not getattr(zero_opt, "use_muon", False))
 
 
-def install(zero_opt) -> bool:
+def _adamw_kernel_group(zero_opt, sub_group_id) -> dict | None:
+    """The torch AdamW param group whose update the AdamW kernel can run for this sub-group, else None."""
+    inner = zero_opt.optimizer
+    if (type(inner) is not torch.optim.AdamW or zero_opt.offload_optimizer
+            or getattr(zero_opt, "torch_autocast_gradscaler", None) is not None or getattr(zero_opt, "zenflow", False)
+            or getattr(zero_opt, "use_muon", False) or zero_opt.fp16_partitioned_groups_flat[sub_group_id] is None):
+        return None
+    group = inner.param_groups[zero_opt.sub_group_to_group_id[sub_group_id]]
+    if (group.get("amsgrad") or group.get("maximize") or group.get("differentiable")
+            or isinstance(group["lr"], torch.Tensor) or any(isinstance(b, torch.Tensor) for b in group["betas"])):
+        return None
+    fp32_flat, lp_flat = zero_opt.fp32_partitioned_groups_flat[sub_group_id], zero_opt.fp16_partitioned_groups_flat[
+        sub_group_id]
+    if (fp32_flat.dtype != torch.float32 or fp32_flat.dim() != 1 or not fp32_flat.is_contiguous()
+            or lp_flat.numel() != fp32_flat.numel() or not lp_flat.is_contiguous()):
+        return None
+    step = inner.state.get(fp32_flat, {}).get("step")
+    if step is not None and (not isinstance(step, torch.Tensor) or step.device != fp32_flat.device):
+        return None
+    if fp32_flat.device.type != "cuda":
+        from shared.kernels.adamw import interpreted
+
+        if not interpreted():
+            return None
+    return group
+
+
+def install(zero_opt, fused_adamw: bool = False) -> bool:
     """Give a DeepSpeedZeroOptimizer_Stage3 the flat-buffer gradient norm and fp32 gradient copy and the unscale inside
-    a fused AdamW; returns whether it did (False for any other optimizer, e.g. ZeRO 1/2's, which is left as it is)."""
+    a fused AdamW (with fused_adamw, the AdamW kernel instead of the copy, torch's AdamW and the 16-bit copy); returns
+    whether it did (False for any other optimizer, e.g. ZeRO 1/2's, which is left as it is)."""
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
     if not isinstance(zero_opt, DeepSpeedZeroOptimizer_Stage3) or getattr(zero_opt, "_zero3bench_fast_step", False):
@@ -80,8 +116,13 @@ def install(zero_opt) -> bool:
     deepspeed_prepare = zero_opt._prepare_fp32_grad_for_sub_group
     deepspeed_unscale = zero_opt.unscale_and_clip_grads
     deepspeed_optimizer_step = zero_opt._optimizer_step
+    deepspeed_reassign = zero_opt._reassign_or_swap_out_partitioned_parameters
     counts = {"fast": 0, "deepspeed": 0, "unscale_fused": 0, "unscale_deepspeed": 0}
+    if fused_adamw:
+        counts.update(adamw_kernel=0, adamw_torch=0)
     pending_scale = {}  # sub-group -> the combined scale its optimizer step divides by
+    kernel_grads = {}  # sub-group -> (its 16-bit gradient region, its AdamW param group): the AdamW kernel's step
+    lp_written = set()  # sub-groups whose 16-bit partition the kernel wrote
 
     def get_grad_norm_direct(gradients, params, norm_type=2):
         region = None
@@ -106,11 +147,15 @@ def install(zero_opt) -> bool:
             counts["deepspeed"] += 1
             return deepspeed_prepare(sub_group_id)
         counts["fast"] += 1
-        fp32_flat.grad = region.to(fp32_flat.dtype, copy=True)
+        group = _adamw_kernel_group(zero_opt, sub_group_id) if fused_adamw else None
+        if group is not None:  # the kernel reads the 16-bit region itself: no fp32 copy
+            kernel_grads[sub_group_id] = (region, group)
+        else:
+            fp32_flat.grad = region.to(fp32_flat.dtype, copy=True)
         zero_opt.averaged_gradients[sub_group_id] = None
 
     def unscale_and_clip_grads(sub_group_id, total_norm):
-        if not _folds_scale(zero_opt):
+        if sub_group_id not in kernel_grads and not _folds_scale(zero_opt):
             counts["unscale_deepspeed"] += 1
             return deepspeed_unscale(sub_group_id, total_norm)
         counts["unscale_fused"] += 1
@@ -118,11 +163,35 @@ def install(zero_opt) -> bool:
         if zero_opt.clip_grad > 0.0:
             clip = ((total_norm / zero_opt.loss_scale) + 1e-6) / zero_opt.clip_grad
             combined_scale = torch.clamp(clip, min=1.0) * zero_opt.loss_scale
-        grad = zero_opt.fp32_partitioned_groups_flat[sub_group_id].grad
-        pending_scale[sub_group_id] = torch.as_tensor(combined_scale, dtype=torch.float32, device=grad.device)
+        device = zero_opt.fp32_partitioned_groups_flat[sub_group_id].device
+        pending_scale[sub_group_id] = torch.as_tensor(combined_scale, dtype=torch.float32, device=device)
+
+    def _adamw_kernel_step(sub_group_id, grad, group, scale):
+        from shared.kernels.adamw import adamw_step
+
+        inner = zero_opt.optimizer
+        fp32_flat = zero_opt.fp32_partitioned_groups_flat[sub_group_id]
+        state = inner.state[fp32_flat]
+        if not state:  # as torch's fused AdamW lays it out, so that checkpoints and a later torch step agree
+            state["step"] = torch.zeros((), dtype=torch.float32, device=fp32_flat.device)
+            state["exp_avg"] = torch.zeros_like(fp32_flat, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(fp32_flat, memory_format=torch.preserve_format)
+        state["step"].add_(1)
+        beta1, beta2 = group["betas"]
+        adamw_step(fp32_flat.data, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], lr=group["lr"],
+                   beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], grad_scale=scale,
+                   param_lp=zero_opt.fp16_partitioned_groups_flat[sub_group_id])
+        inner._opt_called = True  # what torch's step wrapper records for the LR scheduler's order check
+        lp_written.add(sub_group_id)
 
     def _optimizer_step(sub_group_id):
         scale = pending_scale.pop(sub_group_id, None)
+        if sub_group_id in kernel_grads:
+            grad, group = kernel_grads.pop(sub_group_id)
+            counts["adamw_kernel"] += 1
+            return _adamw_kernel_step(sub_group_id, grad, group, scale)
+        if fused_adamw:
+            counts["adamw_torch"] += 1
         if scale is None:
             return deepspeed_optimizer_step(sub_group_id)
         zero_opt.optimizer.grad_scale = scale
@@ -131,10 +200,17 @@ def install(zero_opt) -> bool:
         finally:
             del zero_opt.optimizer.grad_scale
 
+    def _reassign_or_swap_out_partitioned_parameters(sub_group_id):
+        if sub_group_id in lp_written:  # the kernel already wrote the 16-bit partition: only point the params at it
+            lp_written.discard(sub_group_id)
+            return zero_opt._unflatten_partitioned_parameters(sub_group_id)
+        return deepspeed_reassign(sub_group_id)
+
     zero_opt.get_grad_norm_direct = get_grad_norm_direct
     zero_opt._prepare_fp32_grad_for_sub_group = _prepare_fp32_grad_for_sub_group
     zero_opt.unscale_and_clip_grads = unscale_and_clip_grads
     zero_opt._optimizer_step = _optimizer_step
+    zero_opt._reassign_or_swap_out_partitioned_parameters = _reassign_or_swap_out_partitioned_parameters
     zero_opt._zero3bench_fast_step = True
     zero_opt._zero3bench_step_calls = counts
     return True
@@ -149,8 +225,16 @@ def calls(engine) -> dict[str, int] | None:
 
 
 def apply(engine, mode: str) -> bool:
-    """TrainConfig.zero3_step on a live engine: `fast` installs the step above on a ZeRO-3 optimizer; returns
-    whether the engine now runs it."""
+    """TrainConfig.zero3_step on a live engine: `fast` installs the step above on a ZeRO-3 optimizer, `fused` the same
+    with the AdamW kernel; returns whether the engine now runs it."""
     if mode not in ZERO3_STEPS:
         raise ValueError(f"unknown zero3_step {mode!r}; choose one of {ZERO3_STEPS}")
-    return mode == "fast" and install(engine.optimizer)
+    if mode == "fused":
+        from shared.kernels.adamw import interpreted
+
+        device = engine.optimizer.fp32_partitioned_groups_flat[0].device if hasattr(
+            engine.optimizer, "fp32_partitioned_groups_flat") else None
+        if device is not None and device.type != "cuda" and not interpreted():
+            raise ValueError("zero3_step 'fused' runs its AdamW kernel in Triton, on CUDA tensors; these are on "
+                             f"{device}. Use 'fast' on a CPU (or set TRITON_INTERPRET=1 to run Triton's interpreter)")
+    return mode != "deepspeed" and install(engine.optimizer, fused_adamw=mode == "fused")
