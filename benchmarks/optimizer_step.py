@@ -45,9 +45,11 @@ def _sync(device: torch.device) -> None:
 
 
 def wrap_parts(zero_opt, device: torch.device, spent: dict[str, list[float]]) -> callable:
-    """Time every STEP_PARTS method of the optimizer (synchronized); returns a function that removes the wrappers.
-    A part called once per sub-group adds up over the sub-groups of one step."""
+    """Time every STEP_PARTS method of the optimizer (synchronized); returns a function that removes the wrappers
+    and puts back what the instance had (the fast step's own methods, shared/train/zero3_step.py). A part called
+    once per sub-group adds up over the sub-groups of one step."""
     originals = {}
+    installed = {name: zero_opt.__dict__[name] for name in STEP_PARTS if name in zero_opt.__dict__}
     for name in STEP_PARTS:
         fn = getattr(zero_opt, name, None)
         if fn is None:
@@ -67,7 +69,10 @@ def wrap_parts(zero_opt, device: torch.device, spent: dict[str, list[float]]) ->
 
     def unwrap():
         for name in originals:
-            delattr(zero_opt, name)  # the instance attribute goes, the class method shows again
+            if name in installed:
+                setattr(zero_opt, name, installed[name])
+            else:
+                delattr(zero_opt, name)  # the instance attribute goes, the class method shows again
     return unwrap
 
 
