@@ -11,7 +11,7 @@ import torch
 
 from shared.train.config import TrainConfig
 from shared.train.zero3_step import _flat_region
-from tests.helpers import FAST, RAW, ROOT, load, run, torchrun
+from tests.helpers import FAST, LIGHTNING, RAW, ROOT, load, run, torchrun
 from tests.helpers import env as run_env
 
 
@@ -142,14 +142,15 @@ def test_the_raw_path_runs_the_fast_step_by_default_records_it_and_trains_like_d
 FAST_STEPS = int(FAST[FAST.index("--steps") + 1])
 
 
-def test_the_raw_path_runs_the_fused_step_and_a_cpu_without_the_interpreter_refuses_it(tmp_path):
-    out = tmp_path / "fused.json"
-    run([sys.executable, RAW, *FAST, "--zero3_step", "fused", "--out", out])  # conftest: TRITON_INTERPRET=1
-    r = load(out)
-    assert r["train"]["zero3_step"] == "fused"
-    calls = r["extra"]["zero3_step_calls"]
-    assert calls["adamw_kernel"] == 2 * FAST_STEPS and calls["adamw_torch"] == 0 and calls["deepspeed"] == 0
-    assert all(math.isfinite(v) for v in r["losses"])
+def test_both_paths_run_the_fused_step_and_a_cpu_without_the_interpreter_refuses_it(tmp_path):
+    for script, name in ((RAW, "raw"), (LIGHTNING, "pl")):  # conftest: TRITON_INTERPRET=1
+        run([sys.executable, script, *FAST, "--zero3_step", "fused", "--out", tmp_path / f"{name}.json"])
+    raw, pl = load(tmp_path / "raw.json"), load(tmp_path / "pl.json")
+    for r in (raw, pl):
+        assert r["train"]["zero3_step"] == "fused"
+        calls = r["extra"]["zero3_step_calls"]
+        assert calls["adamw_kernel"] == 2 * FAST_STEPS and calls["adamw_torch"] == 0 and calls["deepspeed"] == 0
+    assert all(math.isfinite(v) for v in raw["losses"]) and pl["losses"] == raw["losses"]
     env = {k: v for k, v in run_env().items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, RAW, *FAST, "--zero3_step", "fused", "--out", tmp_path / "cpu.json"],
                           capture_output=True, text=True, env=env, timeout=240, cwd=ROOT)

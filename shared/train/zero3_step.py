@@ -26,7 +26,7 @@ norm is not the plain 2-norm of one data-parallel group (model or expert paralle
 for any other optimizer (DeepSpeed's FusedAdam, a non-fused AdamW on CPU) or a GradScaler. `calls(engine)` counts
 each, and every result records them (extra.zero3_step_calls), so a run that fell back says so.
 
-`fused` (`install(zero_opt, fused_adamw=True)`) is `fast` with the sub-group's update in one more pass fewer: the
+`fused` (`install(zero_opt, fused_adamw=True)`) is `fast` with the sub-group's update in one pass instead of three: the
 fp32 gradient copy, torch's AdamW and DeepSpeed's copy of the fp32 parameters into the 16-bit partition become one
 Triton kernel (shared/kernels/adamw.py) that reads the 16-bit gradient partition where it lies, divides it by the
 combined scale, updates the fp32 parameters and moments and writes the 16-bit copy. The moments and the step count
