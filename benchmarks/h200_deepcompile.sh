@@ -21,6 +21,8 @@
 #   STAGE=steps GPU 0: the ZeRO-3 optimizer step, --zero3_step STEP_MODES (default "fast deepspeed") alternated
 #               (STEP_ROUNDS rounds);
 #               GPU 1: the deepcompile GPU tests named in TESTS, one pytest each
+#   STAGE=fusedstep  GPU 0: the ZeRO-3 optimizer step with --zero3_step fast and fused (STEP_ROUNDS rounds, default 1),
+#               then the last-mile ablation's +fused_zero3_step and baseline (CONFIGS, space-separated), one each
 #   STAGE=lastmile  the block-sparse kernel's GPU tests (TEST_K selects, default those with dropout), attention
 #               with and without dropout as in `probe` (plus flex), then benchmarks/ablation.py --set last_mile over
 #               CONFIGS (comma-separated) with --keep; ABL=<an earlier call's ablation folder, in the repo> continues it;
@@ -166,6 +168,14 @@ case "$STAGE" in
       "test_deepcompile_validates_saves_exports_and_resumes_at_the_end[raw]" & wait ;;
   profile) (raw_dc 0; optimizer_profile 0) & explain_one 1 & wait ;;
   steps) zero3_steps 0 & gpu_test_each 1 ${TESTS:-} & wait ;;
+  fusedstep)
+    STEP_ROUNDS=${STEP_ROUNDS:-1} STEP_MODES="fast fused" zero3_steps 0
+    # one ablation.py per configuration (--keep), so that a cold first run does not stop the second by its length;
+    # the second shares the first's compiled graph (the step is outside it), so it warms up faster
+    for c in ${CONFIGS:-+fused_zero3_step baseline}; do
+      CUDA_VISIBLE_DEVICES=0 timeout -k 25 "$(left)" python3 benchmarks/ablation.py --set last_mile --configs="$c" \
+        --keep --timeout 400 --out "$W/ablation" >> "$W/ablation.log" 2>&1
+    done ;;
   one) compare_one 0 & gpu_tests 1 -x & wait ;;
   explain) compare_one 0 & explain_one 1 & wait ;;
   tests) gpu_tests 0 -rA & explain_one 1 & wait ;;
