@@ -282,6 +282,21 @@ def test_optimizer_step_profile_times_every_part_of_deepspeeds_zero3_step(tmp_pa
     assert load(fused)["zero3_step_calls"]["adamw_kernel"] == 6 * r["n_sub_groups"]
 
 
+def test_adamw_step_benchmark_times_both_modes_and_they_agree(tmp_path):
+    out = tmp_path / "adamw.json"
+    run([sys.executable, ROOT / "benchmarks" / "adamw_step.py", "--numel", "3000", "--repeats", "2", "--warmup", "1",
+         "--out", out], timeout=300)  # the kernel in Triton's interpreter
+    r = load(out)
+    assert r["numel"] == 3000 and "adamw_step.py" in r["command"] and r["versions"]
+    for mode in ("fast", "fused"):
+        assert len(r["ms"][mode]["all"]) == 2 and r["ms"][mode]["median"] > 0
+    assert r["fused_over_fast"] > 0
+    # three identical steps each from the same start (the interpreter truncates the bf16 copy, not the fp32 update)
+    assert r["max_abs_param_difference"] <= 1e-6 * max(1.0, r["max_abs_param"])
+    proc = run([sys.executable, ROOT / "benchmarks" / "adamw_step.py", "--numel", "0"], check=False, timeout=60)
+    assert proc.returncode != 0 and "--numel and --repeats must be >= 1" in proc.stderr
+
+
 def test_optimizer_step_profile_refuses_what_it_cannot_time(tmp_path):
     proc = run([sys.executable, OPTIMIZER_STEP, "--preset", "tiny", "--stage", "2"], check=False, timeout=60)
     assert proc.returncode != 0 and "use --stage 3" in proc.stderr
