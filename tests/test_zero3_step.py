@@ -80,7 +80,7 @@ def test_the_adamw_kernel_trains_like_torchs_fused_adamw_and_keeps_its_state(che
         for clip in ("0", "0.05"):
             kernel, fast = fused[f"{precision}fused_clip{clip}"], fused[f"{precision}fast_clip{clip}"]
             calls = kernel["calls"]
-            assert calls["adamw_kernel"] == 3 * 2 and calls["adamw_torch"] == 0  # 3 steps, 2 sub-groups
+            assert calls["adamw_kernel"] == 3 * 2 and calls["own_optimizer"] == 0  # 3 steps, 2 sub-groups
             assert calls["unscale_fused"] == 3 * 2 and calls["unscale_deepspeed"] == 0
             assert not kernel["grad_scale_left"]
             assert kernel["state"] == fast["state"]  # step, exp_avg, exp_avg_sq per sub-group, as torch keeps them
@@ -149,7 +149,7 @@ def test_both_paths_run_the_fused_step_and_a_cpu_without_the_interpreter_refuses
     for r in (raw, pl):
         assert r["train"]["zero3_step"] == "fused"
         calls = r["extra"]["zero3_step_calls"]
-        assert calls["adamw_kernel"] == 2 * FAST_STEPS and calls["adamw_torch"] == 0 and calls["deepspeed"] == 0
+        assert calls["adamw_kernel"] == 2 * FAST_STEPS and calls["own_optimizer"] == 0 and calls["deepspeed"] == 0
     assert all(math.isfinite(v) for v in raw["losses"]) and pl["losses"] == raw["losses"]
     env = {k: v for k, v in run_env().items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, RAW, *FAST, "--zero3_step", "fused", "--out", tmp_path / "cpu.json"],
@@ -176,7 +176,7 @@ def test_gpu_fused_step_trains_like_the_fast_step(tmp_path):
         runs[mode] = load(out)
     fast, fused = runs["fast"], runs["fused"]
     calls = fused["extra"]["zero3_step_calls"]
-    assert calls["adamw_kernel"] == 2 * 20 and calls["adamw_torch"] == 0 and calls["deepspeed"] == 0
+    assert calls["adamw_kernel"] == 2 * 20 and calls["own_optimizer"] == 0 and calls["deepspeed"] == 0
     print("losses fast/fused:", fast["losses"], fused["losses"])
     assert fused["losses"][0] == fast["losses"][0]  # the same first forward
     assert max(abs(a - b) for a, b in zip(fast["losses"], fused["losses"], strict=True)) < 2e-2

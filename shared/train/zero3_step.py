@@ -32,7 +32,8 @@ Triton kernel (shared/kernels/adamw.py) that reads the 16-bit gradient partition
 combined scale, updates the fp32 parameters and moments and writes the 16-bit copy. The moments and the step count
 stay in torch's AdamW state, laid out as torch keeps them, so checkpoints are the same as `fast`'s. It takes torch's
 AdamW only (no amsgrad, no maximize, a float learning rate, the step count on the parameter's device as the fused
-kernel keeps it); any other sub-group step runs `fast`'s, counted apart (`adamw_kernel`, `adamw_torch`).
+kernel keeps it); any other sub-group step runs `fast`'s with the optimizer's own step, counted apart
+(`adamw_kernel`, `own_optimizer`).
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ def install(zero_opt, fused_adamw: bool = False) -> bool:
     deepspeed_reassign = zero_opt._reassign_or_swap_out_partitioned_parameters
     counts = {"fast": 0, "deepspeed": 0, "unscale_fused": 0, "unscale_deepspeed": 0}
     if fused_adamw:
-        counts.update(adamw_kernel=0, adamw_torch=0)
+        counts.update(adamw_kernel=0, own_optimizer=0)
     pending_scale = {}  # sub-group -> the combined scale its optimizer step divides by
     kernel_grads = {}  # sub-group -> (its 16-bit gradient region, its AdamW param group): the AdamW kernel's step
     lp_written = set()  # sub-groups whose 16-bit partition the kernel wrote
@@ -191,7 +192,7 @@ def install(zero_opt, fused_adamw: bool = False) -> bool:
             counts["adamw_kernel"] += 1
             return _adamw_kernel_step(sub_group_id, grad, group, scale)
         if fused_adamw:
-            counts["adamw_torch"] += 1
+            counts["own_optimizer"] += 1
         if scale is None:
             return deepspeed_optimizer_step(sub_group_id)
         zero_opt.optimizer.grad_scale = scale
