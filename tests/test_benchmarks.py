@@ -278,7 +278,7 @@ def test_optimizer_step_profile_times_every_part_of_deepspeeds_zero3_step(tmp_pa
     assert r["zero3_step_calls"]["fast"] == 2 * 6 * r["n_sub_groups"]  # a norm and a copy per sub-group and step
     fused = tmp_path / "fused.json"
     run([sys.executable, OPTIMIZER_STEP, "--preset", "tiny", "--steps", "6", "--warmup_steps", "2",
-         "--zero3_step", "fused", "--out", fused], timeout=300)  # the AdamW kernel in Triton's interpreter
+         "--zero3_step", "fused", "--out", fused], timeout=240)  # the AdamW kernel in Triton's interpreter
     assert load(fused)["zero3_step_calls"]["adamw_kernel"] == 6 * r["n_sub_groups"]
 
 
