@@ -86,19 +86,14 @@ def _adamw_kernel_group(zero_opt, sub_group_id) -> dict | None:
     if (group.get("amsgrad") or group.get("maximize") or group.get("differentiable")
             or isinstance(group["lr"], torch.Tensor) or any(isinstance(b, torch.Tensor) for b in group["betas"])):
         return None
-    fp32_flat, lp_flat = zero_opt.fp32_partitioned_groups_flat[sub_group_id], zero_opt.fp16_partitioned_groups_flat[
-        sub_group_id]
+    fp32_flat = zero_opt.fp32_partitioned_groups_flat[sub_group_id]
+    lp_flat = zero_opt.fp16_partitioned_groups_flat[sub_group_id]
     if (fp32_flat.dtype != torch.float32 or fp32_flat.dim() != 1 or not fp32_flat.is_contiguous()
             or lp_flat.numel() != fp32_flat.numel() or not lp_flat.is_contiguous()):
         return None
     step = inner.state.get(fp32_flat, {}).get("step")
     if step is not None and (not isinstance(step, torch.Tensor) or step.device != fp32_flat.device):
         return None
-    if fp32_flat.device.type != "cuda":
-        from shared.kernels.adamw import interpreted
-
-        if not interpreted():
-            return None
     return group
 
 
@@ -110,6 +105,13 @@ def install(zero_opt, fused_adamw: bool = False) -> bool:
 
     if not isinstance(zero_opt, DeepSpeedZeroOptimizer_Stage3) or getattr(zero_opt, "_zero3bench_fast_step", False):
         return bool(getattr(zero_opt, "_zero3bench_fast_step", False))
+    if fused_adamw:
+        from shared.kernels.adamw import interpreted
+
+        device = zero_opt.fp32_partitioned_groups_flat[0].device
+        if device.type != "cuda" and not interpreted():
+            raise ValueError("zero3_step 'fused' runs its AdamW kernel in Triton, on CUDA tensors; these are on "
+                             f"{device}. Use 'fast' on a CPU (or set TRITON_INTERPRET=1 to run Triton's interpreter)")
     import deepspeed.comm as dist
     from deepspeed.runtime.zero.utils import get_norm_dtype
 
@@ -230,12 +232,4 @@ def apply(engine, mode: str) -> bool:
     with the AdamW kernel; returns whether the engine now runs it."""
     if mode not in ZERO3_STEPS:
         raise ValueError(f"unknown zero3_step {mode!r}; choose one of {ZERO3_STEPS}")
-    if mode == "fused":
-        from shared.kernels.adamw import interpreted
-
-        device = engine.optimizer.fp32_partitioned_groups_flat[0].device if hasattr(
-            engine.optimizer, "fp32_partitioned_groups_flat") else None
-        if device is not None and device.type != "cuda" and not interpreted():
-            raise ValueError("zero3_step 'fused' runs its AdamW kernel in Triton, on CUDA tensors; these are on "
-                             f"{device}. Use 'fast' on a CPU (or set TRITON_INTERPRET=1 to run Triton's interpreter)")
     return mode != "deepspeed" and install(engine.optimizer, fused_adamw=mode == "fused")
