@@ -19,7 +19,7 @@ import shared.model.config as model_config
 from shared.train.config import DEEPCOMPILE_WARMUP, TrainConfig
 from shared.train.ds_config import build_ds_config, load_user_ds_config
 from shared.train.ds_runtime import normalize_cuda_arch_list
-from tests.helpers import LIGHTNING, RAW, ROOT, load, run, torchrun
+from tests.helpers import GPU_BASE, LIGHTNING, RAW, ROOT, load, run, torchrun
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -248,10 +248,6 @@ def test_lightning_hands_engine_compile_to_the_gpt():
 
 
 # ---- on the GPU ---------------------------------------------------------------------------------------------------
-
-# A small GPT on real text: compiles in seconds, its loss falls, dropout 0.1 everywhere (the preset's default).
-GPU_BASE = ["--preset", "125m", "--n_layer", "2", "--seq_len", "512", "--vocab_size", "256", "--micro_batch", "8",
-            "--lr", "1e-3", "--min_lr", "1e-4", "--lr_warmup_steps", "5", "--log_every", "10"]
 
 
 @pytest.fixture(scope="module")

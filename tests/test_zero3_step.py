@@ -11,7 +11,7 @@ import torch
 
 from shared.train.config import TrainConfig
 from shared.train.zero3_step import _flat_region
-from tests.helpers import FAST, LIGHTNING, RAW, ROOT, load, run, torchrun
+from tests.helpers import FAST, GPU_BASE, LIGHTNING, RAW, ROOT, load, run, torchrun
 from tests.helpers import env as run_env
 
 
@@ -167,9 +167,8 @@ def test_gpu_fused_step_trains_like_the_fast_step(tmp_path):
 
     data = tmp_path / "kjv"
     prepare(ROOT / "data" / "kjv.txt", data, "byte")
-    base = ["--preset", "125m", "--n_layer", "2", "--seq_len", "512", "--vocab_size", "256", "--micro_batch", "8",
-            "--lr", "1e-3", "--min_lr", "1e-4", "--lr_warmup_steps", "5", "--log_every", "10", "--data", data,
-            "--steps", "20", "--warmup_steps", "5", "--compile", "none", "--grad_clip", "1.0"]
+    base = [*GPU_BASE, "--data", data, "--steps", "20", "--warmup_steps", "5", "--compile", "none",
+            "--grad_clip", "1.0"]
     runs = {}
     for mode in ("fast", "fused"):
         out = tmp_path / f"{mode}.json"
