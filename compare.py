@@ -122,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--factor_repeats", "--factor-repeats", type=int, default=2,
                    help="--explain: rounds that also run every factor (default 2: a spread, not one difference)")
     p.add_argument("--autotune", action="store_true",
-                   help="search micro-batch, checkpointing and ZeRO knobs; write the winner (see harness/autotune.py)")
+                   help="search micro-batch, checkpointing, compilation, the optimizer step and ZeRO knobs; write the "
+                        "winner (see harness/autotune.py)")
     p.add_argument("--mb_grid", "--mb-grid", default=None,
                    help="--autotune: micro-batches to try (default 4,8,12,16,24,32 on GPUs, 1,2,4 on CPU)")
     p.add_argument("--budget_s", "--budget-s", type=float, default=None,

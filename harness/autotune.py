@@ -13,7 +13,10 @@ Search, on the raw path (the faster one to start), each candidate a short run of
      then at the larger micro-batches of the grid (its memory differs from the eager model's), until one runs out
      of memory (also with the chunked loss, as in 1) or is slower; each candidate includes its ~2 min warm-up,
      so a 1.5b search wants a budget of 20 min or more.
-  4. ZeRO-3 prefetch bucket, then reduce bucket, then parameter persistence threshold, one knob at a time
+  4. the optimizer step's three passes in one kernel (`--zero3_step fused`, shared/kernels/adamw.py) on the best
+     so far: ZeRO-3, AdamW and CUDA only (Triton's interpreter runs the kernel on a CPU for tests, not for speed);
+     on one H200 it gave 1.015x the whole step of the GPU default (docs/results.md).
+  5. ZeRO-3 prefetch bucket, then reduce bucket, then parameter persistence threshold, one knob at a time
      (coordinate descent) from the best so far. Under DeepCompile the prefetch bucket is skipped: its passes
      schedule their own prefetch and never read stage3_prefetch_bucket_size. A persistence threshold that keeps
      the same parameters gathered as one already measured is the same run and is skipped: parameters of at most
@@ -43,6 +46,7 @@ from pathlib import Path
 import torch
 
 from harness.launch import CompareError
+from shared.model import config as model_config
 from shared.train.config import TrainConfig
 from shared.train.ds_config import build_ds_config
 from shared.train.results import device_info, differences, versions
@@ -70,7 +74,8 @@ def knobs(cfg: TrainConfig) -> dict:
             "prefetch_bucket_size": zero.get("stage3_prefetch_bucket_size"),
             "reduce_bucket_size": zero.get("reduce_bucket_size"),
             "param_persistence_threshold": zero.get("stage3_param_persistence_threshold"),
-            "compile": cfg.compile, "deepcompile_schedule": cfg.deepcompile_schedule, "fused_loss": cfg.fused_loss}
+            "compile": cfg.compile, "deepcompile_schedule": cfg.deepcompile_schedule, "fused_loss": cfg.fused_loss,
+            "zero3_step": cfg.zero3_step}
 
 
 def persisted(sizes: list[int], threshold: int) -> int:
@@ -105,6 +110,8 @@ def kept_candidates(train: TrainConfig, world: int, out_dir: Path) -> tuple[list
         raise ValueError(f"--keep_runs: {path} was searched with other settings ({'; '.join(diff[:4])}); rerun with "
                          "its flags, or without --keep_runs (it is then replaced)")
     commands = earlier.get("commands") or ([earlier["command"]] if earlier.get("command") else [])
+    for r in rows:  # a search written before the optimizer step was a knob ran every candidate with the base's
+        r["knobs"].setdefault("zero3_step", train.zero3_step)
     return sorted((r for r in rows if r["status"] in ("ok", "oom")), key=lambda r: r["i"]), commands
 
 
@@ -226,7 +233,16 @@ def run_autotune(train: TrainConfig, ns, launch, out_dir: Path, kept: list[dict]
                 break
             previous, fused = row, row["knobs"]["fused_loss"]
 
-    # 4. ZeRO-3 knobs, one at a time from the best so far
+    # 4. the optimizer step in one kernel, on the best so far
+    best = search.best()
+    if best is not None and base.stage == 3 and best["knobs"]["zero3_step"] == "fast":
+        why = fused_step_refusal(base)
+        if why:
+            print(f"  fused optimizer step not tried: {why}", flush=True)
+        else:
+            search.run(dataclasses.replace(base, **{**best["knobs"], "zero3_step": "fused"}))
+
+    # 5. ZeRO-3 knobs, one at a time from the best so far
     if base.stage == 3:
         from shared.model.gpt import GPT  # here: importing the model loads dynamo, which the CLI must not pay
 
@@ -273,8 +289,19 @@ def run_autotune(train: TrainConfig, ns, launch, out_dir: Path, kept: list[dict]
             flags.append(f"--deepcompile_schedule {cfg.deepcompile_schedule}")
         if cfg.fused_loss:
             flags.append("--fused_loss")
+        if cfg.zero3_step != TrainConfig.zero3_step:
+            flags.append(f"--zero3_step {cfg.zero3_step}")
         report["winner_flags"] = " ".join(flags)
     return search.write(complete=True)
+
+
+def fused_step_refusal(cfg: TrainConfig) -> str | None:
+    """Why the search does not try `--zero3_step fused` for this configuration, or None when it does."""
+    if cfg.optimizer != "adamw":
+        return f"its kernel is AdamW's, and --optimizer is {cfg.optimizer}"
+    if not model_config.cuda_available():
+        return "its Triton kernel needs a CUDA GPU to be timed (on a CPU only Triton's interpreter runs it)"
+    return None
 
 
 def describe(k: dict) -> str:
@@ -282,6 +309,7 @@ def describe(k: dict) -> str:
     return (f"mb {k['micro_batch']}{' +ckpt' if k['activation_checkpointing'] else ''}"
             f"{' +' + k['compile'] if k.get('compile', 'none') != 'none' else ''}"
             f"{' +fused_loss' if k.get('fused_loss') else ''}"
+            f"{' step ' + k['zero3_step'] if k.get('zero3_step', 'fast') != 'fast' else ''}"
             + "".join(f" {label} {k[key]:.0e}" for label, key in (
                 ("prefetch", "prefetch_bucket_size"), ("reduce", "reduce_bucket_size"),
                 ("persist", "param_persistence_threshold")) if k[key] is not None))  # None: not of this stage

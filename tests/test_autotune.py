@@ -145,8 +145,79 @@ def test_search_without_cuda_says_deepcompile_was_not_tried(tmp_path, capsys):
     calls = []
     ns = SimpleNamespace(mb_grid="4", budget_s=1e9, world=1)
     autotune.run_autotune(TrainConfig(preset="tiny"), ns, fake_launch(8, calls), tmp_path)
-    assert all(c.compile != "deepcompile" for c in calls)
-    assert "DeepCompile not tried: --compile deepcompile needs a CUDA GPU" in capsys.readouterr().out
+    assert all(c.compile != "deepcompile" and c.zero3_step == "fast" for c in calls)
+    out = capsys.readouterr().out
+    assert "DeepCompile not tried: --compile deepcompile needs a CUDA GPU" in out
+    assert "fused optimizer step not tried: its Triton kernel needs a CUDA GPU to be timed" in out
+
+
+def speed_with_the_fused_step(calls: list, gain: float):
+    """DeepCompile 1.3x eager, the fused optimizer step `gain` on top; every micro-batch fits."""
+
+    def launch(path, cfg, out, log):
+        calls.append(cfg)
+        speed = 1000.0 * cfg.micro_batch * (1.3 if cfg.compile == "deepcompile" else 1.0)
+        speed *= gain if cfg.zero3_step == "fused" else 1.0
+        return SimpleNamespace(tokens_per_s_per_gpu=speed, tflops_per_gpu=speed / 100, mfu=None, peak_mem_gib=1.0,
+                               step_time_s={"median": 1.0 / speed})
+
+    return launch
+
+
+@pytest.mark.parametrize("gain", [1.015, 0.98])
+def test_search_tries_the_fused_optimizer_step_on_the_best_where_cuda_is(tmp_path, monkeypatch, gain):
+    from shared.model import config as model_config
+
+    monkeypatch.setattr(model_config, "cuda_available", lambda: True)  # the config checks only; nothing runs
+    calls = []
+    ns = SimpleNamespace(mb_grid="4,8", budget_s=1e9, world=1)
+    report = autotune.run_autotune(TrainConfig(preset="tiny", warmup_steps=2), ns,
+                                   speed_with_the_fused_step(calls, gain), tmp_path)
+    i = next(i for i, c in enumerate(calls) if c.zero3_step == "fused")
+    assert all(c.zero3_step == "fast" for c in calls[:i])  # tried after DeepCompile, on the best so far
+    assert (calls[i].compile, calls[i].micro_batch) == ("deepcompile", 8)
+    knob_phase = calls[i + 1:]  # the ZeRO-3 knobs, from the faster of the two steps
+    assert knob_phase and {c.zero3_step for c in knob_phase} == {"fused" if gain > 1 else "fast"}
+    w = report["winner"]["knobs"]
+    assert w["zero3_step"] == ("fused" if gain > 1 else "fast")
+    assert ("--zero3_step fused" in report["winner_flags"]) == (gain > 1)
+    assert "step fused" in autotune.format_autotune(report)
+
+
+def test_search_does_not_try_the_fused_step_for_another_optimizer_or_stage(tmp_path, monkeypatch, capsys):
+    from shared.model import config as model_config
+
+    monkeypatch.setattr(model_config, "cuda_available", lambda: True)
+    calls = []
+    ns = SimpleNamespace(mb_grid="4", budget_s=1e9, world=1)
+    (tmp_path / "fusedadam").mkdir()
+    (tmp_path / "zero2").mkdir()
+    autotune.run_autotune(TrainConfig(preset="tiny", warmup_steps=2, optimizer="fusedadam"), ns,
+                          speed_with_the_fused_step(calls, 1.5), tmp_path / "fusedadam")
+    assert calls and all(c.zero3_step == "fast" for c in calls)
+    assert "fused optimizer step not tried: its kernel is AdamW's, and --optimizer is fusedadam" in (
+        capsys.readouterr().out)
+    calls.clear()
+    autotune.run_autotune(TrainConfig(preset="tiny", warmup_steps=2, stage=2), ns,
+                          speed_with_the_fused_step(calls, 1.5), tmp_path / "zero2")
+    assert calls and all(c.zero3_step == "fast" for c in calls)  # ZeRO 1/2 run no ZeRO-3 step
+
+
+def test_keep_runs_takes_a_search_written_before_the_optimizer_step_was_a_knob(tmp_path):
+    import json
+
+    train, ns = TrainConfig(preset="tiny"), SimpleNamespace(mb_grid="4,8", budget_s=1e9, world=1)
+    first = autotune.run_autotune(train, ns, fake_launch(8, []), tmp_path)
+    path = tmp_path / "autotune.json"
+    earlier = json.loads(path.read_text())
+    for r in earlier["ranking"]:
+        del r["knobs"]["zero3_step"]
+    path.write_text(json.dumps(earlier))
+    kept, _ = autotune.kept_candidates(train, 1, tmp_path)
+    assert len(kept) == len(first["ranking"]) and {r["knobs"]["zero3_step"] for r in kept} == {"fast"}
+    calls = []
+    report = autotune.run_autotune(train, ns, fake_launch(8, calls), tmp_path, kept)
+    assert calls == [] and report["winner"]["knobs"] == first["winner"]["knobs"]  # nothing measured twice
 
 
 def test_search_skips_compiled_blocks_when_a_flag_excludes_them(tmp_path, capsys):
