@@ -160,9 +160,10 @@ def test_both_paths_run_the_fused_step_and_a_cpu_without_the_interpreter_refuses
 
 @pytest.mark.gpu
 @pytest.mark.timeout(900)
-def test_gpu_fused_step_trains_like_the_fast_step(tmp_path):
-    """bf16 on a GPU: the AdamW kernel reads the bf16 gradient partition and writes the bf16 parameters; the run
-    trains as the fast step's (torch's fused AdamW and DeepSpeed's copies) up to rounding."""
+@pytest.mark.parametrize("script", [RAW, LIGHTNING], ids=["raw", "lightning"])
+def test_gpu_fused_step_trains_like_the_fast_step(tmp_path, script):
+    """bf16 on a GPU, each path: the AdamW kernel reads the bf16 gradient partition and writes the bf16 parameters;
+    the run trains as the fast step's (torch's fused AdamW and DeepSpeed's copies) up to rounding."""
     from shared.tools.prepare_data import prepare
 
     data = tmp_path / "kjv"
@@ -172,7 +173,7 @@ def test_gpu_fused_step_trains_like_the_fast_step(tmp_path):
     runs = {}
     for mode in ("fast", "fused"):
         out = tmp_path / f"{mode}.json"
-        torchrun(RAW, 1, [*base, "--zero3_step", mode, "--out", out], timeout=400)  # two runs: 800 s
+        torchrun(script, 1, [*base, "--zero3_step", mode, "--out", out], timeout=400)  # two runs: 800 s
         runs[mode] = load(out)
     fast, fused = runs["fast"], runs["fused"]
     calls = fused["extra"]["zero3_step_calls"]
