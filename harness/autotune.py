@@ -110,7 +110,7 @@ def kept_candidates(train: TrainConfig, world: int, out_dir: Path) -> tuple[list
         raise ValueError(f"--keep_runs: {path} was searched with other settings ({'; '.join(diff[:4])}); rerun with "
                          "its flags, or without --keep_runs (it is then replaced)")
     commands = earlier.get("commands") or ([earlier["command"]] if earlier.get("command") else [])
-    for r in rows:  # a search written before the optimizer step was a knob ran every candidate with the base's
+    for r in rows:  # written before the optimizer step was a knob: every candidate ran the base's zero3_step
         r["knobs"].setdefault("zero3_step", train.zero3_step)
     return sorted((r for r in rows if r["status"] in ("ok", "oom")), key=lambda r: r["i"]), commands
 
@@ -235,7 +235,7 @@ def run_autotune(train: TrainConfig, ns, launch, out_dir: Path, kept: list[dict]
 
     # 4. the optimizer step in one kernel, on the best so far
     best = search.best()
-    if best is not None and base.stage == 3 and best["knobs"]["zero3_step"] == "fast":
+    if best is not None and base.stage == 3 and best["knobs"]["zero3_step"] != "fused":
         why = fused_step_refusal(base)
         if why:
             print(f"  fused optimizer step not tried: {why}", flush=True)
@@ -297,6 +297,8 @@ def run_autotune(train: TrainConfig, ns, launch, out_dir: Path, kept: list[dict]
 
 def fused_step_refusal(cfg: TrainConfig) -> str | None:
     """Why the search does not try `--zero3_step fused` for this configuration, or None when it does."""
+    if cfg.zero3_step == "deepspeed":
+        return "--zero3_step deepspeed asks for DeepSpeed's own step"
     if cfg.optimizer != "adamw":
         return f"its kernel is AdamW's, and --optimizer is {cfg.optimizer}"
     if not model_config.cuda_available():

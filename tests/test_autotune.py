@@ -201,6 +201,13 @@ def test_search_does_not_try_the_fused_step_for_another_optimizer_or_stage(tmp_p
     autotune.run_autotune(TrainConfig(preset="tiny", warmup_steps=2, stage=2), ns,
                           speed_with_the_fused_step(calls, 1.5), tmp_path / "zero2")
     assert calls and all(c.zero3_step == "fast" for c in calls)  # ZeRO 1/2 run no ZeRO-3 step
+    calls.clear()
+    (tmp_path / "deepspeed_step").mkdir()
+    autotune.run_autotune(TrainConfig(preset="tiny", warmup_steps=2, zero3_step="deepspeed"), ns,
+                          speed_with_the_fused_step(calls, 1.5), tmp_path / "deepspeed_step")
+    assert calls and all(c.zero3_step == "deepspeed" for c in calls)
+    assert "fused optimizer step not tried: --zero3_step deepspeed asks for DeepSpeed's own step" in (
+        capsys.readouterr().out)
 
 
 def test_keep_runs_takes_a_search_written_before_the_optimizer_step_was_a_knob(tmp_path):
