@@ -184,30 +184,22 @@ def test_search_tries_the_fused_optimizer_step_on_the_best_where_cuda_is(tmp_pat
     assert "step fused" in autotune.format_autotune(report)
 
 
-def test_search_does_not_try_the_fused_step_for_another_optimizer_or_stage(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("overrides, message", [
+    (dict(optimizer="fusedadam"), "its kernel is AdamW's, and --optimizer is fusedadam"),
+    (dict(zero3_step="deepspeed"), "--zero3_step deepspeed asks for DeepSpeed's own step"),
+    (dict(stage=2), None)])  # ZeRO 1/2 run no ZeRO-3 step: nothing to say
+def test_search_does_not_try_the_fused_step_for_another_optimizer_step_or_stage(tmp_path, monkeypatch, capsys,
+                                                                              overrides, message):
     from shared.model import config as model_config
 
     monkeypatch.setattr(model_config, "cuda_available", lambda: True)
     calls = []
-    ns = SimpleNamespace(mb_grid="4", budget_s=1e9, world=1)
-    (tmp_path / "fusedadam").mkdir()
-    (tmp_path / "zero2").mkdir()
-    autotune.run_autotune(TrainConfig(preset="tiny", warmup_steps=2, optimizer="fusedadam"), ns,
-                          speed_with_the_fused_step(calls, 1.5), tmp_path / "fusedadam")
-    assert calls and all(c.zero3_step == "fast" for c in calls)
-    assert "fused optimizer step not tried: its kernel is AdamW's, and --optimizer is fusedadam" in (
-        capsys.readouterr().out)
-    calls.clear()
-    autotune.run_autotune(TrainConfig(preset="tiny", warmup_steps=2, stage=2), ns,
-                          speed_with_the_fused_step(calls, 1.5), tmp_path / "zero2")
-    assert calls and all(c.zero3_step == "fast" for c in calls)  # ZeRO 1/2 run no ZeRO-3 step
-    calls.clear()
-    (tmp_path / "deepspeed_step").mkdir()
-    autotune.run_autotune(TrainConfig(preset="tiny", warmup_steps=2, zero3_step="deepspeed"), ns,
-                          speed_with_the_fused_step(calls, 1.5), tmp_path / "deepspeed_step")
-    assert calls and all(c.zero3_step == "deepspeed" for c in calls)
-    assert "fused optimizer step not tried: --zero3_step deepspeed asks for DeepSpeed's own step" in (
-        capsys.readouterr().out)
+    train = TrainConfig(preset="tiny", warmup_steps=2, **overrides)
+    autotune.run_autotune(train, SimpleNamespace(mb_grid="4", budget_s=1e9, world=1),
+                          speed_with_the_fused_step(calls, 1.5), tmp_path)
+    assert calls and {c.zero3_step for c in calls} == {train.zero3_step}
+    out = capsys.readouterr().out
+    assert (f"fused optimizer step not tried: {message}" in out) if message else "optimizer step" not in out
 
 
 def test_keep_runs_takes_a_search_written_before_the_optimizer_step_was_a_knob(tmp_path):
