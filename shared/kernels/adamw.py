@@ -5,8 +5,8 @@ ZeRO-3's step on a sub-group of the fp32 master weights runs three passes over m
 both moments, writes parameter and moments), and the fp32 parameters copied back into the 16-bit partition the model
 gathers. `adamw_step` is all three in one pass: per element it reads the fp32 parameter, the gradient (any float
 dtype, divided by an optional device scalar: the loss scale and clip factor), the two fp32 moments, and writes the
-parameter, the moments and the low-precision copy. 28 bytes an element with a bf16 gradient and copy, against 42 for
-the three passes.
+parameter, the moments and the low-precision copy. 28 bytes an element with a bf16 gradient and copy, against 40 for
+the three passes (6 + 28 + 6).
 
 The update is torch.optim.AdamW's (decoupled weight decay first, then the moments, bias corrections from the step
 count, `p -= lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)`), in fp32; the step count is read from the device tensor

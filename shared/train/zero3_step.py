@@ -63,24 +63,28 @@ def _fast_norm_applies(zero_opt) -> bool:
             and not getattr(zero_opt, "use_muon", False))
 
 
+def _stepped_directly(zero_opt) -> bool:
+    """Whether DeepSpeed steps the inner optimizer itself, on the device: no offload, no GradScaler, no Muon, not
+    ZenFlow."""
+    return (not zero_opt.offload_optimizer and getattr(zero_opt, "torch_autocast_gradscaler", None) is None
+            and not getattr(zero_opt, "zenflow", False) and not getattr(zero_opt, "use_muon", False))
+
+
 def _folds_scale(zero_opt) -> bool:
     """Whether the sub-group's optimizer step can divide by the combined scale itself: torch's Adam/AdamW with the
-    fused kernel (the only implementation that takes `grad_scale`), stepped by DeepSpeed directly (no offload, no
-    GradScaler, no Muon, not ZenFlow)."""
+    fused kernel (the only implementation that takes `grad_scale`), stepped by DeepSpeed directly."""
     inner = zero_opt.optimizer
     return (isinstance(inner, (torch.optim.Adam, torch.optim.AdamW))
             and all(group.get("fused") for group in inner.param_groups)
             and getattr(inner, "grad_scale", None) is None and getattr(inner, "found_inf", None) is None
-            and not zero_opt.offload_optimizer and getattr(zero_opt, "torch_autocast_gradscaler", None) is None
-            and not getattr(zero_opt, "zenflow", False) and not getattr(zero_opt, "use_muon", False))
+            and _stepped_directly(zero_opt))
 
 
 def _adamw_kernel_group(zero_opt, sub_group_id) -> dict | None:
     """The torch AdamW param group whose update the AdamW kernel can run for this sub-group, else None."""
     inner = zero_opt.optimizer
-    if (type(inner) is not torch.optim.AdamW or zero_opt.offload_optimizer
-            or getattr(zero_opt, "torch_autocast_gradscaler", None) is not None or getattr(zero_opt, "zenflow", False)
-            or getattr(zero_opt, "use_muon", False) or zero_opt.fp16_partitioned_groups_flat[sub_group_id] is None):
+    if (type(inner) is not torch.optim.AdamW or not _stepped_directly(zero_opt)
+            or zero_opt.fp16_partitioned_groups_flat[sub_group_id] is None):
         return None
     group = inner.param_groups[zero_opt.sub_group_to_group_id[sub_group_id]]
     if (group.get("amsgrad") or group.get("maximize") or group.get("differentiable")
