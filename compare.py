@@ -54,11 +54,13 @@ GPU_DEFAULTS = {"preset": "1.5b", "micro_batch": 8, "steps": 30, "warmup_steps":
 # ... and, where it can run, the fastest mode measured that passed its GPU tests: DeepCompile with the one-compile
 # schedule at micro-batch 16 (docs/results.md; benchmarks/results/deepcompile_1xh200_final, deepcompile_2xh200), its
 # generated kernels tuned by inductor's coordinate descent (1.028x on the raw path in one call,
-# benchmarks/results/coordinate_descent_1xh200; both paths and the ceiling with it: coordinate_descent_compare_1xh200).
+# benchmarks/results/coordinate_descent_1xh200; both paths and the ceiling with it: coordinate_descent_compare_1xh200),
+# the ZeRO-3 optimizer step in one Triton kernel (1.015x in one call, benchmarks/results/fused_zero3_step_1xh200; both
+# paths and the ceiling with it: headline_fused_1xh200).
 GPU_DEEPCOMPILE_DEFAULTS = {"compile": "deepcompile", "deepcompile_schedule": "once", "micro_batch": 16,
-                            "coordinate_descent_tuning": True}
-DEEPCOMPILE_DEFAULT_HELP = ("(default on GPUs: deepcompile, with --deepcompile_schedule once, --micro_batch 16 and "
-                            "--coordinate_descent_tuning, "
+                            "coordinate_descent_tuning": True, "zero3_step": "fused"}
+DEEPCOMPILE_DEFAULT_HELP = ("(default on GPUs: deepcompile, with --deepcompile_schedule once, --micro_batch 16, "
+                            "--coordinate_descent_tuning and --zero3_step fused, "
                             "where it can run: ZeRO stage 1-3, no --val_every/--save_every, --ds_config, "
                             "--fused_layernorm, --attention blocksparse/xformers, --explain or --autotune; else none)")
 
@@ -86,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
             action.help += " " + DEEPCOMPILE_DEFAULT_HELP
         if action.dest == "coordinate_descent_tuning":
             action.help += "; on with compare.py's GPU default (see --compile)"
+        if action.dest == "zero3_step":
+            action.help += "; fused with compare.py's GPU default (see --compile)"
         if action.dest in GPU_DEFAULTS:
             action.help = action.help.replace("(default: ", f"(default on GPUs: {GPU_DEFAULTS[action.dest]}; "
                                               "without a GPU: ")
@@ -184,10 +188,13 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
                 raise ValueError(f"--budget_s must be positive, got {ns.budget_s}")
         ns.world = ns.gpus or n_gpus or ns.nproc or 1
         if n_gpus and deepcompile_by_default(ns):
-            _fill_unset(ns, GPU_DEEPCOMPILE_DEFAULTS)
+            # the fused step's kernel is AdamW's: another optimizer keeps the fast step
+            _fill_unset(ns, {**GPU_DEEPCOMPILE_DEFAULTS, **({} if (ns.optimizer or TrainConfig.optimizer) == "adamw"
+                                                           else {"zero3_step": TrainConfig.zero3_step})})
             print(f"compare.py: --compile deepcompile --deepcompile_schedule {ns.deepcompile_schedule} --micro_batch "
-                  f"{ns.micro_batch} --coordinate_descent_tuning {str(ns.coordinate_descent_tuning).lower()} (the GPU "
-                  "default; --compile none or blocks for the others)", flush=True)
+                  f"{ns.micro_batch} --coordinate_descent_tuning {str(ns.coordinate_descent_tuning).lower()} "
+                  f"--zero3_step {ns.zero3_step} (the GPU default; --compile none or blocks for the others)",
+                  flush=True)
         if n_gpus:
             _fill_unset(ns, GPU_DEFAULTS)
         ns.report_dir = Path(ns.out or "reports/latest")

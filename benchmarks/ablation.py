@@ -14,19 +14,19 @@ counters) and ablation.md (the table). A configuration that fails is recorded wi
     python benchmarks/ablation.py --set last_mile --out benchmarks/results/last_mile_ablation_1xh200   # CUDA only
 
 `--set last_mile` starts from compare.py's GPU default instead (DeepCompile, --deepcompile_schedule once, micro-
-batch 16, coordinate-descent kernel tuning, the tuned ZeRO-3 buckets; 20 steps of which 10 warm-up) and changes one
-lever per configuration: the chunked linear + cross-entropy (`+fused_loss`), that with the micro-batch it frees
-(`+fused_loss_mb24`), a padded vocabulary (`+vocab128`), DeepSpeed's own optimizer step instead of the fast one
-(`-fast_zero3_step`), DeepCompile without the small parameters kept gathered (`-persist_threshold`,
-shared/train/deepcompile_passes.py), inductor's generated kernels without coordinate-descent tuning
-(`-coordinate_descent`), the MLP bias's gradient summed by a matmul (`+matmul_bias_grad`), eager ZeRO-3's list of
-persistent parameters kept under DeepCompile, so each step gathers them again (`-drop_eager_persist`,
-shared/train/ds_runtime.drop_eager_persistent), DeepSpeed's own walks of the model around each step instead
-of lists taken once (`-cached_walks`, shared/train/ds_runtime.cache_deepcompile_walks), the optimizer step's
-gradient copy, AdamW and parameter copy in one Triton kernel (`+fused_zero3_step`, shared/kernels/adamw.py). The
-block-sparse kernel
-is not a lever here: it runs between compiled graphs, which DeepCompile's ZeRO-3 pass refuses
-(shared/train/config.py); benchmarks/attention.py compares it with SDPA at the model's shape.
+batch 16, coordinate-descent kernel tuning, the optimizer step in one Triton kernel, the tuned ZeRO-3 buckets; 20
+steps of which 10 warm-up) and changes one lever per configuration: the chunked linear + cross-entropy
+(`+fused_loss`), that with the micro-batch it frees (`+fused_loss_mb24`), a padded vocabulary (`+vocab128`),
+DeepSpeed's own optimizer step instead of this project's (`-fast_zero3_step`), the fast step's three passes (gradient
+copy, torch's fused AdamW, parameter copy) instead of the one kernel (`-fused_zero3_step`, shared/kernels/adamw.py),
+DeepCompile without the small parameters kept gathered (`-persist_threshold`, shared/train/deepcompile_passes.py),
+inductor's generated kernels without coordinate-descent tuning (`-coordinate_descent`), the MLP bias's gradient
+summed by a matmul (`+matmul_bias_grad`), eager ZeRO-3's list of persistent parameters kept under DeepCompile, so
+each step gathers them again (`-drop_eager_persist`, shared/train/ds_runtime.drop_eager_persistent), DeepSpeed's own
+walks of the model around each step instead of lists taken once (`-cached_walks`,
+shared/train/ds_runtime.cache_deepcompile_walks). The block-sparse kernel is not a lever here: it runs between
+compiled graphs, which DeepCompile's ZeRO-3 pass refuses (shared/train/config.py); benchmarks/attention.py compares
+it with SDPA at the model's shape.
 `baseline` runs first and again last (`baseline_again`): each configuration's ratio is against the
 mean of the baseline runs, whose two values give the noise. Raw path only by default (`--paths`): a lever changes
 the shared model or step, which both paths run alike (compare.py measures their ratio). A DeepCompile run of the
@@ -82,7 +82,7 @@ LAST_MILE = {
     "+matmul_bias_grad": {"matmul_bias_grad": True},
     "-drop_eager_persist": {"deepcompile_eager_persist": "deepspeed"},
     "-cached_walks": {"deepcompile_cached_walks": False},
-    "+fused_zero3_step": {"zero3_step": "fused"},
+    "-fused_zero3_step": {"zero3_step": "fast"},
     "baseline_again": {},
 }
 REFERENCE = {"fusions": "naive", "last_mile": "baseline"}  # each set's ratios are against these runs

@@ -23,7 +23,7 @@
 #               GPU 1: the deepcompile GPU tests named in TESTS, one pytest each
 #   STAGE=fusedstep  GPU 0: one sub-group's step alone, fast against fused (benchmarks/adamw_step.py), the ZeRO-3
 #               optimizer step with --zero3_step fast and fused (STEP_ROUNDS rounds, default 1), then the last-mile
-#               ablation's +fused_zero3_step and baseline (CONFIGS, space-separated), one ablation.py each
+#               ablation's -fused_zero3_step and baseline (CONFIGS, space-separated), one ablation.py each
 #   STAGE=lastmile  the block-sparse kernel's GPU tests (TEST_K selects, default those with dropout), attention
 #               with and without dropout as in `probe` (plus flex), then benchmarks/ablation.py --set last_mile over
 #               CONFIGS (comma-separated) with --keep; ABL=<an earlier call's ablation folder, in the repo> continues it;
@@ -175,7 +175,7 @@ case "$STAGE" in
     STEP_ROUNDS=${STEP_ROUNDS:-1} STEP_MODES="fast fused" zero3_steps 0
     # one ablation.py per configuration (--keep), so that a cold first run does not stop the second by its length;
     # the second shares the first's compiled graph (the step is outside it), so it warms up faster
-    for c in ${CONFIGS:-+fused_zero3_step baseline}; do
+    for c in ${CONFIGS:--fused_zero3_step baseline}; do
       CUDA_VISIBLE_DEVICES=0 timeout -k 25 "$(left)" python3 benchmarks/ablation.py --set last_mile --configs="$c" \
         --keep --timeout 400 --out "$W/ablation" >> "$W/ablation.log" 2>&1
     done ;;

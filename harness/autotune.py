@@ -15,7 +15,8 @@ Search, on the raw path (the faster one to start), each candidate a short run of
      so a 1.5b search wants a budget of 20 min or more.
   4. the optimizer step's three passes in one kernel (`--zero3_step fused`, shared/kernels/adamw.py) on the best
      so far: ZeRO-3, AdamW and CUDA only (Triton's interpreter runs the kernel on a CPU for tests, not for speed);
-     on one H200 it gave 1.015x the whole step of the GPU default (docs/results.md).
+     on one H200 it gave 1.015x the whole step under DeepCompile at micro-batch 16, and compare.py's GPU default
+     runs it (docs/results.md); the search measures it on its own best configuration.
   5. ZeRO-3 prefetch bucket, then reduce bucket, then parameter persistence threshold, one knob at a time
      (coordinate descent) from the best so far. Under DeepCompile the prefetch bucket is skipped: its passes
      schedule their own prefetch and never read stage3_prefetch_bucket_size. A persistence threshold that keeps

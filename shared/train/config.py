@@ -146,7 +146,7 @@ class TrainConfig(FusedSwitches):
     unscale/clip factor handed to torch's fused AdamW instead of a multiply pass; fused: fast, with the gradient copy,
     torch's AdamW and the copy of the fp32 parameters into the 16-bit ones in one Triton kernel (AdamW only; on a CPU
     under TRITON_INTERPRET=1 only); deepspeed: DeepSpeed's own per-parameter loops (norm in fp64) and multiply. Other
-    stages ignore it"""
+    stages ignore it; compare.py's GPU default (DeepCompile, AdamW) runs fused"""
     zero_profile: str = "tuned"
     """DeepSpeed config rules: tuned (the default; see shared/train/ds_config.py; chosen from a single pair of runs per
     profile, raw first: +8.5% raw per GPU on 2 H200s, inside single-pair noise) |
