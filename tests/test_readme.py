@@ -75,3 +75,32 @@ def test_compare_help_lists_the_presets_and_the_gpu_defaults():
     assert "PRESETS" not in text and " | ".join(PRESETS) in text
     assert "(default on GPUs: 1.5b; without a GPU: tiny)" in text
     assert f"(default on GPUs: {compare.GPU_DEFAULTS['micro_batch']}; without a GPU: 2)" in text
+
+
+def test_the_headline_table_quotes_the_reports_it_names():
+    """Every row of the README's headline table that names a committed report (or `same`: the row above's) quotes
+    that report's medians, Lightning/DeepSpeed ratio and fractions of the ceiling, rounded as printed."""
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("## Headline results"):].split("\n\n")[2]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[2:]]
+    checked, source = 0, None
+    for name, raw, lightning, ratio, fraction, where in rows:
+        if where != "same":
+            source = where.strip("`") if where.startswith("`benchmarks/results/") else None
+        if source is None:
+            continue
+        report = json.loads((ROOT / source).read_text())
+        if fraction == "1" or name.startswith("torch FSDP2"):  # a reference row of that compare
+            ref = report["reference"]["ceiling" if fraction == "1" else "fsdp2"]
+            assert float(raw) == round(ref["tflops_per_gpu"], 1), name
+        else:
+            assert [float(raw), float(lightning)] == [round(report["paths"][p]["tflops_per_gpu"], 1)
+                                                      for p in ("deepspeed", "lightning")], name
+            printed = ratio.split()[0]
+            decimals = len(printed.split(".")[1])
+            assert float(printed) == round(report["ratio_lightning_over_deepspeed"], decimals), name
+            if fraction:
+                assert [float(x) for x in fraction.split(" / ")] == [
+                    round(report["fraction_of_ceiling"][p], 3) for p in ("deepspeed", "lightning")], name
+        checked += 1
+    assert checked >= 6
