@@ -60,7 +60,7 @@ GPU_DEFAULTS = {"preset": "1.5b", "micro_batch": 8, "steps": 30, "warmup_steps":
 GPU_DEEPCOMPILE_DEFAULTS = {"compile": "deepcompile", "deepcompile_schedule": "once", "micro_batch": 16,
                             "coordinate_descent_tuning": True, "zero3_step": "fused"}
 DEEPCOMPILE_DEFAULT_HELP = ("(default on GPUs: deepcompile, with --deepcompile_schedule once, --micro_batch 16, "
-                            "--coordinate_descent_tuning and --zero3_step fused, "
+                            "--coordinate_descent_tuning and --zero3_step fused (AdamW), "
                             "where it can run: ZeRO stage 1-3, no --val_every/--save_every, --ds_config, "
                             "--fused_layernorm, --attention blocksparse/xformers, --explain or --autotune; else none)")
 
@@ -88,8 +88,6 @@ def build_parser() -> argparse.ArgumentParser:
             action.help += " " + DEEPCOMPILE_DEFAULT_HELP
         if action.dest == "coordinate_descent_tuning":
             action.help += "; on with compare.py's GPU default (see --compile)"
-        if action.dest == "zero3_step":
-            action.help += "; fused with compare.py's GPU default (see --compile)"
         if action.dest in GPU_DEFAULTS:
             action.help = action.help.replace("(default: ", f"(default on GPUs: {GPU_DEFAULTS[action.dest]}; "
                                               "without a GPU: ")
