@@ -47,21 +47,24 @@ def test_kernel_matches_torch_adamw_over_steps(n, scaled):
     assert float(step) == 3.0
 
 
-def test_kernel_reads_a_bf16_gradient_and_writes_the_bf16_copy():
+@pytest.mark.parametrize("dtype, mantissa", [(torch.bfloat16, 7), (torch.float16, 10)])  # --precision bf16 / fp16
+def test_kernel_reads_a_16_bit_gradient_and_writes_the_16_bit_copy(dtype, mantissa):
     n = 3000
     p, m, v, step = _state(n)
     ref = [t.clone() for t in (p, m, v, step)]
-    grad = torch.randn(n, generator=torch.Generator().manual_seed(2)).bfloat16()
-    lp, ref_lp = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
+    grad = torch.randn(n, generator=torch.Generator().manual_seed(2)).to(dtype)
+    lp, ref_lp = torch.zeros(n, dtype=dtype), torch.zeros(n, dtype=dtype)
     step += 1
     ref[3] += 1
-    adamw_step(p, grad, m, v, step, param_lp=lp, **HYPER)
-    reference_adamw_step(ref[0], grad, ref[1], ref[2], ref[3], param_lp=ref_lp, **HYPER)
+    adamw_step(p, grad, m, v, step, param_lp=lp, grad_scale=torch.tensor(1024.0), **HYPER)
+    reference_adamw_step(ref[0], grad, ref[1], ref[2], ref[3], param_lp=ref_lp, grad_scale=torch.tensor(1024.0),
+                         **HYPER)
     torch.testing.assert_close(p, ref[0], rtol=1e-6, atol=1e-7)
-    # the copy is the updated fp32 parameter in bf16: rounded to nearest on a GPU (the GPU test checks it bit for
-    # bit); Triton's interpreter truncates instead, so here it is within one bf16 step of it
-    assert ((lp.float() - p).abs() <= p.abs() * 2**-7).all()
-    assert ((ref_lp.float() - p).abs() <= p.abs() * 2**-8).all()
+    torch.testing.assert_close(m, ref[1], rtol=1e-6, atol=1e-9)
+    # the copy is the updated fp32 parameter in 16 bits: rounded to nearest on a GPU (the GPU test checks bf16 bit for
+    # bit); Triton's interpreter may truncate instead, so here it is within one step of the format of it
+    assert ((lp.float() - p).abs() <= p.abs() * 2**-mantissa).all()
+    assert ((ref_lp.float() - p).abs() <= p.abs() * 2**-(mantissa + 1)).all()
 
 
 def test_the_copy_is_skipped_when_it_is_the_parameter_itself():
