@@ -37,7 +37,9 @@
 #   STAGE=headline  compare.py's GPU default on GPUS GPUs (default 1): both paths, REPEATS rounds (default 2), the
 #               ceiling in round 1, step PROFILE_STEP (default 9) profiled, over as many calls as it takes: each call
 #               runs what fits in it (--time_limit; exit status 3 when it stopped before a run) and KEEP=<the last
-#               call's headline_<GPUS>xh200 folder, in the repo> continues it (--keep_runs) until the report is written
+#               call's headline_<GPUS>xh200 folder, in the repo> continues it (--keep_runs) until the report is written;
+#               KEEP=warm continues from the copy the last call left in /tmp on the same machine (calls back to back
+#               keep the machine, and with it the compile cache) and stops if the machine is a fresh one
 # SCHED picks --deepcompile_schedule (deepspeed | once); EXTRA adds flags to every training run (e.g. "--profile_step
 # 9"); TESTS names the deepcompile GPU tests of `steps` and of `split`'s second call; FACTORS the explain factors;
 # REFROUNDS runs the reference rows of `pair`/`two` in the first N rounds only (compare.py --reference_rounds).
@@ -192,13 +194,20 @@ case "$STAGE" in
     fi ;;
   headline)
     G=${GPUS:-1}; C="headline_${G}xh200"
+    if [ "${KEEP:-}" = warm ]; then  # the folder the last call left on this machine, if it is still the same one
+      KEEP=/tmp/keep_$C
+      [ -d "$KEEP" ] || { echo "KEEP=warm: no $KEEP on this machine (a fresh one); KEEP=<the folder, in the repo>"
+                          exit 2; }
+    fi
     if [ -n "${KEEP:-}" ]; then cp -r "$KEEP" "$W/$C"; fi
     # compare.py stops between runs by itself; the outer timeout only guards a first run longer than the call
     timeout -k 25 "$(left)" python3 compare.py --gpus "$G" --preset 1.5b --stage 3 --precision bf16 \
       --steps "${STEPS:-20}" --warmup_steps "${WARMUP:-10}" --profile_step "${PROFILE_STEP:-9}" ${EXTRA:-} \
       --repeats "${REPEATS:-2}" --reference ceiling --reference_rounds 1 --keep_runs --time_limit "$(( $(left) - 20 ))" \
       --timeout 400 --out "$W/$C" > "$W/$C.log" 2>&1
-    echo "compare exit $? (3: stopped before a run that would not fit; KEEP=<this folder> continues it)" ;;
+    echo "compare exit $? (3: stopped before a run that would not fit; KEEP=<this folder> continues it)"
+    rm -rf "/tmp/keep_$C.new" && cp -r "$W/$C" "/tmp/keep_$C.new" && rm -rf "/tmp/keep_$C" \
+      && mv "/tmp/keep_$C.new" "/tmp/keep_$C" ;;
   autotune)
     if [ -n "${KEEP:-}" ]; then cp -r "$KEEP" "$W/autotune"; K=(--keep_runs); else K=(); fi
     # -k 25: compare.py's own SIGTERM handler takes up to 15 s to stop the candidate it runs
