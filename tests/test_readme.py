@@ -99,6 +99,13 @@ def test_the_headline_table_quotes_the_reports_it_names():
             printed = ratio.split()[0]
             decimals = len(printed.split(".")[1])
             assert float(printed) == round(report["ratio_lightning_over_deepspeed"], decimals), name
+            pairs = re.search(r"\((\d+) pairs?(?:, ([0-9.]+)-([0-9.]+))?\)", ratio)
+            if pairs and report.get("ratio_spread"):  # the pairs' count and the range of their ratios
+                spread = report["ratio_spread"]
+                assert int(pairs.group(1)) == spread["n"], name
+                if pairs.group(2):
+                    assert [float(pairs.group(2)), float(pairs.group(3))] == [
+                        round(spread[k], len(pairs.group(2).split(".")[1])) for k in ("min", "max")], name
             if fraction:
                 assert [float(x) for x in fraction.split(" / ")] == [
                     round(report["fraction_of_ceiling"][p], 3) for p in ("deepspeed", "lightning")], name
