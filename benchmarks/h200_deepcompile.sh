@@ -53,6 +53,11 @@ rm -rf "$W"; mkdir -p "$W"
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/zero3bench_extensions}
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/zero3bench_inductor}
 T0=$SECONDS
+if [ "$STAGE" = headline ] && [ "${KEEP:-}" = warm ]; then  # the folder the last call left on this machine
+  KEEP=/tmp/keep_headline_${GPUS:-1}xh200
+  [ -d "$KEEP" ] || { echo "KEEP=warm: no $KEEP on this machine (a fresh one); KEEP=<the folder, in the repo>"
+                      exit 2; }
+fi
 DEADLINE=${DEADLINE_S:-565}
 left() { echo $(( DEADLINE - (SECONDS - T0) - 8 )); }
 MB=${MB:-16}
@@ -194,18 +199,13 @@ case "$STAGE" in
     fi ;;
   headline)
     G=${GPUS:-1}; C="headline_${G}xh200"
-    if [ "${KEEP:-}" = warm ]; then  # the folder the last call left on this machine, if it is still the same one
-      KEEP=/tmp/keep_$C
-      [ -d "$KEEP" ] || { echo "KEEP=warm: no $KEEP on this machine (a fresh one); KEEP=<the folder, in the repo>"
-                          exit 2; }
-    fi
     if [ -n "${KEEP:-}" ]; then cp -r "$KEEP" "$W/$C"; fi
     # compare.py stops between runs by itself; the outer timeout only guards a first run longer than the call
     timeout -k 25 "$(left)" python3 compare.py --gpus "$G" --preset 1.5b --stage 3 --precision bf16 \
       --steps "${STEPS:-20}" --warmup_steps "${WARMUP:-10}" --profile_step "${PROFILE_STEP:-9}" ${EXTRA:-} \
       --repeats "${REPEATS:-2}" --reference ceiling --reference_rounds 1 --keep_runs --time_limit "$(( $(left) - 20 ))" \
       --timeout 400 --out "$W/$C" > "$W/$C.log" 2>&1
-    echo "compare exit $? (3: stopped before a run that would not fit; KEEP=<this folder> continues it)"
+    echo "compare exit $? (3: stopped before a run that would not fit; KEEP=warm or KEEP=<this folder> continues it)"
     rm -rf "/tmp/keep_$C.new" && cp -r "$W/$C" "/tmp/keep_$C.new" && rm -rf "/tmp/keep_$C" \
       && mv "/tmp/keep_$C.new" "/tmp/keep_$C" ;;
   autotune)
