@@ -288,6 +288,8 @@ def run_autotune(train: TrainConfig, ns, launch, out_dir: Path, kept: list[dict]
             flags.append(f"--compile {cfg.compile}")
         if cfg.compile == "deepcompile":
             flags.append(f"--deepcompile_schedule {cfg.deepcompile_schedule}")
+        if cfg.coordinate_descent_tuning and cfg.compile != "none":  # the candidates ran with it: so must the user
+            flags.append("--coordinate_descent_tuning")
         if cfg.fused_loss:
             flags.append("--fused_loss")
         if cfg.zero3_step != TrainConfig.zero3_step:

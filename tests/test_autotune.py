@@ -101,6 +101,7 @@ def test_search_tries_deepcompile_from_the_best_micro_batch_upwards_where_cuda_i
     w = report["winner"]["knobs"]
     assert (w["compile"], w["micro_batch"]) == ("deepcompile", 16)
     assert "--micro_batch 16 --compile deepcompile --deepcompile_schedule once" in report["winner_flags"]
+    assert "--coordinate_descent_tuning" not in report["winner_flags"]
     assert "+deepcompile" in autotune.format_autotune(report)
 
 
@@ -182,6 +183,17 @@ def test_search_tries_the_fused_optimizer_step_on_the_best_where_cuda_is(tmp_pat
     assert w["zero3_step"] == ("fused" if gain > 1 else "fast")
     assert ("--zero3_step fused" in report["winner_flags"]) == (gain > 1)
     assert "step fused" in autotune.format_autotune(report)
+
+
+def test_the_winner_flags_keep_the_kernel_tuning_its_compiled_candidates_ran_with(tmp_path, monkeypatch):
+    from shared.model import config as model_config
+
+    monkeypatch.setattr(model_config, "cuda_available", lambda: True)
+    report = autotune.run_autotune(TrainConfig(preset="tiny", warmup_steps=2, coordinate_descent_tuning=True),
+                                   SimpleNamespace(mb_grid="4", budget_s=1e9, world=1),
+                                   speed_with_the_fused_step([], 1.0), tmp_path)
+    assert report["winner"]["knobs"]["compile"] == "deepcompile"
+    assert "--compile deepcompile --deepcompile_schedule once --coordinate_descent_tuning" in report["winner_flags"]
 
 
 @pytest.mark.parametrize("overrides, message", [
