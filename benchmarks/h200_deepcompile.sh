@@ -53,8 +53,9 @@ rm -rf "$W"; mkdir -p "$W"
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/zero3bench_extensions}
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/zero3bench_inductor}
 T0=$SECONDS
-if [ "$STAGE" = headline ] && [ "${KEEP:-}" = warm ]; then  # the folder the last call left on this machine
-  KEEP=/tmp/keep_headline_${GPUS:-1}xh200
+WARM=/tmp/keep_headline_${GPUS:-1}xh200  # the headline folder the last call left on this machine
+if [ "$STAGE" = headline ] && [ "${KEEP:-}" = warm ]; then
+  KEEP=$WARM
   [ -d "$KEEP" ] || { echo "KEEP=warm: no $KEEP on this machine (a fresh one); KEEP=<the folder, in the repo>"
                       exit 2; }
 fi
@@ -206,8 +207,7 @@ case "$STAGE" in
       --repeats "${REPEATS:-2}" --reference ceiling --reference_rounds 1 --keep_runs --time_limit "$(( $(left) - 20 ))" \
       --timeout 400 --out "$W/$C" > "$W/$C.log" 2>&1
     echo "compare exit $? (3: stopped before a run that would not fit; KEEP=warm or KEEP=<this folder> continues it)"
-    rm -rf "/tmp/keep_$C.new" && cp -r "$W/$C" "/tmp/keep_$C.new" && rm -rf "/tmp/keep_$C" \
-      && mv "/tmp/keep_$C.new" "/tmp/keep_$C" ;;
+    rm -rf "$WARM.new" && cp -r "$W/$C" "$WARM.new" && rm -rf "$WARM" && mv "$WARM.new" "$WARM" ;;
   autotune)
     if [ -n "${KEEP:-}" ]; then cp -r "$KEEP" "$W/autotune"; K=(--keep_runs); else K=(); fi
     # -k 25: compare.py's own SIGTERM handler takes up to 15 s to stop the candidate it runs
