@@ -77,6 +77,11 @@ def test_compare_help_lists_the_presets_and_the_gpu_defaults():
     assert f"(default on GPUs: {compare.GPU_DEFAULTS['micro_batch']}; without a GPU: 2)" in text
 
 
+def _quotes(printed: str, value: float) -> bool:
+    """Whether `printed` is `value` rounded to as many decimals as it shows."""
+    return float(printed) == round(value, len(printed.partition(".")[2]))
+
+
 def test_the_headline_table_quotes_the_reports_it_names():
     """Every row of the README's headline table that names a committed report (or `same`: the row above's) quotes
     that report's medians, Lightning/DeepSpeed ratio and fractions of the ceiling, rounded as printed."""
@@ -92,22 +97,20 @@ def test_the_headline_table_quotes_the_reports_it_names():
         report = json.loads((ROOT / source).read_text())
         if fraction == "1" or name.startswith("torch FSDP2"):  # a reference row of that compare
             ref = report["reference"]["ceiling" if fraction == "1" else "fsdp2"]
-            assert float(raw) == round(ref["tflops_per_gpu"], 1), name
+            assert _quotes(raw, ref["tflops_per_gpu"]), name
         else:
-            assert [float(raw), float(lightning)] == [round(report["paths"][p]["tflops_per_gpu"], 1)
-                                                      for p in ("deepspeed", "lightning")], name
-            printed = ratio.split()[0]
-            decimals = len(printed.split(".")[1])
-            assert float(printed) == round(report["ratio_lightning_over_deepspeed"], decimals), name
+            paths = ("deepspeed", "lightning")
+            assert all(_quotes(x, report["paths"][p]["tflops_per_gpu"]) for x, p in zip((raw, lightning), paths)), name
+            assert _quotes(ratio.split()[0], report["ratio_lightning_over_deepspeed"]), name
             pairs = re.search(r"\((\d+) pairs?(?:, ([0-9.]+)-([0-9.]+))?\)", ratio)
             if pairs and report.get("ratio_spread"):  # the pairs' count and the range of their ratios
                 spread = report["ratio_spread"]
                 assert int(pairs.group(1)) == spread["n"], name
                 if pairs.group(2):
-                    assert [float(pairs.group(2)), float(pairs.group(3))] == [
-                        round(spread[k], len(pairs.group(2).split(".")[1])) for k in ("min", "max")], name
+                    assert _quotes(pairs.group(2), spread["min"]) and _quotes(pairs.group(3), spread["max"]), name
             if fraction:
-                assert [float(x) for x in fraction.split(" / ")] == [
-                    round(report["fraction_of_ceiling"][p], 3) for p in ("deepspeed", "lightning")], name
+                fractions = fraction.split(" / ")
+                assert len(fractions) == 2 and all(
+                    _quotes(x, report["fraction_of_ceiling"][p]) for x, p in zip(fractions, paths)), name
         checked += 1
     assert checked >= 6
