@@ -1,4 +1,5 @@
-"""The MLP's bias + GELU tail, forward + backward, two ways: inductor's kernels, or the bias gradient as a matmul.
+"""The MLP's bias + GELU tail, forward + backward, three ways: inductor's kernels, the bias gradient as a matmul, or
+the whole backward as one Triton kernel.
 
     python benchmarks/mlp_tail.py --out mlp_tail.json            # the 1.5b model's shape, micro-batch 16 (a GPU)
     python benchmarks/mlp_tail.py --rows 256 --cols 384 --rounds 1   # a small shape, runs on a CPU too
@@ -7,8 +8,11 @@ gelu(x + b) (tanh approximation), x the up projection's output (rows = micro-bat
 b its bias. `inductor` is shared.model.fused_ops.bias_gelu: inductor generates the forward as one kernel and, in
 backward, the GELU gradient and the bias gradient (its sum over every row) as one reduction kernel.
 `matmul_grad` is fused_ops.bias_gelu_matmul_grad: the same forward, the GELU gradient as one generated pointwise
-kernel, the bias gradient as a row of ones times it (the matmul library). Both are torch.compile'd as the model
-compiles them (`--coordinate_descent_tuning` as compare.py's GPU default sets it).
+kernel, the bias gradient as a row of ones times it (the matmul library). `triton_grad` is
+fused_ops.bias_gelu_triton_grad: the same forward, the GELU gradient and the bias gradient's partial sums in one
+pass of a Triton kernel (shared/kernels/bias_gelu_grad.py; on a CPU only under TRITON_INTERPRET=1, else it is left
+out and the JSON says why). All are torch.compile'd as the model compiles them (`--coordinate_descent_tuning` as
+compare.py's GPU default sets it).
 
 Timing: triton.testing.do_bench medians of forward + backward (torch.autograd.grad of the output for x and b with a
 fixed output gradient), the variants alternated `--rounds` times; each variant is compiled and checked before
@@ -28,10 +32,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from shared.kernels import bias_gelu_grad
 from shared.model import fused_ops
 from shared.train.results import device_info, versions
 
-VARIANTS = {"inductor": fused_ops.bias_gelu, "matmul_grad": fused_ops.bias_gelu_matmul_grad}
+VARIANTS = {"inductor": fused_ops.bias_gelu, "matmul_grad": fused_ops.bias_gelu_matmul_grad,
+            "triton_grad": fused_ops.bias_gelu_triton_grad}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -96,8 +102,12 @@ def main(argv: list[str] | None = None) -> dict:
                     "shape": {"rows": args.rows, "cols": args.cols, "dtype": args.dtype},
                     "coordinate_descent_tuning": inductor_config.coordinate_descent_tuning,
                     "timing": "triton.testing.do_bench median, forward + backward" if device.type == "cuda"
-                    else "perf_counter mean, forward + backward (CPU)", "variants": {}}
-    for name, fn in VARIANTS.items():
+                    else "perf_counter mean, forward + backward (CPU)", "variants": {}, "left_out": {}}
+    variants = dict(VARIANTS)
+    if device.type != "cuda" and not bias_gelu_grad.interpreted():
+        del variants["triton_grad"]
+        result["left_out"]["triton_grad"] = "its Triton kernel runs on a CPU only under TRITON_INTERPRET=1"
+    for name, fn in variants.items():
         t0 = time.perf_counter()
         err = errors(fn, x, b, g)
         result["variants"][name] = {"errors": err, "compile_and_check_s": round(time.perf_counter() - t0, 1),
@@ -105,10 +115,10 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name}: compiled and checked in {time.perf_counter() - t0:.1f} s, errors {err}", flush=True)
 
     time_ms = timer(device)
-    order = list(VARIANTS)
+    order = list(variants)
     for r in range(args.rounds):
         for name in (order if r % 2 == 0 else order[::-1]):
-            fn = VARIANTS[name]
+            fn = variants[name]
             ms = time_ms(lambda fn=fn: torch.autograd.grad(fn(x, b), (x, b), g), args)
             result["variants"][name]["ms"].append(round(ms, 4))
             print(f"round {r + 1} {name}: {ms:.4f} ms", flush=True)

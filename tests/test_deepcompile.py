@@ -346,12 +346,26 @@ def test_the_cached_walks_train_like_deepspeeds_walks(tmp_path, kjv):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("script", [RAW, LIGHTNING], ids=["raw", "lightning"])
-def test_deepcompile_validates_saves_exports_and_resumes_at_the_end(tmp_path, kjv, script):
+def test_the_triton_gelu_grad_trains_like_inductors_backward_under_deepcompile(tmp_path, kjv):
+    """--triton_gelu_grad: the kernel is one opaque node of DeepCompile's graph (no break, no recompile) and the run
+    trains as with inductor's backward of the same bias + GELU."""
+    base = _train(RAW, tmp_path, "base", kjv, "--compile", "deepcompile")
+    kernel = _train(RAW, tmp_path, "kernel", kjv, "--compile", "deepcompile", "--triton_gelu_grad", "true")
+    assert kernel["fused"]["bias_gelu_triton_grad"] is True and base["fused"]["bias_gelu_triton_grad"] is False
+    assert kernel["fused"]["dynamo_graph_breaks"] == 0 and kernel["fused"]["dynamo_recompile_limit_hits"] == 0
+    tail = lambda r: sum(r["losses"][-10:]) / 10
+    assert abs(tail(kernel) - tail(base)) <= 0.03 and kernel["losses"][-1] < kernel["losses"][0] - 1.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("script, step", [(RAW, "fast"), (RAW, "fused"), (LIGHTNING, "fused")],
+                         ids=["raw", "raw_fused_step", "lightning_fused_step"])
+def test_deepcompile_validates_saves_exports_and_resumes_at_the_end(tmp_path, kjv, script, step):
     """Validation and checkpoints between training steps are refused with DeepCompile (TrainConfig); at the end of
-    a run they work, and a later run resumes from that checkpoint with DeepCompile."""
+    a run they work, and a later run resumes from that checkpoint with DeepCompile. `fused`: the AdamW kernel's
+    state, as compare.py's GPU default runs it."""
     ck = tmp_path / "ck"
-    common = ["--compile", "deepcompile", "--ckpt_dir", ck, "--val_every", "20"]
+    common = ["--compile", "deepcompile", "--ckpt_dir", ck, "--val_every", "20", "--zero3_step", step]
     full = _train(script, tmp_path, "full", kjv, *common, "--export", tmp_path / "w.st", steps=20)
     assert [v["step"] for v in full["extra"]["val"]] == [20] and (ck / "step00000020" / "COMPLETE.json").exists()
     from shared.train import checkpoint

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.model import fused_ops
-from shared.model.config import FUSED_FLAGS, preset
+from shared.model.config import FUSED_FLAGS, FUSED_RESULT_KEYS, preset
 from shared.model.gpt import GPT
 from shared.train.compile import compile_blocks
 from shared.train.config import TrainConfig
@@ -152,9 +152,12 @@ def test_both_paths_run_the_fused_compiled_model_under_zero3_and_record_it(tmp_p
 def test_every_fused_flag_is_recorded():
     from shared.model.config import fused_paths
 
-    assert set(fused_paths(preset("tiny", **dict.fromkeys(FUSED_FLAGS, True))).values()) == {True}
+    on = dict.fromkeys(FUSED_FLAGS, True)
+    for other in ("matmul_bias_grad", "triton_gelu_grad"):  # two backwards of one bias + GELU: one at a time
+        paths = fused_paths(preset("tiny", **{**on, other: False}))
+        assert [k for k, v in paths.items() if not v] == [FUSED_RESULT_KEYS[other]]
     assert list(fused_paths(preset("tiny"))) == ["chunked_linear_cross_entropy", "bias_dropout_add", "bias_gelu",
-                                                 "bias_gelu_matmul_grad", "layernorm_liger"]
+                                                 "bias_gelu_matmul_grad", "bias_gelu_triton_grad", "layernorm_liger"]
     assert set(fused_paths(preset("tiny")).values()) == {False}  # None (the CUDA rule) resolved: off on CPU
 
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+import shared.kernels.bias_gelu_grad  # noqa: F401  registers torch.ops.zero3bench.bias_gelu_grad
+
 
 @torch.compile(dynamic=False)
 def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float,
@@ -73,6 +75,29 @@ def bias_gelu_matmul_grad(x: torch.Tensor, bias: torch.Tensor | None) -> torch.T
     if bias is None:
         return F.gelu(x, approximate="tanh")
     return _BiasGeluMatmulGrad.apply(x, bias)
+
+
+class _BiasGeluTritonGrad(torch.autograd.Function):
+    """gelu(x + bias) whose backward is one Triton kernel (shared/kernels/bias_gelu_grad.py): the input gradient and
+    the bias gradient's partial sums in one pass over the rows."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, bias)
+        return F.gelu(x + bias, approximate="tanh")
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, bias = ctx.saved_tensors
+        return tuple(torch.ops.zero3bench.bias_gelu_grad(grad, x, bias))
+
+
+@torch.compile(dynamic=False)
+def bias_gelu_triton_grad(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """bias_gelu, the same forward, with the backward (input and bias gradients) as one Triton kernel."""
+    if bias is None:
+        return F.gelu(x, approximate="tanh")
+    return _BiasGeluTritonGrad.apply(x, bias)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
