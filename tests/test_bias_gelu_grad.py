@@ -13,8 +13,9 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 
-from shared.kernels.bias_gelu_grad import CONFIGS, bias_gelu_grad, reference_bias_gelu_grad
+from shared.kernels.bias_gelu_grad import CONFIGS, MIN_ROWS, _launch, bias_gelu_grad, reference_bias_gelu_grad
 from shared.model import fused_ops
 from shared.model.config import preset
 from tests.helpers import ROOT, env
@@ -43,6 +44,18 @@ def test_kernel_matches_its_reference(shape, dtype):
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(dz, rz, **tol)
     torch.testing.assert_close(db.float(), rb.float(), rtol=1e-4, atol=1e-4 * shape[0])
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "x".join(map(str, c)))
+def test_every_configuration_overwrites_every_row_of_the_partial_sums(config):
+    """The autotuner runs each configuration on the same buffers: whatever the buffer of partial sums holds before
+    a launch (NaN here, a trial's sums with another ROWS on the GPU), the bias gradient is the launch's own."""
+    dy, x, b = _inputs((3 * ROWS + 7, 70), torch.float32)
+    partial = torch.full((triton.cdiv(x.shape[0], MIN_ROWS), x.shape[1]), float("nan"))
+    dz, db = _launch(dy, x, b, config=config, partial=partial)
+    rz, rb = reference_bias_gelu_grad(dy, x, b)
+    torch.testing.assert_close(dz, rz, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(db, rb, rtol=1e-4, atol=1e-3)
 
 
 def test_the_reference_is_autograd_of_gelu():
