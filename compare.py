@@ -186,13 +186,14 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
                 raise ValueError(f"--budget_s must be positive, got {ns.budget_s}")
         ns.world = ns.gpus or n_gpus or ns.nproc or 1
         if n_gpus and deepcompile_by_default(ns):
-            # the fused step's kernel is AdamW's: another optimizer keeps the fast step
-            _fill_unset(ns, {**GPU_DEEPCOMPILE_DEFAULTS, **({} if (ns.optimizer or TrainConfig.optimizer) == "adamw"
-                                                           else {"zero3_step": TrainConfig.zero3_step})})
+            # the fused step's kernel is AdamW's, and a ZeRO-3 step: another optimizer or stage keeps the default
+            fused_step = (ns.optimizer or TrainConfig.optimizer) == "adamw" and (ns.stage or TrainConfig.stage) == 3
+            _fill_unset(ns, {**GPU_DEEPCOMPILE_DEFAULTS,
+                             **({} if fused_step else {"zero3_step": TrainConfig.zero3_step})})
+            step = f" --zero3_step {ns.zero3_step}" if (ns.stage or TrainConfig.stage) == 3 else ""
             print(f"compare.py: --compile deepcompile --deepcompile_schedule {ns.deepcompile_schedule} --micro_batch "
-                  f"{ns.micro_batch} --coordinate_descent_tuning {str(ns.coordinate_descent_tuning).lower()} "
-                  f"--zero3_step {ns.zero3_step} (the GPU default; --compile none or blocks for the others)",
-                  flush=True)
+                  f"{ns.micro_batch} --coordinate_descent_tuning {str(ns.coordinate_descent_tuning).lower()}{step} "
+                  f"(the GPU default; --compile none or blocks for the others)", flush=True)
         if n_gpus:
             _fill_unset(ns, GPU_DEFAULTS)
         ns.report_dir = Path(ns.out or "reports/latest")

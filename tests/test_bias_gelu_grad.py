@@ -18,7 +18,7 @@ import triton
 from shared.kernels.bias_gelu_grad import CONFIGS, MIN_ROWS, _launch, bias_gelu_grad, reference_bias_gelu_grad
 from shared.model import fused_ops
 from shared.model.config import preset
-from tests.helpers import ROOT, env
+from tests.helpers import FAST, LIGHTNING, RAW, ROOT, env, load, run
 
 
 def _inputs(shape, dtype, device="cpu", seed=0):
@@ -123,6 +123,20 @@ def test_the_tiny_model_has_the_same_gradients_with_the_kernel():
     assert grads[0].keys() == grads[1].keys() and any(".fc.bias" in n for n in grads[0])
     for n in grads[0]:
         torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-4, atol=1e-5, msg=n)
+
+
+def test_both_paths_train_with_the_kernel_from_the_command_line(tmp_path):
+    """--fused_bias_gelu true --triton_gelu_grad true on a CPU (the kernel in Triton's interpreter): both paths record
+    the switch and train to the same losses as each other, and as inductor's backward up to fp32 rounding."""
+    flags = ["--fused_bias_gelu", "true", "--triton_gelu_grad", "true", "--dropout", "0"]
+    for script, name in ((RAW, "raw"), (LIGHTNING, "pl")):
+        run([sys.executable, script, *FAST, *flags, "--out", tmp_path / f"{name}.json"])
+    run([sys.executable, RAW, *FAST, *flags[:2], *flags[4:], "--out", tmp_path / "inductor.json"])
+    raw, pl, inductor = (load(tmp_path / f"{n}.json") for n in ("raw", "pl", "inductor"))
+    assert raw["fused"]["bias_gelu_triton_grad"] is True and pl["fused"]["bias_gelu_triton_grad"] is True
+    assert inductor["fused"]["bias_gelu_triton_grad"] is False and inductor["fused"]["bias_gelu"] is True
+    assert pl["losses"] == raw["losses"]
+    assert max(abs(a - b) for a, b in zip(raw["losses"], inductor["losses"])) < 1e-4
 
 
 @pytest.mark.gpu

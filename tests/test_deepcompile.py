@@ -401,6 +401,10 @@ def test_compare_on_gpus_defaults_to_deepcompile_where_it_can_run(pretend_gpus, 
     # the fused step is AdamW's kernel: another optimizer keeps the fast step; an asked-for step is kept
     assert pretend_gpus.parse(["--optimizer", "fusedadam"])[0].zero3_step == "fast"
     assert pretend_gpus.parse(["--zero3_step", "deepspeed"])[0].zero3_step == "deepspeed"
+    capsys.readouterr()
+    for stage in ("1", "2"):  # ZeRO-3's step only: stages 1 and 2 keep the default, and the line does not name it
+        assert pretend_gpus.parse(["--stage", stage])[0].zero3_step == "fast"
+        assert "--coordinate_descent_tuning true (the GPU default" in capsys.readouterr().out
     # a flag the user gave wins; what DeepCompile refuses or measures something else keeps the eager default
     assert pretend_gpus.parse(["--micro_batch", "8"])[0].micro_batch == 8
     train, _ = pretend_gpus.parse(["--coordinate_descent_tuning", "false"])
