@@ -22,7 +22,8 @@ copy, torch's fused AdamW, parameter copy) instead of the one kernel (`-fused_ze
 DeepCompile without the small parameters kept gathered (`-persist_threshold`, shared/train/deepcompile_passes.py),
 inductor's generated kernels without coordinate-descent tuning (`-coordinate_descent`), the MLP bias's gradient
 summed by a matmul (`+matmul_bias_grad`), the MLP's bias + GELU backward as one Triton kernel (`+triton_gelu_grad`,
-shared/kernels/bias_gelu_grad.py), eager ZeRO-3's list of persistent parameters kept under DeepCompile, so
+shared/kernels/bias_gelu_grad.py), the LM head's loss and logits' gradient by one Triton kernel per row (`+triton_loss`,
+shared/kernels/cross_entropy.py), eager ZeRO-3's list of persistent parameters kept under DeepCompile, so
 each step gathers them again (`-drop_eager_persist`, shared/train/ds_runtime.drop_eager_persistent), DeepSpeed's own
 walks of the model around each step instead of lists taken once (`-cached_walks`,
 shared/train/ds_runtime.cache_deepcompile_walks). The block-sparse kernel is not a lever here: it runs between
@@ -82,6 +83,7 @@ LAST_MILE = {
     "-coordinate_descent": {"coordinate_descent_tuning": False},
     "+matmul_bias_grad": {"matmul_bias_grad": True},
     "+triton_gelu_grad": {"triton_gelu_grad": True},
+    "+triton_loss": {"triton_loss": True},
     "-drop_eager_persist": {"deepcompile_eager_persist": "deepspeed"},
     "-cached_walks": {"deepcompile_cached_walks": False},
     "-fused_zero3_step": {"zero3_step": "fast"},

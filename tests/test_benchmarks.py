@@ -408,6 +408,20 @@ def test_mlp_tail_times_both_bias_gradients_and_checks_them_against_float32(tmp_
     assert res["variants"]["inductor"]["speedup_vs_inductor_per_round"] == [1.0, 1.0]
 
 
+def test_lm_loss_times_both_losses_and_checks_them_against_float32(tmp_path):
+    out = tmp_path / "lm_loss.json"
+    r = run([sys.executable, str(ROOT / "benchmarks" / "lm_loss.py"), "--rows", "40", "--hidden", "24", "--vocab",
+             "300", "--vocab_multiple", "128", "--dtype", "fp32", "--rounds", "2", "--rep", "5", "--out", str(out)],
+            timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["shape"]["padded_vocab"] == 384 and res["device"]["type"] == "cpu" and res["command"].endswith(str(out))
+    assert set(res["variants"]) == {"inductor", "triton"}  # the kernel in Triton's interpreter
+    for v in res["variants"].values():
+        assert len(v["ms"]) == 2 and v["min_ms"] <= v["median_ms"] <= v["max_ms"]
+        assert v["errors"]["loss"] < 1e-5 and v["errors"]["dx_relative"] < 1e-5 and v["errors"]["dw_relative"] < 1e-5
+
+
 def test_mlp_tail_refuses_bad_sizes():
     r = run([sys.executable, str(ROOT / "benchmarks" / "mlp_tail.py"), "--rows", "0"], check=False, timeout=60)
     assert r.returncode == 2 and "--rows must be >= 1, got 0" in r.stderr

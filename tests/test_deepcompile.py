@@ -358,6 +358,17 @@ def test_the_triton_gelu_grad_trains_like_inductors_backward_under_deepcompile(t
 
 
 @pytest.mark.gpu
+def test_the_triton_loss_trains_like_the_models_loss_under_deepcompile(tmp_path, kjv):
+    """--triton_loss: the cross-entropy kernel is one opaque node of DeepCompile's graph and the tied weight is
+    gathered for the head's products in forward and backward: the run trains as with the model's own loss."""
+    base = _train(RAW, tmp_path, "base", kjv, "--compile", "deepcompile")
+    kernel = _train(RAW, tmp_path, "kernel", kjv, "--compile", "deepcompile", "--triton_loss", "true")
+    assert kernel["fused"]["triton_linear_cross_entropy"] is True and kernel["fused"]["dynamo_graph_breaks"] == 0
+    tail = lambda r: sum(r["losses"][-10:]) / 10
+    assert abs(tail(kernel) - tail(base)) <= 0.03 and kernel["losses"][-1] < kernel["losses"][0] - 1.0
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("script, step", [(RAW, "fast"), (RAW, "fused"), (LIGHTNING, "fused")],
                          ids=["raw", "raw_fused_step", "lightning_fused_step"])
 def test_deepcompile_validates_saves_exports_and_resumes_at_the_end(tmp_path, kjv, script, step):

@@ -153,11 +153,13 @@ def test_every_fused_flag_is_recorded():
     from shared.model.config import fused_paths
 
     on = dict.fromkeys(FUSED_FLAGS, True)
-    for other in ("matmul_bias_grad", "triton_gelu_grad"):  # two backwards of one bias + GELU: one at a time
-        paths = fused_paths(preset("tiny", **{**on, other: False}))
-        assert [k for k, v in paths.items() if not v] == [FUSED_RESULT_KEYS[other]]
-    assert list(fused_paths(preset("tiny"))) == ["chunked_linear_cross_entropy", "bias_dropout_add", "bias_gelu",
-                                                 "bias_gelu_matmul_grad", "bias_gelu_triton_grad", "layernorm_liger"]
+    # two backwards of one bias + GELU, two losses of one head: one of each pair at a time
+    for off in (("matmul_bias_grad", "fused_loss"), ("triton_gelu_grad", "triton_loss")):
+        paths = fused_paths(preset("tiny", **{**on, **dict.fromkeys(off, False)}))
+        assert sorted(k for k, v in paths.items() if not v) == sorted(FUSED_RESULT_KEYS[k] for k in off)
+    assert list(fused_paths(preset("tiny"))) == ["chunked_linear_cross_entropy", "triton_linear_cross_entropy",
+                                                 "bias_dropout_add", "bias_gelu", "bias_gelu_matmul_grad",
+                                                 "bias_gelu_triton_grad", "layernorm_liger"]
     assert set(fused_paths(preset("tiny")).values()) == {False}  # None (the CUDA rule) resolved: off on CPU
 
 

@@ -24,6 +24,10 @@ class FusedSwitches:
 
     fused_loss: bool = False
     """chunked linear + cross-entropy in the LM head (no full fp32 logits; shared/model/fused_loss.py)"""
+    triton_loss: bool = False
+    """the LM head's loss and its logits' gradient by one Triton kernel per row in forward, the backward's products
+    scaled afterwards (shared/kernels/cross_entropy.py, shared/model/fused_loss.py); CUDA, or a CPU under
+    TRITON_INTERPRET=1"""
     fused_bias_dropout_add: bool | None = None
     """residual + dropout(x W^T + b) as one compiled kernel (shared/model/fused_ops.py); default: on with CUDA, off
     on CPU. Chosen from a single run (+4.1% raw on one H200, one run per path, no repeat: inside single-run noise;
@@ -48,9 +52,10 @@ class FusedSwitches:
 
 # The switches' names (the fields of FusedSwitches), and the key each has in a result JSON's `fused` dict.
 FUSED_FLAGS = tuple(f.name for f in dataclasses.fields(FusedSwitches))
-FUSED_RESULT_KEYS = {"fused_loss": "chunked_linear_cross_entropy", "fused_bias_dropout_add": "bias_dropout_add",
-                     "fused_bias_gelu": "bias_gelu", "matmul_bias_grad": "bias_gelu_matmul_grad",
-                     "triton_gelu_grad": "bias_gelu_triton_grad", "fused_layernorm": "layernorm_liger"}
+FUSED_RESULT_KEYS = {"fused_loss": "chunked_linear_cross_entropy", "triton_loss": "triton_linear_cross_entropy",
+                     "fused_bias_dropout_add": "bias_dropout_add", "fused_bias_gelu": "bias_gelu",
+                     "matmul_bias_grad": "bias_gelu_matmul_grad", "triton_gelu_grad": "bias_gelu_triton_grad",
+                     "fused_layernorm": "layernorm_liger"}
 assert set(FUSED_RESULT_KEYS) == set(FUSED_FLAGS), "every fused switch needs its result key"
 
 
@@ -135,6 +140,8 @@ class GPTConfig(FusedSwitches):
         if self.triton_gelu_grad and not self.fused_bias_gelu:
             raise ValueError("triton_gelu_grad changes the backward of fused_bias_gelu, which is off here (it is off "
                              "on CPU unless asked): turn on fused_bias_gelu too")
+        if self.triton_loss and self.fused_loss:
+            raise ValueError("triton_loss and fused_loss are two ways of the LM head's loss: choose one")
         if self.triton_gelu_grad and self.matmul_bias_grad:
             raise ValueError("triton_gelu_grad and matmul_bias_grad are two backwards of the same bias + GELU: "
                              "choose one")
