@@ -42,8 +42,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--vocab_multiple", type=int, default=1, help="pad W's rows to a multiple of this")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     p.add_argument("--rounds", type=int, default=3, help="times each variant is timed, alternated")
-    p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
-    p.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
+    # one forward + backward at the 1.5b shape takes ~40 ms: do_bench needs a second or more to repeat it enough
+    p.add_argument("--warmup", type=int, default=200, help="do_bench warm-up, ms")
+    p.add_argument("--rep", type=int, default=1500, help="do_bench measuring time, ms")
     p.add_argument("--out", type=Path, default=None, help="write the JSON here")
     args = p.parse_args(argv)
     for name in ("rows", "hidden", "vocab", "vocab_multiple", "rounds", "warmup", "rep"):
