@@ -49,7 +49,7 @@ from shared.kernels import blocksparse_attention as bsa  # noqa: E402
 
 KINDS = ("fwd", "dq", "dkdv")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-POINTEE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32"}
+POINTEE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
 
 
 def launches(args, dropout: float) -> dict[str, tuple]:
@@ -100,13 +100,19 @@ def specialize(kernel, kernel_args: tuple, consts: dict) -> tuple[dict, dict, di
 def resources(launch: tuple, tile: bsa.Tile, head_dim: int, arch: int) -> dict:
     """Compile one recorded launch at one tile for `arch` and read its resource usage from the cubin."""
     kernel, kernel_args, consts = launch
+    return compile_usage(kernel, kernel_args, {**consts, **tile.meta(head_dim)}, tile.num_warps, tile.num_stages,
+                         arch)
+
+
+def compile_usage(kernel, kernel_args: tuple, consts: dict, num_warps: int, num_stages: int, arch: int) -> dict:
+    """Compile `kernel` for these arguments and constants for `arch`; registers, spills and shared memory."""
     if isinstance(kernel, triton.runtime.interpreter.InterpretedFunction):
         raise SystemExit("benchmarks/kernel_resources.py compiles kernels: run it without TRITON_INTERPRET")
-    sig, constants, attrs = specialize(kernel, kernel_args, {**consts, **tile.meta(head_dim)})
+    sig, constants, attrs = specialize(kernel, kernel_args, consts)
     src = ASTSource(kernel, sig, constexprs={(kernel.arg_names.index(k),): v for k, v in constants.items()},
                     attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                              options=dict(num_warps=tile.num_warps, num_stages=tile.num_stages))
+                              options=dict(num_warps=num_warps, num_stages=num_stages))
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "kernel.cubin"
@@ -131,9 +137,45 @@ def tiles_of(args, kind: str, dropout: bool) -> list[bsa.Tile]:
     return tiles[:args.first] if args.first else tiles
 
 
+def other_launches() -> list[tuple[str, str, object, tuple, dict, int]]:
+    """(kernel, configuration, kernel, arguments, constants, warps) of the project's other Triton kernels at the 1.5b
+    preset's shapes (bf16, micro-batch 16), one per autotuner configuration: the AdamW step on a 100M-element
+    sub-group, the MLP's bias + GELU backward (32768 x 9216), the LM head's cross-entropy (32768 x 50304)."""
+    from shared.kernels import adamw, bias_gelu_grad, cross_entropy
+
+    meta = lambda *shape, dtype=torch.bfloat16: torch.empty(*shape, device="meta", dtype=dtype)
+    n, f32 = 100_000_000, torch.float32
+    out = [("adamw", f"BLOCK {adamw.BLOCK}", adamw._adamw_kernel,
+            (meta(n, dtype=f32), meta(n), meta(n, dtype=f32), meta(n, dtype=f32), meta(n), meta(1, dtype=f32),
+             meta(1, dtype=f32), n, 3e-4, 0.9, 0.95, 1e-8, 0.1),
+            {"HAS_SCALE": True, "HAS_LP": True, "BLOCK": adamw.BLOCK}, adamw.NUM_WARPS)]
+    m, w = 16 * 2048, 9216
+    g = -(-m // bias_gelu_grad.MIN_ROWS)
+    for rows, bm, bn, warps in bias_gelu_grad.CONFIGS:
+        out.append(("bias_gelu_grad", f"ROWS {rows} BLOCK_M {bm} BLOCK_N {bn}", bias_gelu_grad._bias_gelu_grad,
+                    (meta(m, w), meta(m, w), meta(w), meta(m, w), meta(g, w, dtype=f32), m, w, g, w, w, w),
+                    {"MIN_ROWS": bias_gelu_grad.MIN_ROWS, "ROWS": rows, "BLOCK_M": bm, "BLOCK_N": bn}, warps))
+    v, vp = 50257, 50304
+    for block, warps in cross_entropy.CONFIGS:
+        out.append(("cross_entropy", f"BLOCK {block}", cross_entropy._cross_entropy_rows,
+                    (meta(m, vp), meta(m, dtype=torch.int64), meta(m, dtype=f32), meta(m, vp), vp, vp, v, vp,
+                     1.0 / m), {"BLOCK": block}, warps))
+    return out
+
+
 def main(args) -> dict:
     started = time.time()
     rows, specialized = [], {}
+    if args.others:
+        for name, config, kernel, kernel_args, consts, warps in other_launches():
+            row = {"kernel": name, "config": config, "num_warps": warps}
+            try:
+                row.update(compile_usage(kernel, kernel_args, consts, warps, 3, args.arch))
+            except Exception as exc:  # recorded: the row says which configuration does not compile and why
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            rows.append(row)
+            print(f"{name} {config}: " + (f"{row['registers']} registers, {row['spill_bytes']} bytes spilled"
+                                          if "error" not in row else row["error"][:200]), flush=True)
     for p in args.dropouts:
         calls = launches(args, p)
         for kind, (kernel, kernel_args, consts) in calls.items():  # what the launch fixes besides the tile
@@ -168,6 +210,9 @@ def parse_args(argv=None):
     p.add_argument("--kernels", nargs="+", choices=KINDS, default=list(KINDS))
     p.add_argument("--grid", choices=("candidates", "wide"), default="candidates")
     p.add_argument("--first", type=int, default=0, help="only the first N tiles of each list (0: all)")
+    p.add_argument("--others", action="store_true",
+                   help="also the project's other Triton kernels (AdamW step, bias + GELU backward, cross-entropy), "
+                   "every autotuner configuration, at the 1.5b shapes")
     p.add_argument("--dropouts", type=float, nargs="+", default=[0.0, 0.1],
                    help="dropout rates; any p > 0 compiles the dropout variant")
     p.add_argument("--batch", type=int, default=16)
