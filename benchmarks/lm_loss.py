@@ -18,8 +18,6 @@ against the same computation in float32 (dx, dW as max absolute error relative t
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,6 +25,9 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mlp_tail import time_alternated, write_result  # noqa: E402
 
 from shared.kernels import cross_entropy
 from shared.model.fused_loss import triton_linear_cross_entropy
@@ -98,37 +99,9 @@ def main(argv: list[str] | None = None) -> dict:
         result["variants"][name] = {"errors": err, "compile_and_check_s": round(time.perf_counter() - t0, 1),
                                     "ms": []}
         print(f"{name}: compiled and checked in {time.perf_counter() - t0:.1f} s, errors {err}", flush=True)
-    if device.type == "cuda":
-        import triton
-
-        time_ms = lambda f: triton.testing.do_bench(f, warmup=args.warmup, rep=args.rep, return_mode="median")
-    else:
-        def time_ms(f) -> float:
-            f()
-            t0, n = time.perf_counter(), 0
-            while n < 3 or time.perf_counter() - t0 < args.rep / 1000:
-                f()
-                n += 1
-            return (time.perf_counter() - t0) / n * 1000
-    order = list(fns)
-    for r in range(args.rounds):
-        for name in (order if r % 2 == 0 else order[::-1]):
-            fn = fns[name]
-            ms = time_ms(lambda fn=fn: torch.autograd.grad(fn(x, w, t), (x, w)))
-            result["variants"][name]["ms"].append(round(ms, 4))
-            print(f"round {r + 1} {name}: {ms:.4f} ms", flush=True)
-    base = result["variants"]["inductor"]["ms"]
-    for v in result["variants"].values():
-        v["median_ms"] = statistics.median(v["ms"])
-        v["min_ms"], v["max_ms"] = min(v["ms"]), max(v["ms"])
-        v["speedup_vs_inductor_per_round"] = [round(b / m, 4) for b, m in zip(base, v["ms"])]
-    print(json.dumps({k: {"median_ms": v["median_ms"], "per_round_speedup": v["speedup_vs_inductor_per_round"]}
-                      for k, v in result["variants"].items()}))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.out}")
-    return result
+    time_alternated(result, {name: (lambda fn=fn: torch.autograd.grad(fn(x, w, t), (x, w)))
+                             for name, fn in fns.items()}, args, device)
+    return write_result(result, args.out)
 
 
 if __name__ == "__main__":

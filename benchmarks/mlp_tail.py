@@ -114,28 +114,39 @@ def main(argv: list[str] | None = None) -> dict:
                                     "ms": []}
         print(f"{name}: compiled and checked in {time.perf_counter() - t0:.1f} s, errors {err}", flush=True)
 
+    time_alternated(result, {name: (lambda fn=fn: torch.autograd.grad(fn(x, b), (x, b), g))
+                             for name, fn in variants.items()}, args, device)
+    for v in result["variants"].values():
+        v["backward_bytes_floor_gb"] = round(3 * args.rows * args.cols * x.element_size() / 1e9, 3)  # x, dy; dx
+    return write_result(result, args.out)
+
+
+def time_alternated(result: dict, steps: dict, args, device: torch.device) -> None:
+    """Time each variant's zero-argument step `args.rounds` times (do_bench with args.warmup / args.rep on a GPU),
+    the order reversed every other round; result["variants"][name] gets the times, their median and range, and the
+    per-round speedup against the first variant."""
     time_ms = timer(device)
-    order = list(variants)
+    order = list(steps)
     for r in range(args.rounds):
         for name in (order if r % 2 == 0 else order[::-1]):
-            fn = variants[name]
-            ms = time_ms(lambda fn=fn: torch.autograd.grad(fn(x, b), (x, b), g), args)
+            ms = time_ms(steps[name], args)
             result["variants"][name]["ms"].append(round(ms, 4))
             print(f"round {r + 1} {name}: {ms:.4f} ms", flush=True)
-
-    base = result["variants"]["inductor"]["ms"]
+    base = result["variants"][order[0]]["ms"]
     for v in result["variants"].values():
         v["median_ms"] = statistics.median(v["ms"])
         v["min_ms"], v["max_ms"] = min(v["ms"]), max(v["ms"])
-        v["speedup_vs_inductor_per_round"] = [round(bi / mi, 4) for bi, mi in zip(base, v["ms"])]
-        moved = 3 * args.rows * args.cols * x.element_size()  # x and dy read, dx written
-        v["backward_bytes_floor_gb"] = round(moved / 1e9, 3)
+        v[f"speedup_vs_{order[0]}_per_round"] = [round(bi / mi, 4) for bi, mi in zip(base, v["ms"])]
+
+
+def write_result(result: dict, out: Path | None) -> dict:
+    """Print each variant's median and speedups; write the JSON to `out` if given."""
     print(json.dumps({k: {"median_ms": v["median_ms"], "per_round_speedup": v["speedup_vs_inductor_per_round"]}
                       for k, v in result["variants"].items()}))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.out}")
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {out}")
     return result
 
 

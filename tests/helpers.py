@@ -33,6 +33,13 @@ def run(cmd: list[str], timeout: int = 240, check: bool = True) -> subprocess.Co
     return proc
 
 
+def python_without_interpreter(code: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    """Python `code` in a fresh process without TRITON_INTERPRET: Triton as a CPU without a GPU has it."""
+    e = {k: v for k, v in env().items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, cwd=ROOT,
+                          timeout=timeout)
+
+
 def torchrun(script: Path, nproc: int, args: list[str], timeout: int = 240, check: bool = True):
     return run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                 script, *args], timeout=timeout, check=check)

@@ -6,7 +6,6 @@ and autotuned, in bf16 at the 1.5b model's shape.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
@@ -16,7 +15,7 @@ import torch.nn.functional as F
 from shared.kernels.cross_entropy import CONFIGS, cross_entropy_rows, reference_cross_entropy_rows
 from shared.model.config import preset
 from shared.model.fused_loss import triton_linear_cross_entropy
-from tests.helpers import FAST, LIGHTNING, RAW, ROOT, env, load, run
+from tests.helpers import FAST, LIGHTNING, RAW, load, python_without_interpreter, run
 
 BLOCK = CONFIGS[0][0]
 
@@ -85,8 +84,7 @@ def test_bad_inputs_are_refused_by_name(args, match):
 def test_a_cpu_without_the_interpreter_refuses_the_kernel():
     code = ("import torch; from shared.kernels.cross_entropy import cross_entropy_rows; "
             "cross_entropy_rows(torch.ones(2, 3), torch.zeros(2, dtype=torch.long), 3)")
-    e = {k: v for k, v in env().items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, cwd=ROOT, timeout=120)
+    proc = python_without_interpreter(code)
     assert proc.returncode != 0 and "runs a Triton kernel on CUDA tensors, got cpu" in proc.stderr
     assert "--triton_loss" in proc.stderr
 

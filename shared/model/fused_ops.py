@@ -54,13 +54,17 @@ def column_sum(t: torch.Tensor) -> torch.Tensor:
 COLUMN_SUM_ROWS = 16  # one tensor-core tile of rows; the product's extra rows cost no memory traffic
 
 
-class _BiasGeluMatmulGrad(torch.autograd.Function):
-    """gelu(x + bias) whose backward takes the bias gradient from column_sum instead of a generated reduction."""
+class _BiasGeluOwnGrad(torch.autograd.Function):
+    """gelu(x + bias) with a backward of its own (a subclass's): x and bias are saved, x + bias recomputed there."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, bias)
         return F.gelu(x + bias, approximate="tanh")
+
+
+class _BiasGeluMatmulGrad(_BiasGeluOwnGrad):
+    """The bias gradient from column_sum instead of a generated reduction."""
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,22 +73,9 @@ class _BiasGeluMatmulGrad(torch.autograd.Function):
         return dx, column_sum(dx)
 
 
-@torch.compile(dynamic=False)
-def bias_gelu_matmul_grad(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """bias_gelu, the same forward, with the bias gradient summed by a matmul (column_sum) in backward."""
-    if bias is None:
-        return F.gelu(x, approximate="tanh")
-    return _BiasGeluMatmulGrad.apply(x, bias)
-
-
-class _BiasGeluTritonGrad(torch.autograd.Function):
-    """gelu(x + bias) whose backward is one Triton kernel (shared/kernels/bias_gelu_grad.py): the input gradient and
-    the bias gradient's partial sums in one pass over the rows."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, bias)
-        return F.gelu(x + bias, approximate="tanh")
+class _BiasGeluTritonGrad(_BiasGeluOwnGrad):
+    """The whole backward as one Triton kernel (shared/kernels/bias_gelu_grad.py): the input gradient and the bias
+    gradient's partial sums in one pass over the rows."""
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,12 +83,24 @@ class _BiasGeluTritonGrad(torch.autograd.Function):
         return tuple(torch.ops.zero3bench.bias_gelu_grad(grad, x, bias))
 
 
-@torch.compile(dynamic=False)
-def bias_gelu_triton_grad(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """bias_gelu, the same forward, with the backward (input and bias gradients) as one Triton kernel."""
-    if bias is None:
-        return F.gelu(x, approximate="tanh")
-    return _BiasGeluTritonGrad.apply(x, bias)
+def _bias_gelu_with(function: type[_BiasGeluOwnGrad], doc: str):
+    """bias_gelu compiled as the model runs it, the same forward, with `function`'s backward."""
+
+    @torch.compile(dynamic=False)
+    def bias_gelu_with(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if bias is None:
+            return F.gelu(x, approximate="tanh")
+        return function.apply(x, bias)
+
+    bias_gelu_with.__doc__ = doc
+    return bias_gelu_with
+
+
+bias_gelu_matmul_grad = _bias_gelu_with(
+    _BiasGeluMatmulGrad, "bias_gelu, the same forward, with the bias gradient summed by a matmul (column_sum).")
+bias_gelu_triton_grad = _bias_gelu_with(
+    _BiasGeluTritonGrad, "bias_gelu, the same forward, with the backward (input and bias gradients) as one Triton "
+    "kernel.")
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
