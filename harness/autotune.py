@@ -16,7 +16,9 @@ Search, on the raw path (the faster one to start), each candidate a short run of
   4. the optimizer step's three passes in one kernel (`--zero3_step fused`, shared/kernels/adamw.py) on the best
      so far: ZeRO-3, AdamW and CUDA only (Triton's interpreter runs the kernel on a CPU for tests, not for speed);
      on one H200 it gave 1.015x the whole step under DeepCompile at micro-batch 16, and compare.py's GPU default
-     runs it (docs/results.md); the search measures it on its own best configuration.
+     runs it (docs/results.md); the search measures it on its own best configuration. Then the MLP's bias + GELU
+     backward as one Triton kernel (`--triton_gelu_grad`, shared/kernels/bias_gelu_grad.py; CUDA only, with the
+     fused bias + GELU): 1.010x the whole step in one pair on one H200, off by default, so measured here too.
   5. ZeRO-3 prefetch bucket, then reduce bucket, then parameter persistence threshold, one knob at a time
      (coordinate descent) from the best so far. Under DeepCompile the prefetch bucket is skipped: its passes
      schedule their own prefetch and never read stage3_prefetch_bucket_size. A persistence threshold that keeps
@@ -76,7 +78,7 @@ def knobs(cfg: TrainConfig) -> dict:
             "reduce_bucket_size": zero.get("reduce_bucket_size"),
             "param_persistence_threshold": zero.get("stage3_param_persistence_threshold"),
             "compile": cfg.compile, "deepcompile_schedule": cfg.deepcompile_schedule, "fused_loss": cfg.fused_loss,
-            "zero3_step": cfg.zero3_step}
+            "zero3_step": cfg.zero3_step, "triton_gelu_grad": cfg.triton_gelu_grad}
 
 
 def persisted(sizes: list[int], threshold: int) -> int:
@@ -111,8 +113,9 @@ def kept_candidates(train: TrainConfig, world: int, out_dir: Path) -> tuple[list
         raise ValueError(f"--keep_runs: {path} was searched with other settings ({'; '.join(diff[:4])}); rerun with "
                          "its flags, or without --keep_runs (it is then replaced)")
     commands = earlier.get("commands") or ([earlier["command"]] if earlier.get("command") else [])
-    for r in rows:  # written before the optimizer step was a knob: every candidate ran the base's zero3_step
+    for r in rows:  # written before these were knobs: every candidate ran the base's
         r["knobs"].setdefault("zero3_step", train.zero3_step)
+        r["knobs"].setdefault("triton_gelu_grad", train.triton_gelu_grad)
     return sorted((r for r in rows if r["status"] in ("ok", "oom")), key=lambda r: r["i"]), commands
 
 
@@ -242,6 +245,13 @@ def run_autotune(train: TrainConfig, ns, launch, out_dir: Path, kept: list[dict]
             print(f"  fused optimizer step not tried: {why}", flush=True)
         else:
             search.run(dataclasses.replace(base, **{**best["knobs"], "zero3_step": "fused"}))
+    best = search.best()
+    if best is not None and not best["knobs"]["triton_gelu_grad"]:
+        why = gelu_kernel_refusal(base)
+        if why:
+            print(f"  bias + GELU backward kernel not tried: {why}", flush=True)
+        else:
+            search.run(dataclasses.replace(base, **{**best["knobs"], "triton_gelu_grad": True}))
 
     # 5. ZeRO-3 knobs, one at a time from the best so far
     if base.stage == 3:
@@ -294,6 +304,8 @@ def run_autotune(train: TrainConfig, ns, launch, out_dir: Path, kept: list[dict]
             flags.append("--fused_loss")
         if cfg.zero3_step != TrainConfig.zero3_step:
             flags.append(f"--zero3_step {cfg.zero3_step}")
+        if cfg.triton_gelu_grad:
+            flags.append("--triton_gelu_grad")
         report["winner_flags"] = " ".join(flags)
     return search.write(complete=True)
 
@@ -309,12 +321,24 @@ def fused_step_refusal(cfg: TrainConfig) -> str | None:
     return None
 
 
+def gelu_kernel_refusal(cfg: TrainConfig) -> str | None:
+    """Why the search does not try `--triton_gelu_grad` for this configuration, or None when it does."""
+    if cfg.matmul_bias_grad:
+        return "--matmul_bias_grad asks for the bias gradient as a matmul"
+    if cfg.fused_bias_gelu is False:
+        return "it is the backward of the fused bias + GELU, and --fused_bias_gelu is false"
+    if not model_config.cuda_available():
+        return "its Triton kernel needs a CUDA GPU to be timed (on a CPU only Triton's interpreter runs it)"
+    return None
+
+
 def describe(k: dict) -> str:
     """One candidate's knobs, as the table prints them."""
     return (f"mb {k['micro_batch']}{' +ckpt' if k['activation_checkpointing'] else ''}"
             f"{' +' + k['compile'] if k.get('compile', 'none') != 'none' else ''}"
             f"{' +fused_loss' if k.get('fused_loss') else ''}"
             f"{' step ' + k['zero3_step'] if k.get('zero3_step', 'fast') != 'fast' else ''}"
+            f"{' +gelu_kernel' if k.get('triton_gelu_grad') else ''}"
             + "".join(f" {label} {k[key]:.0e}" for label, key in (
                 ("prefetch", "prefetch_bucket_size"), ("reduce", "reduce_bucket_size"),
                 ("persist", "param_persistence_threshold")) if k[key] is not None))  # None: not of this stage

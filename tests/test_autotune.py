@@ -150,15 +150,19 @@ def test_search_without_cuda_says_deepcompile_was_not_tried(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "DeepCompile not tried: --compile deepcompile needs a CUDA GPU" in out
     assert "fused optimizer step not tried: its Triton kernel needs a CUDA GPU to be timed" in out
+    assert "bias + GELU backward kernel not tried: its Triton kernel needs a CUDA GPU to be timed" in out
+    assert not any(c.triton_gelu_grad for c in calls)
 
 
-def speed_with_the_fused_step(calls: list, gain: float):
-    """DeepCompile 1.3x eager, the fused optimizer step `gain` on top; every micro-batch fits."""
+def speed_with_the_fused_step(calls: list, gain: float, gelu_gain: float = 1.0):
+    """DeepCompile 1.3x eager, the fused optimizer step `gain` on top, the bias + GELU kernel `gelu_gain`; every
+    micro-batch fits."""
 
     def launch(path, cfg, out, log):
         calls.append(cfg)
         speed = 1000.0 * cfg.micro_batch * (1.3 if cfg.compile == "deepcompile" else 1.0)
         speed *= gain if cfg.zero3_step == "fused" else 1.0
+        speed *= gelu_gain if cfg.triton_gelu_grad else 1.0
         return SimpleNamespace(tokens_per_s_per_gpu=speed, tflops_per_gpu=speed / 100, mfu=None, peak_mem_gib=1.0,
                                step_time_s={"median": 1.0 / speed})
 
@@ -183,6 +187,41 @@ def test_search_tries_the_fused_optimizer_step_on_the_best_where_cuda_is(tmp_pat
     assert w["zero3_step"] == ("fused" if gain > 1 else "fast")
     assert ("--zero3_step fused" in report["winner_flags"]) == (gain > 1)
     assert "step fused" in autotune.format_autotune(report)
+
+
+@pytest.mark.parametrize("gelu_gain", [1.01, 0.99])
+def test_search_tries_the_bias_gelu_kernel_after_the_optimizer_step(tmp_path, monkeypatch, gelu_gain):
+    from shared.model import config as model_config
+
+    monkeypatch.setattr(model_config, "cuda_available", lambda: True)
+    calls = []
+    report = autotune.run_autotune(TrainConfig(preset="tiny", warmup_steps=2),
+                                   SimpleNamespace(mb_grid="4,8", budget_s=1e9, world=1),
+                                   speed_with_the_fused_step(calls, 1.015, gelu_gain), tmp_path)
+    i = next(i for i, c in enumerate(calls) if c.triton_gelu_grad)
+    assert not any(c.triton_gelu_grad for c in calls[:i])
+    # on the best so far: DeepCompile, the largest micro-batch, the fused step
+    assert (calls[i].compile, calls[i].micro_batch, calls[i].zero3_step) == ("deepcompile", 8, "fused")
+    assert {c.triton_gelu_grad for c in calls[i + 1:]} == {gelu_gain > 1}  # the ZeRO-3 knobs from the faster one
+    assert report["winner"]["knobs"]["triton_gelu_grad"] is (gelu_gain > 1)
+    assert ("--triton_gelu_grad" in report["winner_flags"]) == (gelu_gain > 1)
+    assert "+gelu_kernel" in autotune.format_autotune(report)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(matmul_bias_grad=True, fused_bias_gelu=True), "--matmul_bias_grad asks for the bias gradient as a matmul"),
+    (dict(fused_bias_gelu=False), "it is the backward of the fused bias + GELU, and --fused_bias_gelu is false")])
+def test_search_does_not_try_the_bias_gelu_kernel_where_it_cannot_run(tmp_path, monkeypatch, capsys, overrides,
+                                                                      message):
+    from shared.model import config as model_config
+
+    monkeypatch.setattr(model_config, "cuda_available", lambda: True)
+    calls = []
+    autotune.run_autotune(TrainConfig(preset="tiny", warmup_steps=2, **overrides),
+                          SimpleNamespace(mb_grid="4", budget_s=1e9, world=1),
+                          speed_with_the_fused_step(calls, 1.0, 1.5), tmp_path)
+    assert calls and not any(c.triton_gelu_grad for c in calls)
+    assert f"bias + GELU backward kernel not tried: {message}" in capsys.readouterr().out
 
 
 def test_the_winner_flags_keep_the_kernel_tuning_its_compiled_candidates_ran_with(tmp_path, monkeypatch):
@@ -222,10 +261,11 @@ def test_keep_runs_takes_a_search_written_before_the_optimizer_step_was_a_knob(t
     path = tmp_path / "autotune.json"
     earlier = json.loads(path.read_text())
     for r in earlier["ranking"]:
-        del r["knobs"]["zero3_step"]
+        del r["knobs"]["zero3_step"], r["knobs"]["triton_gelu_grad"]
     path.write_text(json.dumps(earlier))
     kept, _ = autotune.kept_candidates(train, 1, tmp_path)
     assert len(kept) == len(first["ranking"]) and {r["knobs"]["zero3_step"] for r in kept} == {"fast"}
+    assert {r["knobs"]["triton_gelu_grad"] for r in kept} == {False}
     calls = []
     report = autotune.run_autotune(train, ns, fake_launch(8, calls), tmp_path, kept)
     assert calls == [] and report["winner"]["knobs"] == first["winner"]["knobs"]  # nothing measured twice
