@@ -123,13 +123,14 @@ def test_the_tiny_model_has_the_same_gradients_with_the_kernel():
         torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-4, atol=1e-5, msg=n)
 
 
+@pytest.mark.timeout(900)  # three CPU runs of 150 s at most each
 def test_both_paths_train_with_the_kernel_from_the_command_line(tmp_path):
     """--fused_bias_gelu true --triton_gelu_grad true on a CPU (the kernel in Triton's interpreter): both paths record
     the switch and train to the same losses as each other, and as inductor's backward up to fp32 rounding."""
     flags = ["--fused_bias_gelu", "true", "--triton_gelu_grad", "true", "--dropout", "0"]
     for script, name in ((RAW, "raw"), (LIGHTNING, "pl")):
-        run([sys.executable, script, *FAST, *flags, "--out", tmp_path / f"{name}.json"])
-    run([sys.executable, RAW, *FAST, *flags[:2], *flags[4:], "--out", tmp_path / "inductor.json"])
+        run([sys.executable, script, *FAST, *flags, "--out", tmp_path / f"{name}.json"], timeout=150)
+    run([sys.executable, RAW, *FAST, *flags[:2], *flags[4:], "--out", tmp_path / "inductor.json"], timeout=150)
     raw, pl, inductor = (load(tmp_path / f"{n}.json") for n in ("raw", "pl", "inductor"))
     assert raw["fused"]["bias_gelu_triton_grad"] is True and pl["fused"]["bias_gelu_triton_grad"] is True
     assert inductor["fused"]["bias_gelu_triton_grad"] is False and inductor["fused"]["bias_gelu"] is True

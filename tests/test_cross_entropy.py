@@ -97,14 +97,15 @@ def test_the_model_takes_one_loss_at_a_time():
         preset("tiny", triton_loss=True, fused_loss=True)
 
 
+@pytest.mark.timeout(900)  # up to four CPU runs of 150 s each
 def test_both_paths_train_with_the_kernel_from_the_command_line(tmp_path):
     """--triton_loss on a CPU (Triton's interpreter), ZeRO-3 with the tied weight gathered and released around it:
     both paths train to the same losses, and to the model's own loss up to fp32 rounding; the padded vocabulary too."""
     for script, name in ((RAW, "raw"), (LIGHTNING, "pl")):
-        run([sys.executable, script, *FAST, "--triton_loss", "true", "--out", tmp_path / f"{name}.json"])
-    run([sys.executable, RAW, *FAST, "--out", tmp_path / "plain.json"])
+        run([sys.executable, script, *FAST, "--triton_loss", "true", "--out", tmp_path / f"{name}.json"], timeout=150)
+    run([sys.executable, RAW, *FAST, "--out", tmp_path / "plain.json"], timeout=150)
     run([sys.executable, RAW, *FAST, "--triton_loss", "true", "--vocab_multiple", "128", "--out",
-         tmp_path / "padded.json"])
+         tmp_path / "padded.json"], timeout=150)
     raw, pl, plain, padded = (load(tmp_path / f"{n}.json") for n in ("raw", "pl", "plain", "padded"))
     key = "triton_linear_cross_entropy"
     assert raw["fused"][key] is True and pl["fused"][key] is True and plain["fused"][key] is False
