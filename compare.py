@@ -187,10 +187,11 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
         ns.world = ns.gpus or n_gpus or ns.nproc or 1
         if n_gpus and deepcompile_by_default(ns):
             # the fused step's kernel is AdamW's, and a ZeRO-3 step: another optimizer or stage keeps the default
-            fused_step = (ns.optimizer or TrainConfig.optimizer) == "adamw" and (ns.stage or TrainConfig.stage) == 3
+            zero3 = (ns.stage or TrainConfig.stage) == 3
+            fused_step = zero3 and (ns.optimizer or TrainConfig.optimizer) == "adamw"
             _fill_unset(ns, {**GPU_DEEPCOMPILE_DEFAULTS,
                              **({} if fused_step else {"zero3_step": TrainConfig.zero3_step})})
-            step = f" --zero3_step {ns.zero3_step}" if (ns.stage or TrainConfig.stage) == 3 else ""
+            step = f" --zero3_step {ns.zero3_step}" if zero3 else ""
             print(f"compare.py: --compile deepcompile --deepcompile_schedule {ns.deepcompile_schedule} --micro_batch "
                   f"{ns.micro_batch} --coordinate_descent_tuning {str(ns.coordinate_descent_tuning).lower()}{step} "
                   f"(the GPU default; --compile none or blocks for the others)", flush=True)

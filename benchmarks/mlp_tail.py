@@ -140,8 +140,9 @@ def time_alternated(result: dict, steps: dict, args, device: torch.device) -> No
 
 
 def write_result(result: dict, out: Path | None) -> dict:
-    """Print each variant's median and speedups; write the JSON to `out` if given."""
-    print(json.dumps({k: {"median_ms": v["median_ms"], "per_round_speedup": v["speedup_vs_inductor_per_round"]}
+    """Print each variant's median and speedups (against the first variant); write the JSON to `out` if given."""
+    speedup = f"speedup_vs_{next(iter(result['variants']))}_per_round"
+    print(json.dumps({k: {"median_ms": v["median_ms"], "per_round_speedup": v[speedup]}
                       for k, v in result["variants"].items()}))
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
