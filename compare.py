@@ -58,9 +58,10 @@ GPU_DEFAULTS = {"preset": "1.5b", "micro_batch": 8, "steps": 30, "warmup_steps":
 # the ZeRO-3 optimizer step in one Triton kernel (1.015x in one call, benchmarks/results/fused_zero3_step_1xh200; both
 # paths and the ceiling with it: headline_fused_1xh200).
 GPU_DEEPCOMPILE_DEFAULTS = {"compile": "deepcompile", "deepcompile_schedule": "once", "micro_batch": 16,
-                            "coordinate_descent_tuning": True, "zero3_step": "fused"}
+                            "coordinate_descent_tuning": True, "triton_gelu_grad": True, "zero3_step": "fused"}
 DEEPCOMPILE_DEFAULT_HELP = ("(default on GPUs: deepcompile, with --deepcompile_schedule once, --micro_batch 16, "
-                            "--coordinate_descent_tuning and --zero3_step fused (AdamW), "
+                            "--coordinate_descent_tuning, --triton_gelu_grad (without --matmul_bias_grad) and "
+                            "--zero3_step fused (AdamW, ZeRO-3), "
                             "where it can run: ZeRO stage 1-3, no --val_every/--save_every, --ds_config, "
                             "--fused_layernorm, --attention blocksparse/xformers, --explain or --autotune; else none)")
 
@@ -189,11 +190,15 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
             # the fused step's kernel is AdamW's, and a ZeRO-3 step: another optimizer or stage keeps the default
             zero3 = (ns.stage or TrainConfig.stage) == 3
             fused_step = zero3 and (ns.optimizer or TrainConfig.optimizer) == "adamw"
+            # the bias + GELU kernel is a backward of the fused bias + GELU, which --matmul_bias_grad also replaces
+            gelu_kernel = ns.fused_bias_gelu is not False and not ns.matmul_bias_grad
             _fill_unset(ns, {**GPU_DEEPCOMPILE_DEFAULTS,
-                             **({} if fused_step else {"zero3_step": TrainConfig.zero3_step})})
+                             **({} if fused_step else {"zero3_step": TrainConfig.zero3_step}),
+                             **({} if gelu_kernel else {"triton_gelu_grad": TrainConfig.triton_gelu_grad})})
             step = f" --zero3_step {ns.zero3_step}" if zero3 else ""
             print(f"compare.py: --compile deepcompile --deepcompile_schedule {ns.deepcompile_schedule} --micro_batch "
-                  f"{ns.micro_batch} --coordinate_descent_tuning {str(ns.coordinate_descent_tuning).lower()}{step} "
+                  f"{ns.micro_batch} --coordinate_descent_tuning {str(ns.coordinate_descent_tuning).lower()} "
+                  f"--triton_gelu_grad {str(ns.triton_gelu_grad).lower()}{step} "
                   f"(the GPU default; --compile none or blocks for the others)", flush=True)
         if n_gpus:
             _fill_unset(ns, GPU_DEFAULTS)

@@ -14,18 +14,19 @@ counters) and ablation.md (the table). A configuration that fails is recorded wi
     python benchmarks/ablation.py --set last_mile --out benchmarks/results/last_mile_ablation_1xh200   # CUDA only
 
 `--set last_mile` starts from compare.py's GPU default instead (DeepCompile, --deepcompile_schedule once, micro-
-batch 16, coordinate-descent kernel tuning, the optimizer step in one Triton kernel, the tuned ZeRO-3 buckets; 20
-steps of which 10 warm-up) and changes one lever per configuration: the chunked linear + cross-entropy
-(`+fused_loss`), that with the micro-batch it frees (`+fused_loss_mb24`), a padded vocabulary (`+vocab128`),
-DeepSpeed's own optimizer step instead of this project's (`-fast_zero3_step`), the fast step's three passes (gradient
-copy, torch's fused AdamW, parameter copy) instead of the one kernel (`-fused_zero3_step`, shared/kernels/adamw.py),
-DeepCompile without the small parameters kept gathered (`-persist_threshold`, shared/train/deepcompile_passes.py),
-inductor's generated kernels without coordinate-descent tuning (`-coordinate_descent`), the MLP bias's gradient
-summed by a matmul (`+matmul_bias_grad`), the MLP's bias + GELU backward as one Triton kernel (`+triton_gelu_grad`,
-shared/kernels/bias_gelu_grad.py), the LM head's loss and logits' gradient by one Triton kernel per row (`+triton_loss`,
-shared/kernels/cross_entropy.py), eager ZeRO-3's list of persistent parameters kept under DeepCompile, so
-each step gathers them again (`-drop_eager_persist`, shared/train/ds_runtime.drop_eager_persistent), DeepSpeed's own
-walks of the model around each step instead of lists taken once (`-cached_walks`,
+batch 16, coordinate-descent kernel tuning, the MLP's bias + GELU backward and the optimizer step each in one Triton
+kernel, the tuned ZeRO-3 buckets; 20 steps of which 10 warm-up) and changes one lever per configuration: the chunked
+linear + cross-entropy (`+fused_loss`), that with the micro-batch it frees (`+fused_loss_mb24`), a padded vocabulary
+(`+vocab128`), DeepSpeed's own optimizer step instead of this project's (`-fast_zero3_step`), the fast step's three
+passes (gradient copy, torch's fused AdamW, parameter copy) instead of the one kernel (`-fused_zero3_step`,
+shared/kernels/adamw.py), DeepCompile without the small parameters kept gathered (`-persist_threshold`,
+shared/train/deepcompile_passes.py), inductor's generated kernels without coordinate-descent tuning
+(`-coordinate_descent`), the MLP bias's gradient summed by a matmul instead of the bias + GELU backward kernel
+(`+matmul_bias_grad`), inductor's generated bias + GELU backward instead of that kernel (`-triton_gelu_grad`,
+shared/kernels/bias_gelu_grad.py), the LM head's loss and logits' gradient by one Triton kernel per row
+(`+triton_loss`, shared/kernels/cross_entropy.py), eager ZeRO-3's list of persistent parameters kept under
+DeepCompile, so each step gathers them again (`-drop_eager_persist`, shared/train/ds_runtime.drop_eager_persistent),
+DeepSpeed's own walks of the model around each step instead of lists taken once (`-cached_walks`,
 shared/train/ds_runtime.cache_deepcompile_walks). The block-sparse kernel is not a lever here: it runs between
 compiled graphs, which DeepCompile's ZeRO-3 pass refuses (shared/train/config.py); benchmarks/attention.py compares
 it with SDPA at the model's shape.
@@ -81,8 +82,8 @@ LAST_MILE = {
     "-fast_zero3_step": {"zero3_step": "deepspeed"},
     "-persist_threshold": {"deepcompile_persist": "deepspeed"},
     "-coordinate_descent": {"coordinate_descent_tuning": False},
-    "+matmul_bias_grad": {"matmul_bias_grad": True},
-    "+triton_gelu_grad": {"triton_gelu_grad": True},
+    "+matmul_bias_grad": {"matmul_bias_grad": True, "triton_gelu_grad": False},  # the other backward of the two
+    "-triton_gelu_grad": {"triton_gelu_grad": False},
     "+triton_loss": {"triton_loss": True},
     "-drop_eager_persist": {"deepcompile_eager_persist": "deepspeed"},
     "-cached_walks": {"deepcompile_cached_walks": False},

@@ -71,6 +71,21 @@ def test_ablation_last_mile_set_needs_cuda_and_keep_refuses_other_settings(tmp_p
     assert proc.returncode == 2 and "was measured with other base settings (micro_batch)" in proc.stderr
 
 
+def test_every_last_mile_lever_is_a_valid_change_of_compare_gpu_default(monkeypatch):
+    """Each lever of --set last_mile on compare.py's GPU default is a config the runs accept: a lever that clashes
+    with a default (the bias gradient as a matmul against the bias + GELU backward kernel) turns that default off."""
+    from compare import GPU_DEEPCOMPILE_DEFAULTS
+    from shared.model import config as model_config
+
+    ablation = load_module("ablation", ABLATION)
+    monkeypatch.setattr(model_config, "cuda_available", lambda: True)  # DeepCompile and the fusions' defaults
+    for name, flags in ablation.LAST_MILE.items():
+        cfg = TrainConfig(preset="1.5b", stage=3, precision="bf16", **{**GPU_DEEPCOMPILE_DEFAULTS, **flags})
+        assert all(getattr(cfg, k) == v for k, v in flags.items()), name
+    assert GPU_DEEPCOMPILE_DEFAULTS["triton_gelu_grad"] and ablation.LAST_MILE["-triton_gelu_grad"] == {
+        "triton_gelu_grad": False}
+
+
 def test_ablation_table_rates_each_lever_against_the_mean_of_the_baseline_runs():
     ablation = load_module("ablation", ABLATION)
 
