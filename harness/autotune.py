@@ -237,21 +237,19 @@ def run_autotune(train: TrainConfig, ns, launch, out_dir: Path, kept: list[dict]
                 break
             previous, fused = row, row["knobs"]["fused_loss"]
 
-    # 4. the optimizer step in one kernel, on the best so far
-    best = search.best()
-    if best is not None and base.stage == 3 and best["knobs"]["zero3_step"] != "fused":
-        why = fused_step_refusal(base)
+    # 4. the optimizer step (a ZeRO-3 step only) and the MLP's bias + GELU backward as one kernel each, in turn on
+    # the best so far
+    kernels = [("zero3_step", "fused", "fused optimizer step", fused_step_refusal)] if base.stage == 3 else []
+    kernels.append(("triton_gelu_grad", True, "bias + GELU backward kernel", gelu_kernel_refusal))
+    for knob, value, name, refusal in kernels:
+        best = search.best()
+        if best is None or best["knobs"][knob] == value:
+            continue
+        why = refusal(base)
         if why:
-            print(f"  fused optimizer step not tried: {why}", flush=True)
+            print(f"  {name} not tried: {why}", flush=True)
         else:
-            search.run(dataclasses.replace(base, **{**best["knobs"], "zero3_step": "fused"}))
-    best = search.best()
-    if best is not None and not best["knobs"]["triton_gelu_grad"]:
-        why = gelu_kernel_refusal(base)
-        if why:
-            print(f"  bias + GELU backward kernel not tried: {why}", flush=True)
-        else:
-            search.run(dataclasses.replace(base, **{**best["knobs"], "triton_gelu_grad": True}))
+            search.run(dataclasses.replace(base, **{**best["knobs"], knob: value}))
 
     # 5. ZeRO-3 knobs, one at a time from the best so far
     if base.stage == 3:
