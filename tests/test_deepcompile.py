@@ -346,11 +346,12 @@ def test_the_cached_walks_train_like_deepspeeds_walks(tmp_path, kjv):
 
 
 @pytest.mark.gpu
-def test_the_triton_gelu_grad_trains_like_inductors_backward_under_deepcompile(tmp_path, kjv):
-    """--triton_gelu_grad: the kernel is one opaque node of DeepCompile's graph (no break, no recompile) and the run
-    trains as with inductor's backward of the same bias + GELU."""
-    base = _train(RAW, tmp_path, "base", kjv, "--compile", "deepcompile")
-    kernel = _train(RAW, tmp_path, "kernel", kjv, "--compile", "deepcompile", "--triton_gelu_grad", "true")
+@pytest.mark.parametrize("script", [RAW, LIGHTNING], ids=["raw", "lightning"])
+def test_the_triton_gelu_grad_trains_like_inductors_backward_under_deepcompile(tmp_path, kjv, script):
+    """--triton_gelu_grad (in compare.py's GPU default, both paths): the kernel is one opaque node of DeepCompile's
+    graph (no break, no recompile) and the run trains as with inductor's backward of the same bias + GELU."""
+    base = _train(script, tmp_path, "base", kjv, "--compile", "deepcompile", "--triton_gelu_grad", "false")
+    kernel = _train(script, tmp_path, "kernel", kjv, "--compile", "deepcompile", "--triton_gelu_grad", "true")
     assert kernel["fused"]["bias_gelu_triton_grad"] is True and base["fused"]["bias_gelu_triton_grad"] is False
     assert kernel["fused"]["dynamo_graph_breaks"] == 0 and kernel["fused"]["dynamo_recompile_limit_hits"] == 0
     tail = lambda r: sum(r["losses"][-10:]) / 10
