@@ -56,7 +56,8 @@ GPU_DEFAULTS = {"preset": "1.5b", "micro_batch": 8, "steps": 30, "warmup_steps":
 # generated kernels tuned by inductor's coordinate descent (1.028x on the raw path in one call,
 # benchmarks/results/coordinate_descent_1xh200; both paths and the ceiling with it: coordinate_descent_compare_1xh200),
 # the ZeRO-3 optimizer step in one Triton kernel (1.015x in one call, benchmarks/results/fused_zero3_step_1xh200; both
-# paths and the ceiling with it: headline_fused_1xh200).
+# paths and the ceiling with it: headline_fused_1xh200), the MLP's bias + GELU backward in one Triton kernel (1.010x
+# and 1.008x in two pairs, benchmarks/results/triton_gelu_grad_1xh200, last_mile_levers_1xh200; no compare with it yet).
 GPU_DEEPCOMPILE_DEFAULTS = {"compile": "deepcompile", "deepcompile_schedule": "once", "micro_batch": 16,
                             "coordinate_descent_tuning": True, "triton_gelu_grad": True, "zero3_step": "fused"}
 DEEPCOMPILE_DEFAULT_HELP = ("(default on GPUs: deepcompile, with --deepcompile_schedule once, --micro_batch 16, "
