@@ -124,16 +124,20 @@ def test_the_tiny_model_has_the_same_gradients_with_the_kernel():
 
 
 @pytest.mark.timeout(900)  # three CPU runs of 150 s at most each
-def test_both_paths_train_with_the_kernel_from_the_command_line(tmp_path):
-    """--fused_bias_gelu true --triton_gelu_grad true on a CPU (the kernel in Triton's interpreter): both paths record
-    the switch and train to the same losses as each other, and as inductor's backward up to fp32 rounding."""
-    flags = ["--fused_bias_gelu", "true", "--triton_gelu_grad", "true", "--dropout", "0"]
+def test_both_paths_train_with_both_triton_kernels_from_the_command_line(tmp_path):
+    """--triton_gelu_grad and --triton_loss on a CPU (both kernels in Triton's interpreter; the loss's under ZeRO-3
+    with the tied weight gathered and released around it): both paths record the switches and train to the same
+    losses as each other, and as inductor's bias + GELU backward with the model's own loss up to fp32 rounding (the
+    padded vocabulary: tests/test_cross_entropy.py)."""
+    flags = ["--fused_bias_gelu", "true", "--dropout", "0"]
+    kernels = ["--triton_gelu_grad", "true", "--triton_loss", "true"]
     for script, name in ((RAW, "raw"), (LIGHTNING, "pl")):
-        run([sys.executable, script, *FAST, *flags, "--out", tmp_path / f"{name}.json"], timeout=150)
-    run([sys.executable, RAW, *FAST, *flags[:2], *flags[4:], "--out", tmp_path / "inductor.json"], timeout=150)
+        run([sys.executable, script, *FAST, *flags, *kernels, "--out", tmp_path / f"{name}.json"], timeout=150)
+    run([sys.executable, RAW, *FAST, *flags, "--out", tmp_path / "inductor.json"], timeout=150)
     raw, pl, inductor = (load(tmp_path / f"{n}.json") for n in ("raw", "pl", "inductor"))
-    assert raw["fused"]["bias_gelu_triton_grad"] is True and pl["fused"]["bias_gelu_triton_grad"] is True
-    assert inductor["fused"]["bias_gelu_triton_grad"] is False and inductor["fused"]["bias_gelu"] is True
+    for key in ("bias_gelu_triton_grad", "triton_linear_cross_entropy"):
+        assert raw["fused"][key] is True and pl["fused"][key] is True and inductor["fused"][key] is False, key
+    assert inductor["fused"]["bias_gelu"] is True
     assert pl["losses"] == raw["losses"]
     assert max(abs(a - b) for a, b in zip(raw["losses"], inductor["losses"])) < 1e-4
 

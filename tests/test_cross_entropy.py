@@ -6,8 +6,6 @@ and autotuned, in bf16 at the 1.5b model's shape.
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,7 +13,7 @@ import torch.nn.functional as F
 from shared.kernels.cross_entropy import CONFIGS, cross_entropy_rows, reference_cross_entropy_rows
 from shared.model.config import preset
 from shared.model.fused_loss import triton_linear_cross_entropy
-from tests.helpers import FAST, LIGHTNING, RAW, load, python_without_interpreter, run
+from tests.helpers import python_without_interpreter
 
 BLOCK = CONFIGS[0][0]
 
@@ -95,21 +93,6 @@ def test_the_model_takes_one_loss_at_a_time():
     assert GPT(preset("tiny", triton_loss=True)).head.triton_loss
     with pytest.raises(ValueError, match="triton_loss and fused_loss are two ways"):
         preset("tiny", triton_loss=True, fused_loss=True)
-
-
-@pytest.mark.timeout(900)  # three CPU runs of 150 s at most each
-def test_both_paths_train_with_the_kernel_from_the_command_line(tmp_path):
-    """--triton_loss on a CPU (Triton's interpreter), ZeRO-3 with the tied weight gathered and released around it:
-    both paths train to the same losses, and to the model's own loss up to fp32 rounding (the padded vocabulary:
-    test_the_linear_and_loss_train_like_autograd_of_the_models_loss)."""
-    for script, name in ((RAW, "raw"), (LIGHTNING, "pl")):
-        run([sys.executable, script, *FAST, "--triton_loss", "true", "--out", tmp_path / f"{name}.json"], timeout=150)
-    run([sys.executable, RAW, *FAST, "--out", tmp_path / "plain.json"], timeout=150)
-    raw, pl, plain = (load(tmp_path / f"{n}.json") for n in ("raw", "pl", "plain"))
-    key = "triton_linear_cross_entropy"
-    assert raw["fused"][key] is True and pl["fused"][key] is True and plain["fused"][key] is False
-    assert pl["losses"] == raw["losses"]
-    assert max(abs(a - b) for a, b in zip(raw["losses"], plain["losses"])) < 1e-4
 
 
 @pytest.mark.gpu
