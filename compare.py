@@ -191,8 +191,8 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
             # the fused step's kernel is AdamW's, and a ZeRO-3 step: another optimizer or stage keeps the default
             zero3 = (ns.stage or TrainConfig.stage) == 3
             fused_step = zero3 and (ns.optimizer or TrainConfig.optimizer) == "adamw"
-            # the bias + GELU kernel is a backward of the fused bias + GELU, which --matmul_bias_grad also replaces
-            gelu_kernel = ns.fused_bias_gelu is not False and not ns.matmul_bias_grad
+            # where the bias + GELU kernel cannot run, the search's reasons (the flags as given; ns has their names)
+            gelu_kernel = autotune.gelu_kernel_refusal(ns) is None
             _fill_unset(ns, {**GPU_DEEPCOMPILE_DEFAULTS,
                              **({} if fused_step else {"zero3_step": TrainConfig.zero3_step}),
                              **({} if gelu_kernel else {"triton_gelu_grad": TrainConfig.triton_gelu_grad})})

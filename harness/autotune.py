@@ -319,8 +319,9 @@ def fused_step_refusal(cfg: TrainConfig) -> str | None:
     return None
 
 
-def gelu_kernel_refusal(cfg: TrainConfig) -> str | None:
-    """Why the search does not try `--triton_gelu_grad` for this configuration, or None when it does."""
+def gelu_kernel_refusal(cfg) -> str | None:
+    """Why `--triton_gelu_grad` cannot run in this configuration (a TrainConfig, or compare.py's parsed flags, where
+    an unset flag is None), or None when it can: the search does not try it then, nor compare.py's GPU default."""
     if cfg.matmul_bias_grad:
         return "--matmul_bias_grad asks for the bias gradient as a matmul"
     if cfg.fused_bias_gelu is False:
