@@ -93,6 +93,8 @@ def summarize_path(runs: list[RunResult]) -> dict:
         "warmup_s": [r.extra.get("warmup_s") for r in runs],
         "compile_s": [r.extra.get("compile_s") for r in runs],
         "deepcompile_passes_s": [r.extra.get("deepcompile_passes_s") for r in runs],
+        # of those, DeepCompile's operator and memory profiling (shared/train/ds_runtime.time_deepcompile_profilers)
+        "deepcompile_profiling_s": [_profiling_s(r.extra.get("deepcompile_profilers")) for r in runs],
         "sdpa_kernel": sorted({r.sdpa_kernel for r in runs}, key=str),  # per kernel seen, one entry
         "fused": runs[0].fused,
         "ds_config": runs[0].ds_config,
@@ -239,6 +241,11 @@ def build_report(train: TrainConfig, ns: argparse.Namespace, results: dict[str, 
     return report
 
 
+def _profiling_s(profilers: dict | None) -> float | None:
+    """Seconds of DeepCompile's operator and memory profiling in one run (None: not recorded, or no DeepCompile)."""
+    return None if not profilers else profilers["operators_s"] + profilers["memory_s"]
+
+
 def _fmt(x: float | None, spec: str = ".2f") -> str:
     return "n/a" if x is None else format(x, spec)
 
@@ -279,6 +286,7 @@ def format_table(report: dict) -> str:
     row("  of it compiling s", lambda p: per_run_s(p, "compile_s") or "n/a")
     if any(any(v is not None for v in p.get("deepcompile_passes_s", [])) for p in report["paths"].values()):
         row("  DeepCompile passes s", lambda p: per_run_s(p, "deepcompile_passes_s"))
+        row("    of them profiling s", lambda p: per_run_s(p, "deepcompile_profiling_s") or "n/a")
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)
     lines = [f"{a:<{w0}}  {b:>{w1}}  {c}" for a, b, c in rows]

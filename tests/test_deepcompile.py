@@ -152,6 +152,33 @@ def test_the_persistence_pass_drops_only_the_releases_of_small_parameters(monkey
     assert gm.code.count("release_param.default(") == 1  # only the large weight's release is called
 
 
+def test_deepcompiles_two_profilers_are_timed_once_per_process(monkeypatch):
+    """The run JSON's extra.deepcompile_profilers: each profiler's run() is wrapped once, timed and counted whether
+    it returns or raises, and the report adds the two up per run."""
+    from deepspeed.compile.profilers import graph_profile
+
+    from harness.report import _profiling_s
+    from shared.train import ds_runtime
+
+    seen = []
+
+    def fails(self, *args):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(graph_profile.ProfilingInterpreter, "run", lambda self, *args: seen.append(args) or "out")
+    monkeypatch.setattr(graph_profile.MemoryProfilingInterpreter, "run", fails)
+    monkeypatch.setattr(ds_runtime, "PROFILERS", None)
+    ds_runtime.time_deepcompile_profilers()
+    ds_runtime.time_deepcompile_profilers()  # a second engine in the process wraps nothing again
+    assert graph_profile.ProfilingInterpreter.run(object(), 1, 2) == "out" and seen == [(1, 2)]
+    with pytest.raises(RuntimeError, match="out of memory"):
+        graph_profile.MemoryProfilingInterpreter.run(object())
+    timed = ds_runtime.PROFILERS
+    assert timed["operators_runs"] == 1 and timed["memory_runs"] == 1
+    assert timed["operators_s"] >= 0 and timed["memory_s"] >= 0
+    assert _profiling_s(timed) == timed["operators_s"] + timed["memory_s"] and _profiling_s(None) is None
+
+
 def test_a_resumed_engine_starts_deepcompiles_schedule_at_its_own_step():
     """DeepSpeed launches a scheduled compile only at the exact global step of its entry, from 0: a run resumed at
     step 20 must find its first compile at step 20 (and DeepSpeed's second one 5 steps later)."""
@@ -294,6 +321,8 @@ def test_both_paths_train_with_deepcompile_and_compile_the_same_graphs(tmp_path,
         assert r["extra"]["warmup_s"] > 0 and r["losses"][-1] < r["losses"][0] - 1.0
         assert r["extra"]["deepcompile_eager_persist_dropped"] > 0  # the default: no eager gather after each step
         assert r["extra"]["deepcompile_cached_walks"]["modules"] > 0  # the default: the walks over cached lists
+        profilers = r["extra"]["deepcompile_profilers"]  # timed: DeepCompile profiled operators and memory
+        assert profilers["operators_runs"] > 0 and profilers["memory_runs"] > 0 and profilers["memory_s"] > 0
     counters = ("dynamo_graphs", "dynamo_graph_breaks", "dynamo_recompile_limit_hits")
     assert {k: raw["fused"][k] for k in counters} == {k: pl["fused"][k] for k in counters}
     # Same compiled graph, same RNG seeds: the paths' losses agree as closely as the eager paths' do. Compared over

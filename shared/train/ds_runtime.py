@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import statistics
+import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -137,6 +139,7 @@ def compile_engine(engine, train: TrainConfig, rank: int = 0) -> None:
         raise ValueError(f"compile.{offload[0]} in the DeepSpeed config needs DeepSpeed's own DeepCompile schedule: "
                          "run with --deepcompile_schedule deepspeed --deepcompile_persist deepspeed")
     threshold = engine.zero_param_persistence_threshold() if persist == "threshold" else None
+    time_deepcompile_profilers()
     engine.compile(backend="inductor", schedule=deepcompile_schedule(schedule, stage, threshold))
     if not engine.is_deepcompile_active():
         # DeepSpeed falls back to plain torch.compile when its pass cannot run (e.g. ZeRO stage 0): never report a
@@ -147,6 +150,41 @@ def compile_engine(engine, train: TrainConfig, rank: int = 0) -> None:
     if stage == 3 and train.deepcompile_cached_walks:
         cache_deepcompile_walks(engine)
     align_schedule(engine)
+
+
+# What DeepCompile's two profilers took in this process (time_deepcompile_profilers; the run JSON reports it as
+# extra.deepcompile_profilers, beside deepcompile_passes_s, which includes it); None: DeepCompile was not set up.
+PROFILERS: dict | None = None
+
+
+def time_deepcompile_profilers() -> None:
+    """Time DeepCompile's two profilers, once per process: the operator profile (ProfilingInterpreter: every node of
+    a graph run again with device syncs and, once per distinct operator and shape, 15 times) that its gather/release
+    pass plans from, and the memory profile (MemoryProfilingInterpreter: the whole graph, node by node with syncs)
+    that it runs after every pass that changed a graph. Their seconds against deepcompile_passes_s say how much of
+    DeepCompile's warm-up is profiling rather than planning."""
+    global PROFILERS
+    if PROFILERS is not None:
+        return
+    from deepspeed.compile.profilers import graph_profile
+
+    PROFILERS = {"operators_s": 0.0, "operators_runs": 0, "memory_s": 0.0, "memory_runs": 0}
+    for cls, key in ((graph_profile.ProfilingInterpreter, "operators"),
+                     (graph_profile.MemoryProfilingInterpreter, "memory")):
+        cls.run = _timed(cls.run, key)
+
+
+def _timed(run, key: str):
+    @functools.wraps(run)
+    def timed_run(self, *args):
+        start = time.perf_counter()
+        try:
+            return run(self, *args)
+        finally:
+            PROFILERS[f"{key}_s"] += time.perf_counter() - start
+            PROFILERS[f"{key}_runs"] += 1
+
+    return timed_run
 
 
 # How many parameters the last drop_eager_persistent of this process took off the list (the run JSON reports it,

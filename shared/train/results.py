@@ -185,6 +185,7 @@ def build_result(*, path: str, train: TrainConfig, model_cfg: GPTConfig, ds_conf
                "deepcompile_eager_persist_dropped": getattr(sys.modules.get("shared.train.ds_runtime"),
                                                             "EAGER_PERSIST_DROPPED", None),
                "deepcompile_cached_walks": getattr(sys.modules.get("shared.train.ds_runtime"), "CACHED_WALKS", None),
+               "deepcompile_profilers": getattr(sys.modules.get("shared.train.ds_runtime"), "PROFILERS", None),
                **({"profile": timing["profile"]} if timing.get("profile") else {})},
     )
 
