@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -172,6 +173,27 @@ def test_headline_ratio_is_the_ratio_of_the_tables_medians_and_unsteady_repeats_
     assert steady["repeats_disagree"] == {} and "WARNING" not in reports.format_table(steady)
     assert steady["ratio_lightning_over_deepspeed"] == pytest.approx(1.025 / 2.05)
     assert "profiles" not in steady and "profiled step" not in reports.format_table(steady)
+
+
+def test_deepcompiles_passes_and_their_profiling_are_reported_per_run():
+    train = TrainConfig(precision="bf16")
+    runs = {}
+    for path, passes, profilers in (("deepspeed", 70.0, {"operators_s": 20.5, "memory_s": 30.25}),
+                                    ("lightning", 86.5, None)):  # None: a run JSON written before the timing
+        r = dataclasses.replace(_run(2.0))
+        r.extra = {"warmup_s": 150.0, "compile_s": 120.0, "deepcompile_passes_s": passes,
+                   "deepcompile_profilers": profilers and {**profilers, "operators_runs": 2, "memory_runs": 6}}
+        runs[path] = [r]
+    report = reports.build_report(train, SimpleNamespace(world=1, repeats=1), runs, {}, [])
+    assert report["paths"]["deepspeed"]["deepcompile_profiling_s"] == [50.75]
+    assert report["paths"]["lightning"]["deepcompile_profiling_s"] == [None]
+    rows = {re.split(r"\s{2,}", line.strip())[0]: line.split() for line in reports.format_table(report).splitlines()}
+    assert rows["DeepCompile passes s"][-2:] == ["70.0", "86.5"]
+    assert rows["of them profiling s"][-2:] == ["50.8", "n/a"]
+    # eager runs: no DeepCompile rows
+    eager = reports.build_report(train, SimpleNamespace(world=1, repeats=1),
+                                 {"deepspeed": [_run(2.0)], "lightning": [_run(2.0)]}, {}, [])
+    assert "DeepCompile passes s" not in reports.format_table(eager)
 
 
 def test_profiled_steps_are_reported_per_row():
