@@ -27,6 +27,13 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     # Triton kernels run under the interpreter on CPU; it must be set before triton is first imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # One CPU thread per process: the test workers (pytest-xdist) and the training processes they start run side by
+    # side, and torch's default of one OpenMP thread per core in each of them oversubscribes the cores (OpenMP
+    # threads spin while they wait). On a 2-core machine two tiny 60-step runs side by side took 91-93 s with the
+    # default and 25-27 s with one thread each; six of the training-run tests on two workers 230 s and 204 s. An
+    # OMP_NUM_THREADS set by the caller is kept.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def pytest_collection_modifyitems(config, items):
