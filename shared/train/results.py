@@ -145,6 +145,7 @@ def build_result(*, path: str, train: TrainConfig, model_cfg: GPTConfig, ds_conf
     tflops = step_flops / step_time / world_size / 1e12
     causal_flops = flops.step_flops_causal(model_cfg, global_batch, k)
     dev = device_info(device)
+    runtime = sys.modules.get("shared.train.ds_runtime")  # its globals record DeepCompile's set-up; None: not imported
     return RunResult(
         path=path,
         command=" ".join([os.path.basename(sys.executable)] + sys.argv),
@@ -182,10 +183,9 @@ def build_result(*, path: str, train: TrainConfig, model_cfg: GPTConfig, ds_conf
                "warmup_s": timing.get("warmup_s"), "compile_s": compile_seconds(),
                "deepcompile_passes_s": _deepcompile_pass_seconds(),
                "deepcompile_persist": getattr(sys.modules.get("shared.train.deepcompile_passes"), "LAST_STATS", None),
-               "deepcompile_eager_persist_dropped": getattr(sys.modules.get("shared.train.ds_runtime"),
-                                                            "EAGER_PERSIST_DROPPED", None),
-               "deepcompile_cached_walks": getattr(sys.modules.get("shared.train.ds_runtime"), "CACHED_WALKS", None),
-               "deepcompile_profilers": getattr(sys.modules.get("shared.train.ds_runtime"), "PROFILERS", None),
+               "deepcompile_eager_persist_dropped": getattr(runtime, "EAGER_PERSIST_DROPPED", None),
+               "deepcompile_cached_walks": getattr(runtime, "CACHED_WALKS", None),
+               "deepcompile_profilers": getattr(runtime, "PROFILERS", None),
                **({"profile": timing["profile"]} if timing.get("profile") else {})},
     )
 
