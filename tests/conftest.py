@@ -31,9 +31,10 @@ if not HAS_CUDA:
     # side, and torch's default of one OpenMP thread per core in each of them oversubscribes the cores (OpenMP
     # threads spin while they wait). On a 2-core machine two tiny 60-step runs side by side took 91-93 s with the
     # default and 25-27 s with one thread each; six of the training-run tests on two workers 230 s and 204 s. An
-    # OMP_NUM_THREADS set by the caller is kept.
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    # OMP_NUM_THREADS set by the caller is kept (torch read it when it was imported).
+    if "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = "1"  # the processes the tests start
+        torch.set_num_threads(1)  # this one, whose torch is imported already
 
 
 def pytest_collection_modifyitems(config, items):
