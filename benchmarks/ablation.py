@@ -27,7 +27,9 @@ shared/kernels/bias_gelu_grad.py), the LM head's loss and logits' gradient by on
 (`+triton_loss`, shared/kernels/cross_entropy.py), eager ZeRO-3's list of persistent parameters kept under
 DeepCompile, so each step gathers them again (`-drop_eager_persist`, shared/train/ds_runtime.drop_eager_persistent),
 DeepSpeed's own walks of the model around each step instead of lists taken once (`-cached_walks`,
-shared/train/ds_runtime.cache_deepcompile_walks). The block-sparse kernel is not a lever here: it runs between
+shared/train/ds_runtime.cache_deepcompile_walks), the residual branches' dropout masks drawn by a Triton kernel with
+eight draws per Philox call instead of inductor's one per element (`+triton_dropout`, shared/kernels/dropout_mask.py).
+The block-sparse kernel is not a lever here: it runs between
 compiled graphs, which DeepCompile's ZeRO-3 pass refuses (shared/train/config.py); benchmarks/attention.py compares
 it with SDPA at the model's shape.
 `baseline` runs first and again last (`baseline_again`): each configuration's ratio is against the
@@ -88,6 +90,7 @@ LAST_MILE = {
     "-drop_eager_persist": {"deepcompile_eager_persist": "deepspeed"},
     "-cached_walks": {"deepcompile_cached_walks": False},
     "-fused_zero3_step": {"zero3_step": "fast"},
+    "+triton_dropout": {"triton_dropout": True},
     "baseline_again": {},
 }
 REFERENCE = {"fusions": "naive", "last_mile": "baseline"}  # each set's ratios are against these runs
@@ -132,6 +135,9 @@ def main(argv: list[str] | None = None) -> dict:
                    help="default 5 on GPUs (10 with --set last_mile), 2 without")
     p.add_argument("--zero_profile", default=None,
                    help="DeepSpeed config profile (default: original, the naive one; tuned with --set last_mile)")
+    p.add_argument("--profile_step", type=int, default=None,
+                   help="profile this step of every run (a warm-up step, before --warmup_steps: the timing excludes "
+                   "it); the run JSONs under --out/runs then carry its kernels by kind")
     p.add_argument("--configs", default=None, help="comma-separated subset of the configurations")
     p.add_argument("--paths", default=None, help="comma-separated paths (default: deepspeed,lightning; deepspeed "
                    "with --set last_mile)")
@@ -169,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         defaults = {"micro_batch": 8 if cuda else 2, "steps": 14 if cuda else 6, "warmup_steps": 5 if cuda else 2,
                     "zero_profile": "original"}
-    for key in ("micro_batch", "steps", "warmup_steps", "zero_profile"):
+    for key in ("micro_batch", "steps", "warmup_steps", "zero_profile", "profile_step"):
         if getattr(ns, key) is not None:
             defaults[key] = getattr(ns, key)
     mb_sweep = ns.mb_sweep if ns.mb_sweep is not None else "12,16,24" if cuda and not last_mile else ""

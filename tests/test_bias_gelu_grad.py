@@ -139,7 +139,10 @@ def test_both_paths_train_with_both_triton_kernels_from_the_command_line(tmp_pat
         assert raw["fused"][key] is True and pl["fused"][key] is True and inductor["fused"][key] is False, key
     assert inductor["fused"]["bias_gelu"] is True
     assert pl["losses"] == raw["losses"]
-    assert max(abs(a - b) for a, b in zip(raw["losses"], inductor["losses"])) < 1e-4
+    # fp32 rounding of two different kernels, compounded over the run's steps: 1.006e-4 at most on one CPU machine,
+    # under 1e-4 on another (inductor's vectorised CPU code differs by CPU); the gradients themselves are checked
+    # against their reference above
+    assert max(abs(a - b) for a, b in zip(raw["losses"], inductor["losses"])) < 3e-4
 
 
 @pytest.mark.gpu

@@ -20,17 +20,18 @@ from tests.helpers import FAST, LIGHTNING, RAW, load, run, torchrun
 P = 0.3
 
 
-def _keep_rate_and_mask(device, dtype, n=1 << 20):
-    """Forward keeps ~1-p of the elements, scaled 1/(1-p), and backward passes gradient exactly where it kept."""
+def _keep_rate_and_mask(device, dtype, n=1 << 20, fn=fused_ops.bias_dropout_add, rate=P):
+    """Forward keeps ~1-p of the elements, scaled 1/(1-p), and backward passes gradient exactly where it kept.
+    fn: the compiled residual dropout under test; rate: the p it applies (a rounded one: tests/test_dropout_mask.py)."""
     x = torch.ones(n // 512, 512, device=device, dtype=dtype, requires_grad=True)
     bias = torch.zeros(512, device=device, dtype=dtype, requires_grad=True)
     residual = torch.zeros_like(x, requires_grad=True)
-    out = fused_ops.bias_dropout_add(x, bias, residual, P, True)
+    out = fn(x, bias, residual, P, True)
     out.backward(torch.ones_like(out))
     kept = out != 0
-    rate = kept.float().mean().item()
-    assert abs(rate - (1 - P)) < 5 * (P * (1 - P) / n) ** 0.5, rate  # 5 sigma of a binomial
-    scale = torch.tensor(1 / (1 - P), dtype=dtype)
+    kept_rate = kept.float().mean().item()
+    assert abs(kept_rate - (1 - rate)) < 5 * (rate * (1 - rate) / n) ** 0.5, kept_rate  # 5 sigma of a binomial
+    scale = torch.tensor(1 / (1 - rate), dtype=dtype)
     torch.testing.assert_close(out[kept].float().unique(), scale.float().view(1).to(device))
     assert torch.equal(x.grad != 0, kept)  # the same mask in forward and backward
     torch.testing.assert_close(x.grad[kept].float().unique(), scale.float().view(1).to(device))
@@ -159,7 +160,8 @@ def test_every_fused_flag_is_recorded():
         assert sorted(k for k, v in paths.items() if not v) == sorted(FUSED_RESULT_KEYS[k] for k in off)
     assert list(fused_paths(preset("tiny"))) == ["chunked_linear_cross_entropy", "triton_linear_cross_entropy",
                                                  "bias_dropout_add", "bias_gelu", "bias_gelu_matmul_grad",
-                                                 "bias_gelu_triton_grad", "layernorm_liger"]
+                                                 "bias_gelu_triton_grad", "dropout_triton_mask",
+                                                 "layernorm_liger"]
     assert set(fused_paths(preset("tiny")).values()) == {False}  # None (the CUDA rule) resolved: off on CPU
 
 

@@ -42,6 +42,10 @@ class FusedSwitches:
     """with fused_bias_gelu: its backward (the input gradient and the bias gradient's sum over the B*T rows) as one
     Triton kernel (shared/kernels/bias_gelu_grad.py) instead of inductor's reduction kernel; CUDA, or a CPU under
     TRITON_INTERPRET=1"""
+    triton_dropout: bool = False
+    """with fused_bias_dropout_add: its keep mask drawn by a Triton kernel, eight 16-bit draws per Philox call
+    instead of inductor's one per element (shared/kernels/dropout_mask.py; the rate p rounded to a multiple of
+    1/65536); CUDA, or a CPU under TRITON_INTERPRET=1"""
     fused_layernorm: bool = False
     """liger-kernel's Triton LayerNorm (CUDA only)"""
 
@@ -55,7 +59,7 @@ FUSED_FLAGS = tuple(f.name for f in dataclasses.fields(FusedSwitches))
 FUSED_RESULT_KEYS = {"fused_loss": "chunked_linear_cross_entropy", "triton_loss": "triton_linear_cross_entropy",
                      "fused_bias_dropout_add": "bias_dropout_add", "fused_bias_gelu": "bias_gelu",
                      "matmul_bias_grad": "bias_gelu_matmul_grad", "triton_gelu_grad": "bias_gelu_triton_grad",
-                     "fused_layernorm": "layernorm_liger"}
+                     "triton_dropout": "dropout_triton_mask", "fused_layernorm": "layernorm_liger"}
 assert set(FUSED_RESULT_KEYS) == set(FUSED_FLAGS), "every fused switch needs its result key"
 
 
@@ -140,6 +144,9 @@ class GPTConfig(FusedSwitches):
         if self.triton_gelu_grad and not self.fused_bias_gelu:
             raise ValueError("triton_gelu_grad changes the backward of fused_bias_gelu, which is off here (it is off "
                              "on CPU unless asked): turn on fused_bias_gelu too")
+        if self.triton_dropout and not self.fused_bias_dropout_add:
+            raise ValueError("triton_dropout draws the mask of fused_bias_dropout_add, which is off here (it is off "
+                             "on CPU unless asked): turn on fused_bias_dropout_add too")
         if self.triton_loss and self.fused_loss:
             raise ValueError("triton_loss and fused_loss are two ways of the LM head's loss: choose one")
         if self.triton_gelu_grad and self.matmul_bias_grad:

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 
 import shared.kernels.bias_gelu_grad  # noqa: F401  registers torch.ops.zero3bench.bias_gelu_grad
+import shared.kernels.dropout_mask  # noqa: F401  registers torch.ops.zero3bench.dropout_keep_mask
+from shared.kernels.dropout_mask import applied_rate
 
 
 @torch.compile(dynamic=False)
@@ -32,6 +34,21 @@ def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch
     if bias is not None:
         x = x + bias
     return residual + F.dropout(x, p, training)
+
+
+@torch.compile(dynamic=False)
+def bias_dropout_add_triton(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float,
+                            training: bool) -> torch.Tensor:
+    """bias_dropout_add with its keep mask drawn by a Triton kernel (shared/kernels/dropout_mask.py: eight draws per
+    Philox call, the rate p rounded to a multiple of 1/65536) from a seed drawn in the graph; the compiled kernel
+    around it reads the mask, scales and adds, and backward reuses the saved mask."""
+    if bias is not None:
+        x = x + bias
+    if not training or p == 0.0:
+        return residual + x
+    seed = torch.randint(0, 2**31 - 1, (1,), device=x.device)
+    keep = torch.ops.zero3bench.dropout_keep_mask(x, p, seed)
+    return residual + torch.where(keep, x * (1.0 / (1.0 - applied_rate(p))), 0.0)
 
 
 @torch.compile(dynamic=False)

@@ -71,11 +71,12 @@ class ResidualLinear(Linear):
     def __init__(self, cfg: GPTConfig, in_features: int):
         super().__init__(in_features, cfg.n_embd, cfg.bias, std=INIT_STD / math.sqrt(2 * cfg.n_layer))
         self.fused = cfg.fused_bias_dropout_add
+        self.bias_dropout_add = fused_ops.bias_dropout_add_triton if cfg.triton_dropout else fused_ops.bias_dropout_add
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            return fused_ops.bias_dropout_add(F.linear(x, self.weight), self.bias, residual, self.dropout.p,
+            return self.bias_dropout_add(F.linear(x, self.weight), self.bias, residual, self.dropout.p,
                                               self.training)
         return residual + self.dropout(F.linear(x, self.weight, self.bias))
 
