@@ -42,12 +42,13 @@ def bias_dropout_add_triton(x: torch.Tensor, bias: torch.Tensor | None, residual
     """bias_dropout_add with its keep mask drawn by a Triton kernel (shared/kernels/dropout_mask.py: eight draws per
     Philox call, the rate p rounded to a multiple of 1/65536) from a seed drawn in the graph; the compiled kernel
     around it reads the mask, scales and adds, and backward reuses the saved mask."""
+    if not training or p == 0.0:
+        return residual + (x if bias is None else x + bias)
+    seed = torch.randint(0, 2**31 - 1, (1,), device=x.device)
+    # the op reads only x's shape: given x + bias, inductor would write that sum to memory for it and read it back
+    keep = torch.ops.zero3bench.dropout_keep_mask(x, p, seed)
     if bias is not None:
         x = x + bias
-    if not training or p == 0.0:
-        return residual + x
-    seed = torch.randint(0, 2**31 - 1, (1,), device=x.device)
-    keep = torch.ops.zero3bench.dropout_keep_mask(x, p, seed)
     return residual + torch.where(keep, x * (1.0 / (1.0 - applied_rate(p))), 0.0)
 
 
