@@ -141,3 +141,24 @@ def test_the_gpu_kernel_matches_the_reference_at_the_models_shape():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_the_compiled_residual_dropout_keeps_scales_and_masks_on_gpu(dtype):
     _keep_rate_and_mask("cuda", dtype, fn=fused_ops.bias_dropout_add_triton, rate=applied_rate(P))
+
+
+def test_activation_checkpointing_recomputes_the_same_masks():
+    """The tiny GPT with dropout and the kernel's masks: recomputing each block in backward (activation
+    checkpointing) replays torch's generator, so it draws the same seeds and masks: the same loss and gradients."""
+    from shared.model.gpt import GPT
+
+    grads, losses = [], []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = GPT(preset("tiny", fused_bias_dropout_add=True, triton_dropout=True, attn_dropout=0.0,
+                           activation_checkpointing=checkpointing))
+        idx = torch.randint(0, model.cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+        torch.manual_seed(1)
+        loss = model(idx, idx)
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert losses[0] == losses[1]
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-5, atol=1e-6, msg=n)
