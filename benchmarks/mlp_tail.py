@@ -121,10 +121,10 @@ def main(argv: list[str] | None = None) -> dict:
     return write_result(result, args.out)
 
 
-def time_alternated(result: dict, steps: dict, args, device: torch.device) -> None:
+def time_alternated(result: dict, steps: dict, args, device: torch.device, against: dict | None = None) -> None:
     """Time each variant's zero-argument step `args.rounds` times (do_bench with args.warmup / args.rep on a GPU),
     the order reversed every other round; result["variants"][name] gets the times, their median and range, and the
-    per-round speedup against the first variant."""
+    per-round speedup against the first variant, or against the variant `against` names for it."""
     time_ms = timer(device)
     order = list(steps)
     for r in range(args.rounds):
@@ -132,17 +132,18 @@ def time_alternated(result: dict, steps: dict, args, device: torch.device) -> No
             ms = time_ms(steps[name], args)
             result["variants"][name]["ms"].append(round(ms, 4))
             print(f"round {r + 1} {name}: {ms:.4f} ms", flush=True)
-    base = result["variants"][order[0]]["ms"]
-    for v in result["variants"].values():
+    for name, v in result["variants"].items():
+        base = (against or {}).get(name, order[0])
         v["median_ms"] = statistics.median(v["ms"])
         v["min_ms"], v["max_ms"] = min(v["ms"]), max(v["ms"])
-        v[f"speedup_vs_{order[0]}_per_round"] = [round(bi / mi, 4) for bi, mi in zip(base, v["ms"])]
+        v[f"speedup_vs_{base}_per_round"] = [round(bi / mi, 4)
+                                             for bi, mi in zip(result["variants"][base]["ms"], v["ms"])]
 
 
 def write_result(result: dict, out: Path | None) -> dict:
-    """Print each variant's median and speedups (against the first variant); write the JSON to `out` if given."""
-    speedup = f"speedup_vs_{next(iter(result['variants']))}_per_round"
-    print(json.dumps({k: {"median_ms": v["median_ms"], "per_round_speedup": v[speedup]}
+    """Print each variant's median and per-round speedups; write the JSON to `out` if given."""
+    speedup = lambda v: next(x for k, x in v.items() if k.startswith("speedup_vs_"))
+    print(json.dumps({k: {"median_ms": v["median_ms"], "per_round_speedup": speedup(v)}
                       for k, v in result["variants"].items()}))
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -495,3 +495,27 @@ def test_ablation_time_limit_is_checked_before_any_run(tmp_path):
                         (["--time_limit", "60", "--mb_sweep", "4"], "got --time_limit 60 with --mb_sweep 4")]:
         proc = run([sys.executable, ABLATION, *args, "--out", tmp_path], check=False, timeout=60)
         assert proc.returncode == 2 and match in proc.stderr, proc.stderr[-500:]
+
+
+def test_residual_dropout_times_both_masks_against_their_inductor_parts_and_checks_them(tmp_path):
+    out = tmp_path / "residual_dropout.json"
+    r = run([sys.executable, str(ROOT / "benchmarks" / "residual_dropout.py"), "--rows", "64", "--cols", "48",
+             "--dtype", "fp32", "--rounds", "2", "--rep", "5", "--out", str(out)], timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["command"].endswith("--out " + str(out)) and res["device"]["type"] == "cpu"
+    assert res["shape"]["applied_p_triton_mask"] == 6554 / 65536
+    parts = ("forward", "forward_backward")
+    assert set(res["variants"]) == {f"{w}_{p}" for w in ("inductor", "triton_mask") for p in parts} | {"mask_kernel"}
+    for part in parts:  # each way against inductor's same part, per round
+        assert res["variants"][f"inductor_{part}"][f"speedup_vs_inductor_{part}_per_round"] == [1.0, 1.0]
+        assert len(res["variants"][f"triton_mask_{part}"][f"speedup_vs_inductor_{part}_per_round"]) == 2
+    for name in ("inductor_forward", "triton_mask_forward"):
+        err = res["variants"][name]["errors"]
+        assert err["h"] < 1e-5 and err["layer_norm"] < 1e-4  # fp32 against fp32, given the mask h shows
+    assert len(res["variants"]["mask_kernel"]["ms"]) == 2
+
+
+def test_residual_dropout_refuses_a_rate_it_cannot_check():
+    r = run([sys.executable, str(ROOT / "benchmarks" / "residual_dropout.py"), "--p", "0"], check=False, timeout=60)
+    assert r.returncode == 2 and "--p must be in (0, 1), got 0.0" in r.stderr
