@@ -10,7 +10,9 @@ element), adds, normalises and writes h, the LayerNorm's output and the 1-byte m
 fused_ops.bias_dropout_add_triton (`--triton_dropout`): the mask from shared/kernels/dropout_mask.py (eight draws per
 Philox call; on a CPU only under TRITON_INTERPRET=1, else it is left out and the JSON says why), read by the same
 generated kernel. `mask_kernel` times that kernel alone. Both compiled as the model compiles them
-(`--coordinate_descent_tuning` as compare.py's GPU default sets it).
+(`--coordinate_descent_tuning` as compare.py's GPU default sets it; at the 1.5b shape on an H200 that tuning made
+inductor's variant take 152.5 s to compile and check: give the call that time, keep TORCHINDUCTOR_CACHE_DIR between
+calls, or pass `--coordinate_descent_tuning false` for a first look).
 
 Timing: as benchmarks/mlp_tail.py (do_bench medians on a GPU, the variants alternated `--rounds` times, the order
 reversed every other round). The masks of the two ways are different draws, so correctness is checked per way: the
