@@ -29,9 +29,8 @@ DeepCompile, so each step gathers them again (`-drop_eager_persist`, shared/trai
 DeepSpeed's own walks of the model around each step instead of lists taken once (`-cached_walks`,
 shared/train/ds_runtime.cache_deepcompile_walks), the residual branches' dropout masks drawn by a Triton kernel with
 eight draws per Philox call instead of inductor's one per element (`+triton_dropout`, shared/kernels/dropout_mask.py).
-The block-sparse kernel is not a lever here: it runs between
-compiled graphs, which DeepCompile's ZeRO-3 pass refuses (shared/train/config.py); benchmarks/attention.py compares
-it with SDPA at the model's shape.
+The block-sparse kernel is not a lever here: it runs between compiled graphs, which DeepCompile's ZeRO-3 pass refuses
+(shared/train/config.py); benchmarks/attention.py compares it with SDPA at the model's shape.
 `baseline` runs first and again last (`baseline_again`): each configuration's ratio is against the
 mean of the baseline runs, whose two values give the noise. Raw path only by default (`--paths`): a lever changes
 the shared model or step, which both paths run alike (compare.py measures their ratio). A DeepCompile run of the

@@ -5,13 +5,13 @@ inductor generates, with one call of Philox 4x32-10 (ten rounds of 32-bit multip
 number. At the 1.5b model's shape (32768 x 2304 bf16 per residual branch) that kernel moves the same bytes as its
 backward and takes about twice as long (benchmarks/results/headline_gelu_kernel_1xh200: 0.40 against 0.22 ms a call):
 the random numbers, not the memory, bound it. Here one Philox call gives four 32-bit numbers, used as eight 16-bit
-halves, one per element: an eighth of the rounds. The kernel writes only the 1-byte keep mask; the compiled function
-around it reads the mask where it would have written one, so its memory traffic is unchanged.
+halves, one per element: an eighth of the rounds. The kernel writes only the 1-byte keep mask, and the compiled
+function around it reads the mask where it would have written one: one byte per element more traffic in all.
 
 Element i of the mask takes half i % 8 of counter i // 8: number (i % 8) // 2 of the call's four, low half for even
 i, and is kept when that half is >= p * 65536. The rate applied is therefore p rounded to a multiple of 1/65536
-(`applied_rate`: 0.1 -> 6554 / 65536 = 0.100006), and kept elements are scaled by 1 / (1 - applied rate). The same
-draws as the block-sparse attention kernel's dropout (shared/kernels/blocksparse_attention.py) over a flat index.
+(`applied_rate`: 0.1 -> 6554 / 65536 = 0.100006), and kept elements are scaled by 1 / (1 - applied rate): the scheme
+of the block-sparse attention kernel's dropout (shared/kernels/blocksparse_attention.py), over a flat index.
 
 The seed is a one-element int64 tensor on the mask's device, drawn from torch's generator inside the graph
 (fused_ops.bias_dropout_add_triton), so the mask is a pure function of (shape, p, seed): a compiled graph may
