@@ -49,7 +49,8 @@ from shared.kernels import blocksparse_attention as bsa  # noqa: E402
 
 KINDS = ("fwd", "dq", "dkdv")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-POINTEE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
+POINTEE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64",
+           torch.uint8: "u8"}
 
 
 def launches(args, dropout: float) -> dict[str, tuple]:
@@ -140,8 +141,9 @@ def tiles_of(args, kind: str, dropout: bool) -> list[bsa.Tile]:
 def other_launches() -> list[tuple[str, str, object, tuple, dict, int]]:
     """(kernel, configuration, kernel, arguments, constants, warps) of the project's other Triton kernels at the 1.5b
     preset's shapes (bf16, micro-batch 16), one per autotuner configuration: the AdamW step on a 100M-element
-    sub-group, the MLP's bias + GELU backward (32768 x 9216), the LM head's cross-entropy (32768 x 50304)."""
-    from shared.kernels import adamw, bias_gelu_grad, cross_entropy
+    sub-group, the MLP's bias + GELU backward (32768 x 9216), the LM head's cross-entropy (32768 x 50304), a residual
+    branch's dropout keep mask (32768 x 2304)."""
+    from shared.kernels import adamw, bias_gelu_grad, cross_entropy, dropout_mask
 
     meta = lambda *shape, dtype=torch.bfloat16: torch.empty(*shape, device="meta", dtype=dtype)
     n, f32 = 100_000_000, torch.float32
@@ -160,6 +162,11 @@ def other_launches() -> list[tuple[str, str, object, tuple, dict, int]]:
         out.append(("cross_entropy", f"BLOCK {block}", cross_entropy._cross_entropy_rows,
                     (meta(m, vp), meta(m, dtype=torch.int64), meta(m, dtype=f32), meta(m, vp), vp, vp, v, vp,
                      1.0 / m), {"BLOCK": block}, warps))
+    n = m * 2304
+    for block, warps in dropout_mask.CONFIGS:
+        out.append(("dropout_mask", f"BLOCK {block}", dropout_mask._dropout_mask,
+                    (meta(n, dtype=torch.uint8), meta(1, dtype=torch.int64), n, dropout_mask.threshold(0.1)),
+                    {"BLOCK": block}, warps))
     return out
 
 

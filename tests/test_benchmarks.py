@@ -410,9 +410,9 @@ def test_kernel_resources_first_candidates_compile_for_hopper_without_spilling(t
 
 
 def test_the_other_triton_kernels_compile_for_hopper_without_spilling(tmp_path):
-    """Every autotuner configuration of the AdamW step, the bias + GELU backward and the cross-entropy, compiled
-    ahead of time for sm_90 at the 1.5b shapes: the compiler refuses what Triton's interpreter (the CPU tests')
-    accepts, such as a kernel reading a Python global."""
+    """Every autotuner configuration of the AdamW step, the bias + GELU backward, the cross-entropy and the dropout
+    keep mask, compiled ahead of time for sm_90 at the 1.5b shapes: the compiler refuses what Triton's interpreter
+    (the CPU tests') accepts, such as a kernel reading a Python global."""
     out = tmp_path / "others.json"
     env = {k: v for k, v in run_env().items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, ROOT / "benchmarks" / "kernel_resources.py", "--others", "--kernels", "fwd",
@@ -420,10 +420,11 @@ def test_the_other_triton_kernels_compile_for_hopper_without_spilling(tmp_path):
                           capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [r for r in json.loads(out.read_text())["rows"] if r["kernel"] != "fwd"]
-    from shared.kernels import bias_gelu_grad, cross_entropy
+    from shared.kernels import bias_gelu_grad, cross_entropy, dropout_mask
 
     assert [r["kernel"] for r in rows] == (["adamw"] + ["bias_gelu_grad"] * len(bias_gelu_grad.CONFIGS)
-                                           + ["cross_entropy"] * len(cross_entropy.CONFIGS))
+                                           + ["cross_entropy"] * len(cross_entropy.CONFIGS)
+                                           + ["dropout_mask"] * len(dropout_mask.CONFIGS))
     for r in rows:
         assert "error" not in r and r["spill_bytes"] == 0 and 0 < r["registers"] <= 255, r
 

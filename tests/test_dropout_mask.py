@@ -13,7 +13,14 @@ import sys
 import pytest
 import torch
 
-from shared.kernels.dropout_mask import BLOCK, applied_rate, dropout_keep_mask, reference_keep_mask, threshold
+from shared.kernels.dropout_mask import (
+    CONFIGS,
+    _launch,
+    applied_rate,
+    dropout_keep_mask,
+    reference_keep_mask,
+    threshold,
+)
 from shared.model import fused_ops
 from shared.model.config import preset
 from tests.helpers import FAST, LIGHTNING, RAW, load, python_without_interpreter, run
@@ -24,12 +31,23 @@ def _mask(shape, p, seed, device="cpu"):
     return dropout_keep_mask(torch.empty(shape, device=device), p, torch.tensor([seed], device=device))
 
 
+BLOCK = CONFIGS[0][0]
+
+
 @pytest.mark.parametrize("shape", [(1,), (7,), (BLOCK + 13,), (3, 70, 33)], ids=["one", "seven", "ragged", "3d"])
 @pytest.mark.parametrize("p, seed", [(0.1, 0), (0.5, 12345), (0.0, 2**31 - 2)])
 def test_kernel_matches_its_numpy_reference_bit_for_bit(shape, p, seed):
     keep = _mask(shape, p, seed)
     assert keep.shape == shape and keep.dtype == torch.bool
     assert torch.equal(keep.reshape(-1), reference_keep_mask(keep.numel(), p, seed))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "x".join(map(str, c)))
+def test_every_configuration_draws_the_same_bits(config):
+    """The autotuner may pick any configuration: each program's counters follow from the element index alone."""
+    n = 2 * max(c[0] for c in CONFIGS) + 13
+    keep = _launch((n,), 0.1, torch.tensor([99]), config=config)
+    assert torch.equal(keep, reference_keep_mask(n, 0.1, 99))
 
 
 def test_the_reference_is_philox_4x32_10():
@@ -131,9 +149,14 @@ def test_both_paths_train_with_the_triton_dropout_from_the_command_line(tmp_path
 
 @pytest.mark.gpu
 def test_the_gpu_kernel_matches_the_reference_at_the_models_shape():
-    """Compiled on the GPU, one residual branch of the 1.5b model at micro-batch 2 (2 x 2048 x 2304)."""
-    keep = _mask((2, 2048, 2304), P, 2**31 - 5, device="cuda")
-    assert torch.equal(keep.cpu().reshape(-1), reference_keep_mask(keep.numel(), P, 2**31 - 5))
+    """Compiled and autotuned on the GPU, one residual branch of the 1.5b model at micro-batch 2 (2 x 2048 x 2304),
+    and every configuration at that size."""
+    shape, seed = (2, 2048, 2304), 2**31 - 5
+    ref = reference_keep_mask(2 * 2048 * 2304, P, seed)
+    assert torch.equal(_mask(shape, P, seed, device="cuda").cpu().reshape(-1), ref)
+    for config in CONFIGS:
+        keep = _launch(shape, P, torch.tensor([seed], device="cuda"), config=config)
+        assert torch.equal(keep.cpu().reshape(-1), ref), config
     assert os.environ.get("TRITON_INTERPRET") != "1"
 
 

@@ -32,8 +32,9 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-BLOCK = 4096  # mask elements a program writes (a multiple of 8); 512 Philox calls
-NUM_WARPS = 4
+# (BLOCK, num_warps): mask elements a program writes (a multiple of 8; BLOCK / 8 Philox calls) and its warps. The
+# autotuner picks one per size on a GPU; under the interpreter the first runs. Every one draws the same bits.
+CONFIGS = [(4096, 4), (8192, 4), (16384, 8), (32768, 8), (2048, 2)]
 
 
 @triton.jit
@@ -52,6 +53,10 @@ def _dropout_mask(keep, seed, n, threshold, BLOCK: tl.constexpr):
 
 def interpreted() -> bool:
     return isinstance(_dropout_mask, InterpretedFunction)
+
+
+_kernel = triton.autotune(configs=[triton.Config({"BLOCK": b}, num_warps=w) for b, w in CONFIGS], key=["n"])(
+    _dropout_mask)
 
 
 def threshold(p: float) -> int:
@@ -85,11 +90,20 @@ def dropout_keep_mask(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Te
     """The bool keep mask of x's shape for dropout rate p (applied_rate(p)) from the one-element int64 `seed`: the
     same mask for the same (numel, p, seed) on any device and whatever x holds."""
     check_inputs(x, p, seed)
-    keep = torch.empty(x.shape, dtype=torch.bool, device=x.device)
+    return _launch(x.shape, p, seed)
+
+
+def _launch(shape, p: float, seed: torch.Tensor, config: tuple | None = None) -> torch.Tensor:
+    """The kernel, autotuned on a GPU; `config` (one of CONFIGS) is the tests' handle."""
+    keep = torch.empty(shape, dtype=torch.bool, device=seed.device)
     n = keep.numel()
     if n:
-        _dropout_mask[(triton.cdiv(n, BLOCK),)](keep.view(torch.uint8), seed, n, threshold(p), BLOCK=BLOCK,
-                                                 num_warps=NUM_WARPS)
+        args = (keep.view(torch.uint8), seed, n, threshold(p))
+        if config is not None or interpreted():  # the interpreter is too slow to tune: the first configuration
+            block, warps = config or CONFIGS[0]
+            _dropout_mask[(triton.cdiv(n, block),)](*args, BLOCK=block, num_warps=warps)
+        else:
+            _kernel[lambda meta: (triton.cdiv(n, meta["BLOCK"]),)](*args)
     return keep
 
 
