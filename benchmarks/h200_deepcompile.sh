@@ -40,6 +40,11 @@
 #               call's headline_<GPUS>xh200 folder, in the repo> continues it (--keep_runs) until the report is written;
 #               KEEP=warm continues from the copy the last call left in /tmp on the same machine (calls back to back
 #               keep the machine, and with it the compile cache) and stops if the machine is a fresh one
+#   STAGE=dropout  the dropout-mask kernel's GPU tests and benchmarks/residual_dropout.py at the 1.5b shape (without
+#               coordinate-descent tuning, which takes minutes to compile there), then benchmarks/ablation.py --set
+#               last_mile over CONFIGS (default baseline,+triton_dropout,baseline_again), step PROFILE_STEP (default 9)
+#               profiled, as many runs as fit (--time_limit); KEEP=warm continues that ablation from the copy the last
+#               call left in /tmp on the same machine (calls back to back) and skips the tests and the benchmark
 # SCHED picks --deepcompile_schedule (deepspeed | once); EXTRA adds flags to every training run (e.g. "--profile_step
 # 9"); TESTS names the deepcompile GPU tests of `steps` and of `split`'s second call; FACTORS the explain factors;
 # REFROUNDS runs the reference rows of `pair`/`two` in the first N rounds only (compare.py --reference_rounds).
@@ -198,6 +203,22 @@ case "$STAGE" in
     if [ -n "${KEEP:-}" ] && [ "$G" = 1 ]; then
       gpu_test_each 0 ${TESTS:-"test_deepcompile_validates_saves_exports_and_resumes_at_the_end[lightning]"}
     fi ;;
+  dropout)
+    A=/tmp/keep_ablation_dropout  # the ablation the last call left on this machine
+    if [ "${KEEP:-}" = warm ]; then
+      [ -d "$A" ] || { echo "KEEP=warm: no $A on this machine (a fresh one)"; exit 2; }
+      cp -r "$A" "$W/ablation"
+    else
+      CUDA_VISIBLE_DEVICES=0 timeout -k 5 120 python3 -m pytest -m gpu -q tests/test_dropout_mask.py \
+        -p no:cacheprovider > "$W/gpu_tests_dropout_mask.log" 2>&1
+      CUDA_VISIBLE_DEVICES=0 timeout -k 5 180 python3 benchmarks/residual_dropout.py --coordinate_descent_tuning false \
+        --out "$W/residual_dropout.json" > "$W/residual_dropout.log" 2>&1
+    fi
+    CUDA_VISIBLE_DEVICES=0 timeout -k 25 "$(left)" python3 benchmarks/ablation.py --set last_mile \
+      --configs "${CONFIGS:-baseline,+triton_dropout,baseline_again}" --profile_step "${PROFILE_STEP:-9}" --keep \
+      --timeout 400 --time_limit "$(( $(left) - 20 ))" --out "$W/ablation" > "$W/ablation.log" 2>&1
+    echo "ablation exit $? (3: stopped before a run that would not fit; KEEP=warm continues it)"
+    rm -rf "$A" && cp -r "$W/ablation" "$A" ;;
   headline)
     G=${GPUS:-1}; C="headline_${G}xh200"
     if [ -n "${KEEP:-}" ]; then cp -r "$KEEP" "$W/$C"; fi
