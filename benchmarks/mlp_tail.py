@@ -41,9 +41,15 @@ VARIANTS = {"inductor": fused_ops.bias_gelu, "matmul_grad": fused_ops.bias_gelu_
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = timing_parser(__doc__, 4 * 2304, "the MLP's width (4 x hidden at 1.5b)")
+    return check_sizes(p, p.parse_args(argv))
+
+
+def timing_parser(doc: str, cols: int, cols_help: str) -> argparse.ArgumentParser:
+    """The flags of a (rows, cols) elementwise benchmark: its shape and dtype, the timing and the JSON's path."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=16 * 2048, help="micro-batch x sequence (1.5b, micro-batch 16)")
-    p.add_argument("--cols", type=int, default=4 * 2304, help="the MLP's width (4 x hidden at 1.5b)")
+    p.add_argument("--cols", type=int, default=cols, help=cols_help)
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     p.add_argument("--rounds", type=int, default=3, help="times each variant is timed, alternated")
     p.add_argument("--coordinate_descent_tuning", type=lambda s: s.lower() in ("1", "true", "yes"), default=True,
@@ -51,7 +57,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
     p.add_argument("--out", type=Path, default=None, help="write the JSON here")
-    args = p.parse_args(argv)
+    return p
+
+
+def check_sizes(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
     for name in ("rows", "cols", "rounds", "warmup", "rep"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
@@ -85,14 +94,20 @@ def timer(device: torch.device):
     return cpu_time
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse(argv)
+def setup(args) -> tuple[torch.device, torch.dtype, torch.Generator, bool]:
+    """This machine's device, the dtype asked for, a seeded generator on the device, and whether inductor's
+    coordinate-descent tuning is on (asked for, and a GPU: it tunes Triton kernels only)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     import torch._inductor.config as inductor_config
 
     inductor_config.coordinate_descent_tuning = bool(args.coordinate_descent_tuning and device.type == "cuda")
-    gen = torch.Generator(device=device).manual_seed(0)
+    return device, dtype, torch.Generator(device=device).manual_seed(0), inductor_config.coordinate_descent_tuning
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse(argv)
+    device, dtype, gen, tuning = setup(args)
     x = torch.randn(args.rows, args.cols, device=device, dtype=dtype, generator=gen).requires_grad_()
     b = (0.1 * torch.randn(args.cols, device=device, dtype=dtype, generator=gen)).requires_grad_()
     g = torch.randn(args.rows, args.cols, device=device, dtype=dtype, generator=gen)
@@ -100,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
     result: dict = {"command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
                     "versions": versions(), "device": device_info(device),
                     "shape": {"rows": args.rows, "cols": args.cols, "dtype": args.dtype},
-                    "coordinate_descent_tuning": inductor_config.coordinate_descent_tuning,
+                    "coordinate_descent_tuning": tuning,
                     "timing": "triton.testing.do_bench median, forward + backward" if device.type == "cuda"
                     else "perf_counter mean, forward + backward (CPU)", "variants": {}, "left_out": {}}
     variants = dict(VARIANTS)

@@ -26,12 +26,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.mlp_tail import time_alternated, write_result
+from benchmarks.mlp_tail import check_sizes, setup, time_alternated, timing_parser, write_result
 from shared.kernels import dropout_mask
 from shared.model import fused_ops
 from shared.train.results import device_info, versions
@@ -40,21 +39,9 @@ VARIANTS = {"inductor": fused_ops.bias_dropout_add, "triton_mask": fused_ops.bia
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=int, default=16 * 2048, help="micro-batch x sequence (1.5b, micro-batch 16)")
-    p.add_argument("--cols", type=int, default=2304, help="the hidden size (1.5b)")
+    p = timing_parser(__doc__, 2304, "the hidden size (1.5b)")
     p.add_argument("--p", type=float, default=0.1, help="the dropout rate (the presets' 0.1)")
-    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
-    p.add_argument("--rounds", type=int, default=3, help="times each variant is timed, alternated")
-    p.add_argument("--coordinate_descent_tuning", type=lambda s: s.lower() in ("1", "true", "yes"), default=True,
-                   help="inductor's coordinate-descent tuning while compiling (true/false; CUDA only)")
-    p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
-    p.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
-    p.add_argument("--out", type=Path, default=None, help="write the JSON here")
-    args = p.parse_args(argv)
-    for name in ("rows", "cols", "rounds", "warmup", "rep"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    args = check_sizes(p, p.parse_args(argv))
     if not 0.0 < args.p < 1.0:
         p.error(f"--p must be in (0, 1), got {args.p}")
     return args
@@ -92,12 +79,7 @@ def errors(tail, p: float, x, b, r, w, lb) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    import torch._inductor.config as inductor_config
-
-    inductor_config.coordinate_descent_tuning = bool(args.coordinate_descent_tuning and device.type == "cuda")
-    gen = torch.Generator(device=device).manual_seed(0)
+    device, dtype, gen, tuning = setup(args)
     new = lambda *shape, s=1.0: (s * torch.randn(*shape, device=device, generator=gen)).to(dtype).requires_grad_()
     x, r, b = new(args.rows, args.cols), new(args.rows, args.cols), new(args.cols, s=0.1)
     w, lb = new(args.cols, s=0.1), new(args.cols, s=0.1)
@@ -108,7 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "versions": versions(), "device": device_info(device),
                     "shape": {"rows": args.rows, "cols": args.cols, "dtype": args.dtype, "p": args.p,
                               "applied_p_triton_mask": dropout_mask.applied_rate(args.p)},
-                    "coordinate_descent_tuning": inductor_config.coordinate_descent_tuning,
+                    "coordinate_descent_tuning": tuning,
                     "timing": "triton.testing.do_bench median" if device.type == "cuda" else "perf_counter mean (CPU)",
                     "variants": {}, "left_out": {}}
     variants = dict(VARIANTS)

@@ -40,6 +40,14 @@ def python_without_interpreter(code: str, timeout: int = 120) -> subprocess.Comp
                           timeout=timeout)
 
 
+def assert_refused_without_interpreter(code: str, flag: str) -> None:
+    """Python `code`, run as on a CPU without a GPU (python_without_interpreter), fails with the Triton kernels'
+    refusal (shared/kernels.require_cuda_or_interpreter), which names `flag`."""
+    proc = python_without_interpreter(code)
+    assert proc.returncode != 0 and "runs a Triton kernel on CUDA tensors, got cpu" in proc.stderr, proc.stderr[-2000:]
+    assert "TRITON_INTERPRET=1" in proc.stderr and flag in proc.stderr
+
+
 def torchrun(script: Path, nproc: int, args: list[str], timeout: int = 240, check: bool = True):
     return run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                 script, *args], timeout=timeout, check=check)

@@ -429,13 +429,19 @@ def test_the_other_triton_kernels_compile_for_hopper_without_spilling(tmp_path):
         assert "error" not in r and r["spill_bytes"] == 0 and 0 < r["registers"] <= 255, r
 
 
-def test_mlp_tail_times_both_bias_gradients_and_checks_them_against_float32(tmp_path):
-    out = tmp_path / "mlp_tail.json"
-    r = run([sys.executable, str(ROOT / "benchmarks" / "mlp_tail.py"), "--rows", "64", "--cols", "48",
-             "--dtype", "fp32", "--rounds", "2", "--rep", "5", "--out", str(out)], timeout=200)
+def _small_benchmark(tmp_path, name: str, *args: str, timeout: int = 200) -> dict:
+    """benchmarks/<name>.py at a small fp32 shape, two rounds on this CPU: its JSON, which records the command."""
+    out = tmp_path / f"{name}.json"
+    r = run([sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), *args, "--dtype", "fp32", "--rounds", "2",
+             "--rep", "5", "--out", str(out)], timeout=timeout)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(out.read_text())
     assert res["command"].endswith("--out " + str(out)) and res["versions"]["torch"] and res["device"]["type"] == "cpu"
+    return res
+
+
+def test_mlp_tail_times_both_bias_gradients_and_checks_them_against_float32(tmp_path):
+    res = _small_benchmark(tmp_path, "mlp_tail", "--rows", "64", "--cols", "48")
     assert set(res["variants"]) == {"inductor", "matmul_grad", "triton_grad"}  # the kernel in Triton's interpreter
     for v in res["variants"].values():
         assert len(v["ms"]) == 2 and v["min_ms"] <= v["median_ms"] <= v["max_ms"]
@@ -444,13 +450,9 @@ def test_mlp_tail_times_both_bias_gradients_and_checks_them_against_float32(tmp_
 
 
 def test_lm_loss_times_both_losses_and_checks_them_against_float32(tmp_path):
-    out = tmp_path / "lm_loss.json"
-    r = run([sys.executable, str(ROOT / "benchmarks" / "lm_loss.py"), "--rows", "40", "--hidden", "24", "--vocab",
-             "300", "--vocab_multiple", "128", "--dtype", "fp32", "--rounds", "2", "--rep", "5", "--out", str(out)],
-            timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    res = json.loads(out.read_text())
-    assert res["shape"]["padded_vocab"] == 384 and res["device"]["type"] == "cpu" and res["command"].endswith(str(out))
+    res = _small_benchmark(tmp_path, "lm_loss", "--rows", "40", "--hidden", "24", "--vocab", "300",
+                           "--vocab_multiple", "128", timeout=300)
+    assert res["shape"]["padded_vocab"] == 384
     assert set(res["variants"]) == {"inductor", "triton"}  # the kernel in Triton's interpreter
     for v in res["variants"].values():
         assert len(v["ms"]) == 2 and v["min_ms"] <= v["median_ms"] <= v["max_ms"]
@@ -499,12 +501,7 @@ def test_ablation_time_limit_is_checked_before_any_run(tmp_path):
 
 
 def test_residual_dropout_times_both_masks_against_their_inductor_parts_and_checks_them(tmp_path):
-    out = tmp_path / "residual_dropout.json"
-    r = run([sys.executable, str(ROOT / "benchmarks" / "residual_dropout.py"), "--rows", "64", "--cols", "48",
-             "--dtype", "fp32", "--rounds", "2", "--rep", "5", "--out", str(out)], timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    res = json.loads(out.read_text())
-    assert res["command"].endswith("--out " + str(out)) and res["device"]["type"] == "cpu"
+    res = _small_benchmark(tmp_path, "residual_dropout", "--rows", "64", "--cols", "48", timeout=300)
     assert res["shape"]["applied_p_triton_mask"] == 6554 / 65536
     parts = ("forward", "forward_backward")
     assert set(res["variants"]) == {f"{w}_{p}" for w in ("inductor", "triton_mask") for p in parts} | {"mask_kernel"}

@@ -24,6 +24,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from shared.kernels import require_cuda_or_interpreter
+
 # (ROWS, BLOCK_M, BLOCK_N, num_warps): rows a program sums, rows a tile, columns a tile. The autotuner picks one per
 # (rows, columns) on a GPU; under the interpreter the first runs.
 CONFIGS = [(256, 32, 128, 4), (512, 32, 128, 4), (256, 16, 256, 4), (128, 32, 128, 4), (512, 64, 128, 8),
@@ -109,10 +111,7 @@ def check_inputs(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor) -> None:
     if len({t.device for t in (dy, x, bias)}) != 1:
         raise ValueError(f"bias_gelu_grad: every tensor must be on one device, got {dy.device}, {x.device}, "
                          f"{bias.device}")
-    if x.device.type != "cuda" and not interpreted():
-        raise ValueError(f"bias_gelu_grad runs a Triton kernel on CUDA tensors, got {x.device}; on a CPU set "
-                         "TRITON_INTERPRET=1 before triton is imported to run it in Triton's interpreter, or drop "
-                         "--triton_gelu_grad")
+    require_cuda_or_interpreter("bias_gelu_grad", x.device, interpreted(), "--triton_gelu_grad")
 
 
 @torch.library.custom_op("zero3bench::bias_gelu_grad", mutates_args=())

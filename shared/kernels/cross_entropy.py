@@ -24,6 +24,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from shared.kernels import require_cuda_or_interpreter
+
 CONFIGS = [(2048, 8), (4096, 8), (4096, 16), (1024, 4), (8192, 16)]  # (BLOCK columns a step, num_warps)
 
 
@@ -73,10 +75,7 @@ def check_inputs(logits: torch.Tensor, targets: torch.Tensor, vocab: int) -> Non
                          f"and {targets.dtype}")
     if logits.device != targets.device:
         raise ValueError(f"cross_entropy_rows: logits on {logits.device}, targets on {targets.device}")
-    if logits.device.type != "cuda" and not interpreted():
-        raise ValueError(f"cross_entropy_rows runs a Triton kernel on CUDA tensors, got {logits.device}; on a CPU "
-                         "set TRITON_INTERPRET=1 before triton is imported to run it in Triton's interpreter, or drop "
-                         "--triton_loss")
+    require_cuda_or_interpreter("cross_entropy_rows", logits.device, interpreted(), "--triton_loss")
 
 
 @torch.library.custom_op("zero3bench::cross_entropy_rows", mutates_args=())

@@ -32,6 +32,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from shared.kernels import require_cuda_or_interpreter
+
 # (BLOCK, num_warps): mask elements a program writes (a multiple of 8; BLOCK / 8 Philox calls) and its warps. The
 # autotuner picks one per size on a GPU; under the interpreter the first runs. Every one draws the same bits.
 CONFIGS = [(4096, 4), (8192, 4), (16384, 8), (32768, 8), (2048, 2)]
@@ -79,10 +81,7 @@ def check_inputs(x: torch.Tensor, p: float, seed: torch.Tensor) -> None:
                          f"{tuple(seed.shape)}")
     if seed.device != x.device:
         raise ValueError(f"dropout_keep_mask: the seed must be on the mask's device {x.device}, got {seed.device}")
-    if x.device.type != "cuda" and not interpreted():
-        raise ValueError(f"dropout_keep_mask runs a Triton kernel on CUDA tensors, got {x.device}; on a CPU set "
-                         "TRITON_INTERPRET=1 before triton is imported to run it in Triton's interpreter, or drop "
-                         "--triton_dropout")
+    require_cuda_or_interpreter("dropout_keep_mask", x.device, interpreted(), "--triton_dropout")
 
 
 @torch.library.custom_op("zero3bench::dropout_keep_mask", mutates_args=())
