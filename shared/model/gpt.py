@@ -77,7 +77,7 @@ class ResidualLinear(Linear):
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         if self.fused:
             return self.bias_dropout_add(F.linear(x, self.weight), self.bias, residual, self.dropout.p,
-                                              self.training)
+                                         self.training)
         return residual + self.dropout(F.linear(x, self.weight, self.bias))
 
 
