@@ -67,6 +67,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from shared.kernels.dropout_mask import applied_rate, keep_halves
+
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 96, 128)
 SUPPORTED_BLOCKS = (16, 32, 64, 128)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -192,12 +194,7 @@ def _keep(key, rows, col0, N: tl.constexpr, T, dropout_p):
     Philox rounds of one call per score; those integer rounds are what dropout costs the kernels."""
     counters = rows[:, None] * (T // 8) + (col0 // 8 + tl.arange(0, N // 8))[None, :]
     r0, r1, r2, r3 = tl.randint4x(key, counters)
-    t = tl.cast(dropout_p * 65536.0 + 0.5, tl.uint32) << 16
-    # interleave(interleave(r0, r2), interleave(r1, r3)) puts r_i[j] in column 4 j + i; the outer interleave then
-    # puts the low half of r_i[j] in column 8 j + 2 i and its high half in 8 j + 2 i + 1. Low half >= p * 65536
-    # is (r << 16) >= t, high half >= p * 65536 is r >= t.
-    r = tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3))
-    return tl.interleave((r << 16) >= t, r >= t)
+    return keep_halves(r0, r1, r2, r3, tl.cast(dropout_p * 65536.0 + 0.5, tl.uint32) << 16)
 
 
 @triton.jit
@@ -987,10 +984,9 @@ def blocksparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lut
     return _BlockSparseAttentionFn.apply(q, k, v, lut, applied_dropout(dropout_p), int(seed), tiles)
 
 
-def applied_dropout(dropout_p: float) -> float:
-    """The rate the kernels apply for `dropout_p`: the nearest multiple of 1/65536 below 1 (a 16-bit random number
-    per score is compared with it), e.g. 0.1 -> 6554/65536 = 0.100006."""
-    return min(round(float(dropout_p) * 65536), 65535) / 65536
+# The rate the kernels apply for dropout_p: the nearest multiple of 1/65536 below 1 (a 16-bit random number per score
+# is compared with it), e.g. 0.1 -> 6554/65536 = 0.100006; the dropout-mask kernel's rule, the same draws.
+applied_dropout = applied_rate
 
 
 def dropout_keep_mask(batch: int, heads: int, seq_len: int, dropout_p: float, seed: int,

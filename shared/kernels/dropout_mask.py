@@ -40,15 +40,22 @@ CONFIGS = [(4096, 4), (8192, 4), (16384, 8), (32768, 8), (2048, 2)]
 
 
 @triton.jit
+def keep_halves(r0, r1, r2, r3, t):
+    """The keep bits of the eight 16-bit halves of one Philox call's four numbers (r_i[j] along the last axis, j
+    the call), eight per call along that axis: number i's low half at 8 j + 2 i, its high half at 8 j + 2 i + 1, each
+    kept when >= the threshold, given as t = threshold << 16 (uint32). Also the block-sparse attention's dropout."""
+    # interleave(interleave(r0, r2), interleave(r1, r3)) puts r_i[j] at 4 j + i; the outer interleave puts its low
+    # half at 8 j + 2 i and its high half at 8 j + 2 i + 1. Low half >= threshold is (r << 16) >= t, high half r >= t.
+    r = tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3))
+    return tl.interleave((r << 16) >= t, r >= t)
+
+
+@triton.jit
 def _dropout_mask(keep, seed, n, threshold, BLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     counters = pid * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
     r0, r1, r2, r3 = tl.randint4x(tl.load(seed), counters)
-    t = threshold.to(tl.uint32) << 16
-    # interleave(interleave(r0, r2), interleave(r1, r3)) puts r_i[j] at 4 j + i; the outer interleave puts its low
-    # half at 8 j + 2 i and its high half at 8 j + 2 i + 1. Low half >= threshold is (r << 16) >= t, high half r >= t.
-    r = tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3))
-    k = tl.interleave((r << 16) >= t, r >= t)
+    k = keep_halves(r0, r1, r2, r3, threshold.to(tl.uint32) << 16)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     tl.store(keep + offs, k.to(tl.uint8), mask=offs < n)
 
