@@ -7,6 +7,14 @@ attention kernels' achieved rate in the profiled step, as TFLOP/s and as a share
 the kinds that do no model FLOPs (inductor's generated elementwise kernels, the optimizer, copies) and the device's
 idle time; the median step a target TFLOPs/GPU needs (the reported convention: the Megatron formula) and the gap;
 two what-ifs, each the median step with one change: the attention at the matmuls' achieved rate, and no idle time.
+
+    python benchmarks/step_budget.py benchmarks/results/triton_dropout_op_1xh200/runs/*.json \
+        --baseline benchmarks/results/triton_dropout_op_1xh200/runs/baseline*.json
+
+`--baseline` (run JSONs among those named) adds each run's device time per kind of kernel, idle and median step
+minus the baselines' mean: a lever that changes a few kernels shows there apart from the drift of every matmul and
+attention kernel between runs (the GPU's clock), which moves the step by as much as a small lever does. Rows are
+named by their path, or by their file's name where paths repeat (an ablation's runs).
 Nothing is measured here: every figure derives from the run JSONs named, which the output records. Writes --out
 (JSON) and prints a table.
 """
@@ -27,27 +35,51 @@ def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+KINDS = ("matmul", "attention", "compiled (triton)")
+
+
+def _other_ms(kinds: dict) -> float:
+    return sum(v for k, v in kinds.items() if k not in KINDS)
+
+
+def against_baseline(rows: list[dict], baseline: list[dict]) -> None:
+    """Adds `vs_baseline_ms` to each row: its ms minus the baselines' mean, per kind, idle and median step."""
+    def parts(r: dict) -> dict:
+        kinds = r["by_kind_ms"]
+        return {**{k: kinds.get(k, 0.0) for k in KINDS}, "other": _other_ms(kinds), "idle": r["idle_ms"],
+                "median step": r["median_step_ms"]}
+
+    mean = {k: sum(parts(b)[k] for b in baseline) / len(baseline) for k in parts(baseline[0])}
+    for r in rows:
+        r["vs_baseline_ms"] = {k: v - mean[k] for k, v in parts(r).items()}
+
+
 def table(rows: list[dict]) -> str:
     target = rows[0]["target_tflops_per_gpu"]
-    lines = [f"{'row':<10} {'TFLOPs':>7} {'step ms':>8} {'matmul ms (TFLOP/s, peak)':>27} "
+    w = max(10, *(len(r["row"]) for r in rows))
+    lines = [f"{'row':<{w}} {'TFLOPs':>7} {'step ms':>8} {'matmul ms (TFLOP/s, peak)':>27} "
              f"{'attention ms (TFLOP/s, peak)':>30} {'triton ms':>9} {'other ms':>8} {'idle ms':>7} "
              f"{f'step for {target:g}':>13} {'gap ms':>7}"]
     for r in rows:
         kinds = r["by_kind_ms"]
-        other = sum(v for k, v in kinds.items() if k not in ("matmul", "attention", "compiled (triton)"))
+        other = _other_ms(kinds)
 
         def cell(d):
             return (f"{_fmt(d['ms'], '.1f')} ({_fmt(d['tflops'], '.0f')}, "
                     f"{_fmt(d['of_peak'] * 100 if d['of_peak'] is not None else None, '.0f')}%)")
 
-        lines.append(f"{r['row']:<10} {r['tflops_per_gpu']:>7.1f} {r['median_step_ms']:>8.1f} {cell(r['matmul']):>27} "
+        lines.append(f"{r['row']:<{w}} {r['tflops_per_gpu']:>7.1f} {r['median_step_ms']:>8.1f} {cell(r['matmul']):>27} "
                      f"{cell(r['attention']):>30} {kinds.get('compiled (triton)', 0.0):>9.1f} {other:>8.1f} "
                      f"{r['idle_ms']:>7.1f} {r['needed_step_ms']:>13.1f} {r['gap_ms']:>7.1f}")
     lines.append("what if (median step ms -> TFLOPs/GPU):")
     for r in rows:
         parts = [f"{name.replace('_', ' ')} {w['step_ms']:.1f} -> {w['tflops_per_gpu']:.1f}"
                  for name, w in r["what_if"].items()]
-        lines.append(f"  {r['row']:<10} " + "; ".join(parts))
+        lines.append(f"  {r['row']:<{w}} " + "; ".join(parts))
+    if any("vs_baseline_ms" in r for r in rows):
+        lines.append("against the baselines' mean (ms; + is slower):")
+        for r in rows:
+            lines.append(f"  {r['row']:<{w}} " + ", ".join(f"{k} {v:+.1f}" for k, v in r["vs_baseline_ms"].items()))
     return "\n".join(lines)
 
 
@@ -55,6 +87,8 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", help="run JSONs written with --profile_step")
     p.add_argument("--target", type=float, default=560.0, help="TFLOPs/GPU to budget for (default 560)")
+    p.add_argument("--baseline", nargs="+", default=[], metavar="RUN",
+                   help="run JSONs among those named: each run's ms per kind minus these runs' mean")
     p.add_argument("--out", default=None, help="write the budget as JSON here (default: print only)")
     ns = p.parse_args(argv)
     if ns.target <= 0:
@@ -65,6 +99,15 @@ def main(argv: list[str] | None = None) -> dict:
             rows.append(step_budget(RunResult.from_json(path), ns.target, path))
         except (OSError, ValueError, KeyError, TypeError) as e:
             p.error(f"{path}: {e}")
+    unknown = [b for b in ns.baseline if b not in ns.runs]
+    if unknown:
+        p.error(f"--baseline {' '.join(unknown)}: not among the runs named (name each run once, then again here)")
+    labels = [r["row"] for r in rows]
+    for r in rows:  # an ablation's runs share their path: name them by their files
+        if labels.count(r["row"]) > 1:
+            r["row"] = Path(r["source"]).stem
+    if ns.baseline:
+        against_baseline(rows, [rows[ns.runs.index(b)] for b in ns.baseline])
     args = argv if argv is not None else sys.argv[1:]
     report = {"command": " ".join([os.path.basename(sys.executable), "benchmarks/step_budget.py", *args]),
               "derived_from": ns.runs, "runs": rows}

@@ -86,3 +86,23 @@ def test_a_run_without_a_profiled_step_is_refused_by_name(tmp_path, capsys):
     with pytest.raises(SystemExit):
         step_budget.main([str(cpu)])
     assert "was profiled on 'cpu'" in capsys.readouterr().err
+
+
+def test_runs_of_one_path_are_named_by_file_and_measured_against_the_baselines_mean(tmp_path, capsys):
+    base, data = _run(tmp_path, "baseline.json")
+    again, _ = _run(tmp_path, "baseline_again.json")
+    kinds = data["extra"]["profile"]["step"]["by_kind_ms"]
+    lever, _ = _run(tmp_path, "lever.json", extra={"profile": {**data["extra"]["profile"], "step": {
+        **data["extra"]["profile"]["step"], "by_kind_ms": {**kinds, "matmul": kinds["matmul"] + 5.0,
+                                                           "compiled (triton)": kinds["compiled (triton)"] - 3.0}}}})
+    runs = [str(base), str(lever), str(again)]
+    rows = step_budget.main([*runs, "--baseline", str(base), str(again)])["runs"]
+    assert [r["row"] for r in rows] == ["baseline", "lever", "baseline_again"]
+    delta = rows[1]["vs_baseline_ms"]
+    assert delta["matmul"] == pytest.approx(5.0) and delta["compiled (triton)"] == pytest.approx(-3.0)
+    assert delta["attention"] == pytest.approx(0.0) and delta["idle"] == pytest.approx(0.0)
+    assert all(v == pytest.approx(0.0) for v in rows[0]["vs_baseline_ms"].values())
+    assert "lever" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # a baseline must be one of the runs named
+        step_budget.main([str(base), "--baseline", str(lever)])
+    assert "not among the runs named" in capsys.readouterr().err
