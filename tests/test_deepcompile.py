@@ -391,9 +391,14 @@ def test_the_triton_gelu_grad_trains_like_inductors_backward_under_deepcompile(t
 def test_the_triton_dropout_trains_like_inductors_dropout_under_deepcompile(tmp_path, kjv):
     """--triton_dropout: the mask kernel and its seed are nodes of DeepCompile's graph (no break, no recompile). Its
     masks are other draws than inductor's at the same rate, so the run tracks inductor's dropout (as the compiled
-    run tracks eager's: test_deepcompile_applies_dropout_like_the_eager_model) and not the run without dropout."""
+    run tracks eager's: test_deepcompile_applies_dropout_like_the_eager_model). That the masks drop anything shows
+    at a rate where dropout dominates the runs' chaos: at the preset's 0.1 the kernel's run and a run without
+    dropout ended 0.017 apart on the H200 (the run without dropout the higher), inside two runs' spread after this
+    model's loss spike, so the kernel at 0.5 is the one compared with no dropout."""
     base = _train(RAW, tmp_path, "base", kjv, "--compile", "deepcompile")
     kernel = _train(RAW, tmp_path, "kernel", kjv, "--compile", "deepcompile", "--triton_dropout", "true")
+    heavy = _train(RAW, tmp_path, "heavy", kjv, "--compile", "deepcompile", "--triton_dropout", "true",
+                   "--dropout", "0.5")
     no_dropout = _train(RAW, tmp_path, "no_dropout", kjv, "--compile", "deepcompile", "--triton_dropout", "true",
                         "--dropout", "0")
     assert kernel["fused"]["dropout_triton_mask"] is True and base["fused"]["dropout_triton_mask"] is False
@@ -402,7 +407,9 @@ def test_the_triton_dropout_trains_like_inductors_dropout_under_deepcompile(tmp_
     # other masks, other losses: the two tails were 0.033 apart on the H200 (the same masks agree to 0.03 in the
     # tests above), so the bound is twice that
     assert abs(tail(kernel) - tail(base)) <= 0.066 and kernel["losses"][-1] < kernel["losses"][0] - 1.0
-    assert tail(no_dropout) < tail(kernel) - 0.01
+    assert heavy["fused"]["dropout_triton_mask"] is True
+    print("tails: base, kernel, kernel at 0.5, no dropout:", *(tail(r) for r in (base, kernel, heavy, no_dropout)))
+    assert tail(no_dropout) < tail(heavy) - 0.05
 
 
 @pytest.mark.gpu
