@@ -36,7 +36,9 @@ mean of the baseline runs, whose two values give the noise. Raw path only by def
 the shared model or step, which both paths run alike (compare.py measures their ratio). A DeepCompile run of the
 1.5b preset takes ~3 min with its start-up and warm-up, so under a 10-minute time limit one GPU measures two or
 three; `--keep` continues an ablation in the same --out: the configurations it already measured with the same base
-settings, device and package versions are kept (and not run again if named), the others run. `--time_limit SECONDS`
+settings, device and package versions are kept (and not run again if named), the others run. With `--profile_step` the
+report adds each run's profiled step by kind of kernel against the baselines' (a lever's kernels apart from the
+clock's drift of the matmuls). `--time_limit SECONDS`
 starts a configuration only if the longest one so far still fits in the time left, else stops (exit status 3) with
 the command that runs the rest.
 """
@@ -116,8 +118,23 @@ def run_one(base: TrainConfig, name: str, flags: dict, path: str, out: Path, gpu
     except CompareError as e:
         return {"config": name, "path": path, "flags": flags, "micro_batch": cfg.micro_batch, "ok": False,
                 "oom": e.oom, "error": e.reason[:300]}
-    return {"config": name, "path": path, "flags": flags, "micro_batch": cfg.micro_batch, "ok": True, **measured(r),
-            "fused": r.fused, "losses": r.losses[:5], "device": r.device["name"]}
+    row = {"config": name, "path": path, "flags": flags, "micro_batch": cfg.micro_batch, "ok": True, **measured(r),
+           "fused": r.fused, "losses": r.losses[:5], "device": r.device["name"]}
+    step = (r.extra.get("profile") or {}).get("step")
+    if step:  # --profile_step: the profiled step's device time by kind of kernel, and its idle time
+        row["profiled_step_ms"] = {**profiled_kinds(step["by_kind_ms"]), "idle": step["idle_ms"]}
+    return row
+
+
+KINDS = ("matmul", "attention", "compiled (triton)")
+
+
+def profiled_kinds(by_kind_ms: dict) -> dict:
+    """The profiled step's kernel time in the kinds a lever moves apart from the GPU's clock: the matmuls and the
+    attention (compute-bound, moved by the clock alike in every configuration), inductor's generated kernels, and
+    the rest (this project's Triton kernels, the optimizer, copies)."""
+    return {**{k: by_kind_ms.get(k, 0.0) for k in KINDS},
+            "other": sum(v for k, v in by_kind_ms.items() if k not in KINDS)}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -316,12 +333,34 @@ def table(report: dict) -> str:
             lines.append(f"\n{label[p]} {ref} runs: " + ", ".join(_fmt(v) for v in base[p]) +
                          f" TFLOPs/GPU (ratios above are against their mean {_fmt(mean[p])}; they differ by "
                          f"{(max(base[p]) - min(base[p])) / mean[p]:.2%})")
+    lines += profiled_table(report, base_of=lambda r: r["config"] == ref or r["config"].startswith(ref + "_"))
     for name, mb in report["largest_micro_batch_without_checkpointing"].items():
         tried = ", ".join(f"{r['micro_batch']}: " + (_fmt(r["tflops_per_gpu"]) if r["ok"] else
                                                       "OOM" if r.get("oom") else "failed")
                           for r in report["mb_sweep"][name])
         lines.append(f"\nLargest micro-batch without activation checkpointing, {name}: {mb} (raw; tried {tried})")
     return "\n".join(lines) + "\n"
+
+
+def profiled_table(report: dict, base_of) -> list[str]:
+    """With --profile_step: each run's profiled step, ms by kind of kernel and idle, against the mean of its path's
+    baseline runs. A lever's own kernels show there apart from the clock's drift of the matmuls and attention,
+    which moves a whole step by as much as a small lever does."""
+    rows = [r for r in report["rows"] if r.get("ok") and r.get("profiled_step_ms")]
+    if not rows:
+        return []
+    label = {"deepspeed": "raw", "lightning": "Lightning"}
+    lines = ["\nProfiled step, device ms by kind of kernel (and idle), each against the mean of its path's baseline "
+             "runs (+ is slower):\n", "| configuration | path | " + " | ".join(rows[0]["profiled_step_ms"]) + " |",
+             "|---|---|" + "---|" * len(rows[0]["profiled_step_ms"])]
+    for r in rows:
+        base = [b["profiled_step_ms"] for b in rows if b["path"] == r["path"] and base_of(b)]
+        cells = []
+        for kind, ms in r["profiled_step_ms"].items():
+            delta = f" ({ms - sum(b[kind] for b in base) / len(base):+.1f})" if base else ""
+            cells.append(f"{ms:.1f}{delta}")
+        lines.append(f"| {r['config']} | {label[r['path']]} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _fmt(tflops: float) -> str:

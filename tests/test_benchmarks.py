@@ -21,11 +21,12 @@ DS_AUTOTUNER = ROOT / "benchmarks" / "ds_autotuner.py"
 @pytest.mark.timeout(1200)  # above the sum of its subprocess timeouts (tests/test_timeouts.py)
 def test_ablation_runs_both_paths_per_configuration_and_sweeps_the_micro_batch(tmp_path):
     # a first call measures naive and +bias_dropout_add; the second keeps both (--keep), reusing the one it names
-    run([sys.executable, ABLATION, "--configs", "naive,+bias_dropout_add", "--mb_sweep", "", "--out", tmp_path],
-        timeout=300)
+    # step 1 profiled in every run (a warm-up step): the report adds the profiled step by kind of kernel
+    run([sys.executable, ABLATION, "--configs", "naive,+bias_dropout_add", "--mb_sweep", "", "--profile_step", "1",
+         "--out", tmp_path], timeout=300)
     first = {r["path"]: r["tflops_per_gpu"] for r in load(tmp_path / "ablation.json")["rows"] if r["config"] == "naive"}
     proc = run([sys.executable, ABLATION, "--configs", "+bias_dropout_add,all", "--mb_sweep", "4", "--keep",
-                "--out", tmp_path], timeout=600)
+                "--profile_step", "1", "--out", tmp_path], timeout=600)
     report = load(tmp_path / "ablation.json")
     rows = {(r["config"], r["path"]): r for r in report["rows"]}
     assert set(rows) == {(c, p) for c in ("naive", "+bias_dropout_add", "all") for p in ("deepspeed", "lightning")}
@@ -43,6 +44,9 @@ def test_ablation_runs_both_paths_per_configuration_and_sweeps_the_micro_batch(t
     assert "fused_layernorm" not in rows[("all", "deepspeed")]["flags"]  # the CUDA-only switch is left out on CPU
     assert report["largest_micro_batch_without_checkpointing"] == {"all": 4}  # naive, not named, is not swept
     assert "| naive |" in proc.stdout and (tmp_path / "ablation.md").read_text().count("\n|") >= 4
+    assert set(rows[("all", "deepspeed")]["profiled_step_ms"]) == {"matmul", "attention", "compiled (triton)", "other",
+                                                                   "idle"}
+    assert "| naive | Lightning | " in (tmp_path / "ablation.md").read_text()  # the profiled-step table
 
 
 def test_ablation_refuses_an_unknown_configuration(tmp_path):
@@ -101,6 +105,28 @@ def test_ablation_table_rates_each_lever_against_the_mean_of_the_baseline_runs()
     assert "| +fused_loss_mb24 | failed, mb 24: out of memory |" in text
     assert "raw baseline runs: 480.0, 484.0 TFLOPs/GPU" in text and "differ by 0.83%" in text
     assert "Lightning" not in text  # one path measured: no Lightning columns
+    assert "Profiled step" not in text  # no run was profiled
+
+
+def test_ablation_table_shows_each_profiled_step_by_kind_against_the_baselines():
+    ablation = load_module("ablation", ABLATION)
+
+    def row(config, matmul, triton, idle, profiled=True):
+        r = {"config": config, "path": "deepspeed", "ok": True, "micro_batch": 16, "tflops_per_gpu": 500.0,
+             "peak_mem_gib": 90.0, "step_time_s": {"min": 0.7, "max": 0.8}}
+        kinds = {"matmul": matmul, "attention": 120.0, "compiled (triton)": triton, "optimizer": 11.0, "other": 2.0}
+        if profiled:
+            r["profiled_step_ms"] = {**ablation.profiled_kinds(kinds), "idle": idle}
+        return r
+
+    report = {"reference": "baseline", "base": {"micro_batch": 16}, "largest_micro_batch_without_checkpointing": {},
+              "rows": [row("baseline", 440.0, 64.0, 30.0), row("+lever", 450.0, 58.0, 31.0),
+                       row("kept_unprofiled", 0, 0, 0, profiled=False), row("baseline_again", 444.0, 64.0, 26.0)]}
+    text = ablation.table(report)
+    assert "| configuration | path | matmul | attention | compiled (triton) | other | idle |" in text
+    # against the baselines' mean: matmul 442, triton 64, other 11 + 2, idle 28
+    assert "| +lever | raw | 450.0 (+8.0) | 120.0 (+0.0) | 58.0 (-6.0) | 13.0 (+0.0) | 31.0 (+3.0) |" in text
+    assert "| baseline | raw | 440.0 (-2.0) |" in text and "kept_unprofiled | raw" not in text
 
 
 def test_plot_training_draws_the_committed_h200_runs(tmp_path):
