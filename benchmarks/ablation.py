@@ -56,6 +56,7 @@ from pathlib import Path
 import torch
 
 from compare import GPU_DEEPCOMPILE_DEFAULTS
+from harness.budget import kinds_ms
 from harness.launch import TIME_LIMIT_EXIT, CompareError, TimeLimit, TimeLimitReached, launch
 from harness.report import measured
 from shared.train.config import TrainConfig
@@ -122,19 +123,8 @@ def run_one(base: TrainConfig, name: str, flags: dict, path: str, out: Path, gpu
            "fused": r.fused, "losses": r.losses[:5], "device": r.device["name"]}
     step = (r.extra.get("profile") or {}).get("step")
     if step:  # --profile_step: the profiled step's device time by kind of kernel, and its idle time
-        row["profiled_step_ms"] = {**profiled_kinds(step["by_kind_ms"]), "idle": step["idle_ms"]}
+        row["profiled_step_ms"] = {**kinds_ms(step["by_kind_ms"]), "idle": step["idle_ms"]}
     return row
-
-
-KINDS = ("matmul", "attention", "compiled (triton)")
-
-
-def profiled_kinds(by_kind_ms: dict) -> dict:
-    """The profiled step's kernel time in the kinds a lever moves apart from the GPU's clock: the matmuls and the
-    attention (compute-bound, moved by the clock alike in every configuration), inductor's generated kernels, and
-    the rest (this project's Triton kernels, the optimizer, copies)."""
-    return {**{k: by_kind_ms.get(k, 0.0) for k in KINDS},
-            "other": sum(v for k, v in by_kind_ms.items() if k not in KINDS)}
 
 
 def main(argv: list[str] | None = None) -> dict:

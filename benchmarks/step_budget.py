@@ -27,7 +27,7 @@ import os
 import sys
 from pathlib import Path
 
-from harness.budget import step_budget
+from harness.budget import kinds_ms, step_budget
 from shared.train.results import RunResult
 
 
@@ -35,19 +35,10 @@ def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
-KINDS = ("matmul", "attention", "compiled (triton)")
-
-
-def _other_ms(kinds: dict) -> float:
-    return sum(v for k, v in kinds.items() if k not in KINDS)
-
-
 def against_baseline(rows: list[dict], baseline: list[dict]) -> None:
     """Adds `vs_baseline_ms` to each row: its ms minus the baselines' mean, per kind, idle and median step."""
     def parts(r: dict) -> dict:
-        kinds = r["by_kind_ms"]
-        return {**{k: kinds.get(k, 0.0) for k in KINDS}, "other": _other_ms(kinds), "idle": r["idle_ms"],
-                "median step": r["median_step_ms"]}
+        return {**kinds_ms(r["by_kind_ms"]), "idle": r["idle_ms"], "median step": r["median_step_ms"]}
 
     mean = {k: sum(parts(b)[k] for b in baseline) / len(baseline) for k in parts(baseline[0])}
     for r in rows:
@@ -56,30 +47,30 @@ def against_baseline(rows: list[dict], baseline: list[dict]) -> None:
 
 def table(rows: list[dict]) -> str:
     target = rows[0]["target_tflops_per_gpu"]
-    w = max(10, *(len(r["row"]) for r in rows))
-    lines = [f"{'row':<{w}} {'TFLOPs':>7} {'step ms':>8} {'matmul ms (TFLOP/s, peak)':>27} "
+    width = max(10, *(len(r["row"]) for r in rows))
+    lines = [f"{'row':<{width}} {'TFLOPs':>7} {'step ms':>8} {'matmul ms (TFLOP/s, peak)':>27} "
              f"{'attention ms (TFLOP/s, peak)':>30} {'triton ms':>9} {'other ms':>8} {'idle ms':>7} "
              f"{f'step for {target:g}':>13} {'gap ms':>7}"]
     for r in rows:
-        kinds = r["by_kind_ms"]
-        other = _other_ms(kinds)
+        kinds = kinds_ms(r["by_kind_ms"])
 
         def cell(d):
             return (f"{_fmt(d['ms'], '.1f')} ({_fmt(d['tflops'], '.0f')}, "
                     f"{_fmt(d['of_peak'] * 100 if d['of_peak'] is not None else None, '.0f')}%)")
 
-        lines.append(f"{r['row']:<{w}} {r['tflops_per_gpu']:>7.1f} {r['median_step_ms']:>8.1f} {cell(r['matmul']):>27} "
-                     f"{cell(r['attention']):>30} {kinds.get('compiled (triton)', 0.0):>9.1f} {other:>8.1f} "
+        lines.append(f"{r['row']:<{width}} {r['tflops_per_gpu']:>7.1f} {r['median_step_ms']:>8.1f} "
+                     f"{cell(r['matmul']):>27} {cell(r['attention']):>30} "
+                     f"{kinds['compiled (triton)']:>9.1f} {kinds['other']:>8.1f} "
                      f"{r['idle_ms']:>7.1f} {r['needed_step_ms']:>13.1f} {r['gap_ms']:>7.1f}")
     lines.append("what if (median step ms -> TFLOPs/GPU):")
     for r in rows:
         parts = [f"{name.replace('_', ' ')} {w['step_ms']:.1f} -> {w['tflops_per_gpu']:.1f}"
                  for name, w in r["what_if"].items()]
-        lines.append(f"  {r['row']:<{w}} " + "; ".join(parts))
+        lines.append(f"  {r['row']:<{width}} " + "; ".join(parts))
     if any("vs_baseline_ms" in r for r in rows):
         lines.append("against the baselines' mean (ms; + is slower):")
         for r in rows:
-            lines.append(f"  {r['row']:<{w}} " + ", ".join(f"{k} {v:+.1f}" for k, v in r["vs_baseline_ms"].items()))
+            lines.append(f"  {r['row']:<{width}} " + ", ".join(f"{k} {v:+.1f}" for k, v in r["vs_baseline_ms"].items()))
     return "\n".join(lines)
 
 

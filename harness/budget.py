@@ -16,6 +16,15 @@ from shared.model import flops
 from shared.train.results import RunResult
 
 TRIANGLE_LAYOUTS = ("causal", "dense")  # layouts whose attention is the causal triangle (shared/model/layouts.py)
+KINDS = ("matmul", "attention", "compiled (triton)")  # the kinds reported apart; the rest is summed as "other"
+
+
+def kinds_ms(by_kind_ms: dict) -> dict:
+    """A profiled step's device time in the kinds that move apart: the matmuls and the attention (compute-bound, so
+    moved alike by the GPU's clock in every run), inductor's generated kernels, and the rest (this project's Triton
+    kernels, the optimizer, copies) as "other"."""
+    other = sum(v for k, v in by_kind_ms.items() if k not in KINDS)
+    return {**{k: by_kind_ms.get(k, 0.0) for k in KINDS}, "other": other}
 
 
 def attention_density(run: RunResult) -> float:

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from harness.budget import kinds_ms
 from shared.train.config import TrainConfig
 from tests.helpers import ROOT, load, run
 from tests.helpers import env as run_env
@@ -116,7 +117,7 @@ def test_ablation_table_shows_each_profiled_step_by_kind_against_the_baselines()
              "peak_mem_gib": 90.0, "step_time_s": {"min": 0.7, "max": 0.8}}
         kinds = {"matmul": matmul, "attention": 120.0, "compiled (triton)": triton, "optimizer": 11.0, "other": 2.0}
         if profiled:
-            r["profiled_step_ms"] = {**ablation.profiled_kinds(kinds), "idle": idle}
+            r["profiled_step_ms"] = {**kinds_ms(kinds), "idle": idle}
         return r
 
     report = {"reference": "baseline", "base": {"micro_batch": 16}, "largest_micro_batch_without_checkpointing": {},
