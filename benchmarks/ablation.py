@@ -56,7 +56,7 @@ from pathlib import Path
 import torch
 
 from compare import GPU_DEEPCOMPILE_DEFAULTS
-from harness.budget import kinds_ms
+from harness.budget import kinds_ms, minus_mean
 from harness.launch import TIME_LIMIT_EXIT, CompareError, TimeLimit, TimeLimitReached, launch
 from harness.report import measured
 from shared.train.config import TrainConfig
@@ -72,6 +72,7 @@ SWITCHES = {
     "fast_zero3_step": {"zero3_step": "fast"},
 }
 PATHS = ("deepspeed", "lightning")
+LABEL = {"deepspeed": "raw", "lightning": "Lightning"}  # the paths as the tables name them
 # Every switch off, spelled out: the bias fusions default to on where CUDA is (shared/model/config.py), the fast
 # ZeRO-3 step everywhere (shared/train/zero3_step.py).
 NAIVE = {"fused_bias_dropout_add": False, "fused_bias_gelu": False, "zero3_step": "deepspeed"}
@@ -285,9 +286,14 @@ def earlier_report(path: Path, base: TrainConfig) -> dict:
 
 def baseline_values(report: dict, path: str) -> list[float]:
     """TFLOPs/GPU of the set's reference runs on `path` (naive; baseline and baseline_again)."""
-    ref = report.get("reference", "naive")
     return [r["tflops_per_gpu"] for r in report["rows"]
-            if r["path"] == path and r.get("ok") and (r["config"] == ref or r["config"].startswith(ref + "_"))]
+            if r["path"] == path and r.get("ok") and is_reference(report, r)]
+
+
+def is_reference(report: dict, row: dict) -> bool:
+    """Whether `row` is one of the set's reference runs (naive; baseline and baseline_again)."""
+    ref = report.get("reference", "naive")
+    return row["config"] == ref or row["config"].startswith(ref + "_")
 
 
 def table(report: dict) -> str:
@@ -296,8 +302,7 @@ def table(report: dict) -> str:
     paths = [p for p in PATHS if any(r["path"] == p for r in report["rows"])]
     base = {p: baseline_values(report, p) for p in paths}
     mean = {p: sum(v) / len(v) if v else None for p, v in base.items()}
-    label = {"deepspeed": "raw", "lightning": "Lightning"}
-    head = "| configuration | " + " | ".join(f"{label[p]} TFLOPs/GPU [step min-max] | vs {ref} | {label[p]} peak GiB"
+    head = "| configuration | " + " | ".join(f"{LABEL[p]} TFLOPs/GPU [step min-max] | vs {ref} | {LABEL[p]} peak GiB"
                                              for p in paths)
     lines = [head + (" | Lightning/raw |" if len(paths) == 2 else " |"),
              "|---|" + "---|---|---|" * len(paths) + ("---|" if len(paths) == 2 else "")]
@@ -320,10 +325,10 @@ def table(report: dict) -> str:
         lines.append(f"| {name} | " + " | ".join(cells) + f" |{ratio}")
     for p in paths:
         if len(base[p]) > 1:
-            lines.append(f"\n{label[p]} {ref} runs: " + ", ".join(_fmt(v) for v in base[p]) +
+            lines.append(f"\n{LABEL[p]} {ref} runs: " + ", ".join(_fmt(v) for v in base[p]) +
                          f" TFLOPs/GPU (ratios above are against their mean {_fmt(mean[p])}; they differ by "
                          f"{(max(base[p]) - min(base[p])) / mean[p]:.2%})")
-    lines += profiled_table(report, base_of=lambda r: r["config"] == ref or r["config"].startswith(ref + "_"))
+    lines += profiled_table(report)
     for name, mb in report["largest_micro_batch_without_checkpointing"].items():
         tried = ", ".join(f"{r['micro_batch']}: " + (_fmt(r["tflops_per_gpu"]) if r["ok"] else
                                                       "OOM" if r.get("oom") else "failed")
@@ -332,24 +337,22 @@ def table(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def profiled_table(report: dict, base_of) -> list[str]:
+def profiled_table(report: dict) -> list[str]:
     """With --profile_step: each run's profiled step, ms by kind of kernel and idle, against the mean of its path's
     baseline runs. A lever's own kernels show there apart from the clock's drift of the matmuls and attention,
     which moves a whole step by as much as a small lever does."""
     rows = [r for r in report["rows"] if r.get("ok") and r.get("profiled_step_ms")]
     if not rows:
         return []
-    label = {"deepspeed": "raw", "lightning": "Lightning"}
     lines = ["\nProfiled step, device ms by kind of kernel (and idle), each against the mean of its path's baseline "
              "runs (+ is slower):\n", "| configuration | path | " + " | ".join(rows[0]["profiled_step_ms"]) + " |",
              "|---|---|" + "---|" * len(rows[0]["profiled_step_ms"])]
     for r in rows:
-        base = [b["profiled_step_ms"] for b in rows if b["path"] == r["path"] and base_of(b)]
-        cells = []
-        for kind, ms in r["profiled_step_ms"].items():
-            delta = f" ({ms - sum(b[kind] for b in base) / len(base):+.1f})" if base else ""
-            cells.append(f"{ms:.1f}{delta}")
-        lines.append(f"| {r['config']} | {label[r['path']]} | " + " | ".join(cells) + " |")
+        ms = r["profiled_step_ms"]
+        base = [b["profiled_step_ms"] for b in rows if b["path"] == r["path"] and is_reference(report, b)]
+        delta = {k: f" ({d:+.1f})" for k, d in minus_mean(ms, base).items()} if base else {}
+        cells = [f"{v:.1f}{delta.get(k, '')}" for k, v in ms.items()]
+        lines.append(f"| {r['config']} | {LABEL[r['path']]} | " + " | ".join(cells) + " |")
     return lines
 
 

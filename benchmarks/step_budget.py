@@ -27,7 +27,7 @@ import os
 import sys
 from pathlib import Path
 
-from harness.budget import kinds_ms, step_budget
+from harness.budget import kinds_ms, minus_mean, step_budget
 from shared.train.results import RunResult
 
 
@@ -40,9 +40,8 @@ def against_baseline(rows: list[dict], baseline: list[dict]) -> None:
     def parts(r: dict) -> dict:
         return {**kinds_ms(r["by_kind_ms"]), "idle": r["idle_ms"], "median step": r["median_step_ms"]}
 
-    mean = {k: sum(parts(b)[k] for b in baseline) / len(baseline) for k in parts(baseline[0])}
     for r in rows:
-        r["vs_baseline_ms"] = {k: v - mean[k] for k, v in parts(r).items()}
+        r["vs_baseline_ms"] = minus_mean(parts(r), [parts(b) for b in baseline])
 
 
 def table(rows: list[dict]) -> str:

@@ -27,6 +27,11 @@ def kinds_ms(by_kind_ms: dict) -> dict:
     return {**{k: by_kind_ms.get(k, 0.0) for k in KINDS}, "other": other}
 
 
+def minus_mean(ms: dict, baselines: list[dict]) -> dict:
+    """Each entry of `ms` minus its mean over `baselines` (dicts with the same keys)."""
+    return {k: v - sum(b[k] for b in baselines) / len(baselines) for k, v in ms.items()}
+
+
 def attention_density(run: RunResult) -> float:
     """The share of the s x s score grid the model's attention needs: the causal triangle, or the layout's blocks."""
     if run.model["layout"] in TRIANGLE_LAYOUTS:
