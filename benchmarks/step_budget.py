@@ -61,6 +61,9 @@ def table(rows: list[dict]) -> str:
                      f"{cell(r['matmul']):>27} {cell(r['attention']):>30} "
                      f"{kinds['compiled (triton)']:>9.1f} {kinds['other']:>8.1f} "
                      f"{r['idle_ms']:>7.1f} {r['needed_step_ms']:>13.1f} {r['gap_ms']:>7.1f}")
+    if any(not r.get("profile_synced", True) for r in rows):
+        lines.append("profiled without syncs (idle as a step in flight idles): "
+                     + ", ".join(r["row"] for r in rows if not r.get("profile_synced", True)))
     lines.append("what if (median step ms -> TFLOPs/GPU):")
     for r in rows:
         parts = [f"{name.replace('_', ' ')} {w['step_ms']:.1f} -> {w['tflops_per_gpu']:.1f}"

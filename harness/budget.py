@@ -5,8 +5,10 @@ Pure functions of a RunResult written with --profile_step (its step's device tim
 shared/train/step_profile.py). The rates are model FLOPs (shared/model/flops.py: the linear layers and the LM head;
 the attention's score and value products over the causal triangle, or over the layout's blocks for a sparse
 layout) over the kind's device time in the profiled step; a flash-style backward that recomputes the scores does
-7/6 of the attention FLOPs counted. The profiled step synchronizes at each phase boundary, so its wall time is close
-to, not equal to, the run's median step. compare.py's report prints the rates of every profiled row;
+7/6 of the attention FLOPs counted. The profiled step synchronizes at each phase boundary (unless it ran with
+--profile_sync false), so its wall time is close to, not equal to, the run's median step, and its idle time includes
+the host's work at each boundary that a step in flight may hide behind queued kernels: the no-idle what-if of a
+synced profile is an upper bound. compare.py's report prints the rates of every profiled row;
 benchmarks/step_budget.py adds the target and the what-ifs.
 """
 
@@ -101,5 +103,6 @@ def step_budget(run: RunResult, target: float, source: str = "this run") -> dict
     return {"source": source, "row": run.path, "command": run.command, "device": run.device.get("name"),
             "precision": run.train["precision"], "world_size": run.world_size, "tflops_per_gpu": run.tflops_per_gpu,
             "median_step_ms": median_ms, "profiled_step_ms": step["wall_ms"], "idle_ms": step["idle_ms"],
+            "profile_synced": run.extra["profile"].get("synced", True),
             "by_kind_ms": step["by_kind_ms"], **rates, "target_tflops_per_gpu": target, "needed_step_ms": needed_ms,
             "gap_ms": median_ms - needed_ms, "what_if": what_if}

@@ -332,9 +332,15 @@ def format_table(report: dict) -> str:
 def format_profiles(profiles: dict, step: int | None, rates: dict | None = None) -> str:
     """The profiled step of each row's first run: per phase wall / busy / idle ms and the kernels' ms by kind, and the
     matmuls' and the attention's achieved TFLOP/s over the step (harness/budget.kernel_rates) where given."""
-    lines = [f"profiled step {step} of each row's first run (torch.profiler, a device sync at each phase boundary; "
-             "ms; busy: some kernel running, idle: the rest)"]
+    synced = {prof.get("synced", True) for prof in profiles.values()}
+    how = ("a device sync at each phase boundary" if synced == {True} else
+           "no syncs: kernels by the phase that launched them, walls on the device's timeline" if synced == {False}
+           else "rows marked 'no sync' ran without syncs, the others with a device sync at each phase boundary")
+    lines = [f"profiled step {step} of each row's first run (torch.profiler, {how}; ms; busy: some kernel running, "
+             "idle: the rest)"]
     for name, prof in profiles.items():
+        if len(synced) > 1 and not prof.get("synced", True):
+            lines.append(f"  {name:<9} (no sync)")
         for phase, p in [*prof["phases"].items(), ("whole step", prof["step"])]:
             kinds = ", ".join(f"{k} {v:.1f}" for k, v in p["by_kind_ms"].items() if v >= 0.05)
             lines.append(f"  {name:<9} {phase:<10} wall {p['wall_ms']:8.1f}  busy {p['busy_ms']:8.1f}  idle "

@@ -163,6 +163,75 @@ def test_idle_time_is_split_into_host_late_and_queued_and_credited_to_the_launch
     assert text.count("idle: host behind") == 2 and "no launch record 0.0" in text  # the forward's fill
 
 
+def test_a_step_profiled_without_syncs_is_cut_on_the_devices_timeline_by_the_phase_that_launched_each_kernel():
+    from shared.train.step_profile import device_ranges, innermost, summarize
+
+    main, engine = 1, 2
+    host = {main: innermost([("aten::copy_", 0, 10), ("aten::mm", 10, 50), ("optimizer.step", 90, 100)]),
+            engine: innermost([("autograd::engine::evaluate_function", 83, 89)])}
+    ranges = [("data", 0, 10), ("forward", 10, 50), ("backward", 50, 90), ("step", 90, 100)]  # host, us
+    kernels = [("multi_tensor_apply_adam", -5, 20, (-8, main)),  # the previous step's tail: not this step's
+               ("Memcpy HtoD", 22, 24, (5, main)),  # the device ran behind the host: data's kernel at 22
+               ("gemm", 24, 60, (12, main)), ("gemm", 62, 80, (40, main)),  # forward; 60-62 queued
+               ("fill", 81, 83, None),  # no launch record: in the range it started in (backward), unlinked
+               ("gemm", 90, 120, (88, engine)), ("nccl", 110, 130, (89, engine)),  # backward, two streams
+               ("multi_tensor_apply_adam", 125, 140, (92, main)),  # the step's, begun while backward's nccl ran
+               ("gemm", 141, 150, (101, main))]  # launched after the step's last mark: the next step's
+    spans, per, rest = device_ranges(kernels, ranges)
+    assert spans == [("data", 20, 24), ("forward", 24, 80), ("backward", 80, 130), ("step", 130, 140)]
+    assert [len(ks) for ks in per] == [1, 2, 3, 1] and [k[1] for k in rest] == [-5, 141]
+    s = summarize(kernels, ranges, "cuda", host, main, synced=False)
+    assert s["synced"] is False and s["unattributed_ms"] == 0  # the tail and the next step lie outside the span
+    ph = {p: s["phases"][p] for p in s["phases"]}
+    assert [ph[p]["wall_ms"] * 1e3 for p in ph] == pytest.approx([4, 56, 50, 10])
+    assert [ph[p]["busy_ms"] * 1e3 for p in ph] == pytest.approx([2, 54, 42, 10])  # the step's cut at 130
+    assert ph["step"]["kernel_ms"] * 1e3 == pytest.approx(15)  # kernel time is the kernels' own
+    assert s["step"]["wall_ms"] * 1e3 == pytest.approx(120) and s["step"]["idle_ms"] * 1e3 == pytest.approx(12)
+    assert ph["data"]["idle"]["queued_ms"] * 1e3 == pytest.approx(2)  # launched long before: the device was busy
+    bwd = ph["backward"]["idle"]
+    assert (bwd["unlinked_ms"] * 1e3, bwd["host_ms"] * 1e3, bwd["queued_ms"] * 1e3) == pytest.approx((1, 5, 2))
+    assert {o["name"]: o["ms"] * 1e3 for o in bwd["host_ops"]} == pytest.approx(
+        {"autograd::engine::evaluate_function": 5})  # 83-88 on the engine thread, which launched the gemm
+    for p in ph.values():  # every idle microsecond has one cause
+        idle = p["idle"]
+        assert idle["host_ms"] + idle["queued_ms"] + idle["unlinked_ms"] == pytest.approx(p["idle_ms"])
+    with pytest.raises(ValueError, match="no kernel was launched inside the profiled step"):
+        summarize([kernels[0]], ranges, "cuda", host, main, synced=False)
+    from harness.report import format_profiles
+
+    assert "no syncs" in format_profiles({"raw": s}, 9)
+    mixed = format_profiles({"raw": s, "ceiling": summarize(kernels, ranges, "cuda", host, main)}, 9)
+    assert mixed.count("(no sync)") == 1
+
+
+def test_profile_sync_false_needs_a_profiled_step_and_skips_the_boundary_syncs(monkeypatch):
+    from shared.train.config import TrainConfig
+    from shared.train.step_profile import StepProfiler
+
+    with pytest.raises(ValueError, match="profile_sync false changes how the profiled step is recorded"):
+        TrainConfig(profile_sync=False)
+    assert not TrainConfig(steps=4, warmup_steps=2, profile_step=1, profile_sync=False).profile_sync
+    syncs = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: syncs.append(1))
+    for synced, expected in ((True, 5), (False, 1)):  # begin and every mark, or only after the last mark
+        syncs.clear()
+        prof = StepProfiler(cuda=True, phases=("data", "forward", "backward", "step"), synced=synced)
+        monkeypatch.setattr(torch.profiler, "profile", lambda **kw: _NullProfiler())
+        monkeypatch.setattr(prof, "_summarize", lambda: {})
+        prof.begin()
+        for phase, last in (("data", False), ("forward", False), ("backward", False), ("step", True)):
+            prof.phase(phase, last=last)
+        assert len(syncs) == expected, synced
+
+
+class _NullProfiler:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
 @pytest.mark.gpu
 def test_profiled_gpu_step_links_every_gap_to_a_launch():
     a = torch.randn(2048, 2048, device="cuda")
@@ -176,6 +245,22 @@ def test_profiled_gpu_step_links_every_gap_to_a_launch():
         assert idle["host_ms"] + idle["queued_ms"] == pytest.approx(p["idle_ms"], abs=1e-6)
     forward = timer.profile["phases"]["forward"]["idle"]
     assert forward["host_ms"] > 0 and any(o["name"].startswith("aten::") for o in forward["host_ops"])
+
+
+@pytest.mark.gpu
+def test_a_gpu_step_profiled_without_syncs_keeps_every_kernel_it_launched():
+    a = torch.randn(4096, 4096, device="cuda")
+    timer = PhaseTimer(torch.device("cuda"), profile_step=1, profile_sync=False)
+    timer.start()
+    _steps(timer, 3, work=lambda: [torch.mm(a, a) for _ in range(20)])  # queued: the host runs ahead
+    timer.finish()
+    p = timer.profile
+    assert p["synced"] is False and p["phases"]["forward"]["kernels"] == 20
+    assert p["step"]["wall_ms"] == pytest.approx(sum(ph["wall_ms"] for ph in p["phases"].values()))
+    for ph in p["phases"].values():
+        idle = ph["idle"]
+        assert idle["host_ms"] + idle["queued_ms"] + idle["unlinked_ms"] == pytest.approx(ph["idle_ms"], abs=1e-6)
+    assert timer.summary(skip=2)["n"] == 1
 
 
 def test_python_frames_are_told_from_launches_and_lengthen_the_lists():

@@ -184,6 +184,11 @@ class TrainConfig(FusedSwitches):
     """with profile_step: record Python frames too (torch.profiler's with_stack), so that the host code the device
     waited on is named down to the Python function (extra.profile idle.host_ops / host_inclusive; CUDA). Tracing
     every Python call slows the host, so that step's idle times grow: read the frames, not the milliseconds"""
+    profile_sync: bool = True
+    """with profile_step: synchronize the device at each of that step's phase boundaries (true: each phase's kernels
+    run inside it, and its idle time includes the host's work before its first kernel), or profile the step as
+    timed steps run (false: kernels attributed to the phase that launched them, walls and idle on the device's
+    timeline; the step's idle is then what a step in flight idles)"""
     log_every: int = 10
     """print a progress line every N steps (read asynchronously: no extra host sync)"""
     out: str = "runs/result.json"
@@ -235,6 +240,8 @@ class TrainConfig(FusedSwitches):
                              "it must be one of the steps no timing figure counts")
         if self.profile_stack and self.profile_step is None:
             raise ValueError("profile_stack records Python frames in the profiled step: give --profile_step too")
+        if not self.profile_sync and self.profile_step is None:
+            raise ValueError("profile_sync false changes how the profiled step is recorded: give --profile_step too")
         if not self.lr > 0:  # also refuses NaN
             raise ValueError(f"lr must be positive, got {self.lr!r}")
         for name in ("min_lr", "weight_decay", "grad_clip", "lr_warmup_steps"):

@@ -4,7 +4,12 @@ The PhaseTimer (shared/train/timing.py) drives it in both paths and in the refer
 the boundary before step N (counted from the run's first step, 0) and stops at that step's last mark. Inside the
 profiled step every phase boundary synchronizes the device, so each phase's kernels run inside that phase's host
 range and can be told apart by time; that perturbs only this step, which must be a warm-up step (excluded from
-every timing figure; TrainConfig checks it).
+every timing figure; TrainConfig checks it). The syncs drain the device's queue at each boundary, so the step's
+idle time includes what the host does before the next phase's first kernel, which a timed step may hide behind
+queued work. `--profile_sync false` profiles the step as timed steps run: no sync before it or at its boundaries
+(one after its last mark, before the profiler stops); each kernel is then attributed to the phase that launched
+it and each phase's wall is its stretch of the device's timeline (device_ranges), so the step's wall and idle are
+those of a step in flight (only the profiler's own start and recording slow its host).
 
 The summary (the run JSON's `extra.profile`) holds, for the step and for each phase (data, forward, backward,
 step): wall ms, the ms at least one kernel ran (busy), idle = wall - busy, the kernels' summed ms per kind
@@ -155,36 +160,94 @@ def idle_causes(kernels: list[tuple], ranges: list[tuple[str, float, float]],
             "host_ops": listed(by_op, top[0]), "host_inclusive": listed(inclusive, top[1])}
 
 
+def device_ranges(kernels: list[tuple], ranges: list[tuple[str, float, float]]) -> tuple[list, list, list]:
+    """A step profiled without syncs (--profile_sync false): the kernels each phase launched and the stretch of the
+    device's timeline that is that phase's. kernels: (name, start_us, end_us, launch); ranges: the host ranges,
+    sorted. A kernel belongs to the range its launch lies in, one without a launch record to the device range it
+    started in; the rest (launched before or after the step, e.g. the previous step's last kernels) are returned
+    apart. The device ranges tile the step's device
+    time: the step starts where the work before it ended (the end of the last earlier kernel, else its own first
+    kernel's start) and each range ends at the latest end of its kernels (or where the previous one ended).
+    Returns (device ranges, the kernels of each range, the rest)."""
+    starts = [a for _, a, _ in ranges]
+    per: list[list] = [[] for _ in ranges]
+    rest = []
+    for k in kernels:
+        launch = k[3] if len(k) > 3 else None
+        i = bisect.bisect_right(starts, launch[0]) - 1 if launch is not None else -1
+        if i >= 0 and launch[0] < ranges[i][2]:
+            per[i].append(k)
+        else:
+            rest.append(k)
+    mine = [k for ks in per for k in ks]
+    if not mine:
+        raise ValueError("no kernel was launched inside the profiled step's phases: nothing to attribute")
+    first = min(k[1] for k in mine)
+    t = max((k[2] for k in rest if k[2] <= first), default=first)
+    out = []
+    for (phase, _, _), ks in zip(ranges, per):
+        end = max([t] + [k[2] for k in ks])
+        out.append((phase, t, end))
+        t = end
+    # a kernel without a launch record that started inside the step goes to the range it started in (unlinked)
+    ends = [r[2] for r in out]
+    keep = []
+    for k in rest:
+        i = bisect.bisect_right(ends, k[1])
+        if (len(k) <= 3 or k[3] is None) and out[0][1] <= k[1] and i < len(out):
+            per[i].append(k)
+        else:
+            keep.append(k)
+    return out, per, keep
+
+
+def _clipped(ks: list, r0: float, r1: float) -> list:
+    """The kernels' intervals cut to [r0, r1] (a kernel of one phase that began while the previous one's ran)."""
+    return [(k[0], max(k[1], r0), min(k[2], r1), *k[3:]) for k in ks if min(k[2], r1) > max(k[1], r0)]
+
+
 def summarize(kernels: list[tuple], ranges: list[tuple[str, float, float]], device: str,
-              host: dict[int, list] | None = None, main: int = 0, python_frames: bool | None = None) -> dict:
+              host: dict[int, list] | None = None, main: int = 0, python_frames: bool | None = None,
+              synced: bool = True) -> dict:
     """kernels: (name, start_us, end_us[, launch]) on the device; ranges: (phase, start_us, end_us) on the host, the
     same clock, one per phase of each micro-step. Each kernel goes to the range that holds its start; kernels
     outside every range are counted apart (`unattributed_ms`), never dropped. With `host` (innermost() of each
     thread's operators), `main` and the kernels' launches, each phase also gets `idle` (idle_causes).
     `python_frames` (given for a --profile_stack profile: whether Python calls are among the host operators) is
-    recorded, and when true the idle lists are TOP_WITH_STACK long."""
+    recorded, and when true the idle lists are TOP_WITH_STACK long. `synced` false (a step profiled as timed steps
+    run, without syncs at its phase boundaries): each kernel goes to the phase that launched it and the phases'
+    walls are their stretches of the device's timeline (device_ranges); busy and idle are counted inside them."""
     if not ranges:
         raise ValueError("no phase ranges in the profile: the step's marks were not recorded")
     ranges = sorted(ranges, key=lambda r: r[1])
-    starts = [a for _, a, _ in ranges]
+    if synced:  # each kernel ran inside the host range that launched it: attribute by start time
+        starts = [a for _, a, _ in ranges]
+        per: list[list] = [[] for _ in ranges]
+        loose = []
+        for k in kernels:
+            i = bisect.bisect_right(starts, k[1]) - 1
+            if i >= 0 and k[1] < ranges[i][2]:
+                per[i].append(k)
+            else:
+                loose.append(k)
+    else:
+        ranges, per, loose = device_ranges(kernels, ranges)
+        # what ran before the step (the previous step's tail) is not this step's: counted only inside its span
+        loose = _clipped(loose, ranges[0][1], ranges[-1][2])
     groups: dict[str, list] = {p: [] for p, _, _ in ranges}
+    inside: dict[str, list] = {p: [] for p in groups}  # the kernels' intervals inside the phase's ranges
     of_phase: dict[str, list] = {p: [] for p in groups}
-    for r in ranges:
-        of_phase[r[0]].append(r)
     walls = dict.fromkeys(groups, 0.0)
-    for p, a, b in ranges:
+    for r, ks in zip(ranges, per):
+        p, a, b = r
+        of_phase[p].append(r)
         walls[p] += b - a
-    loose = []
-    for k in kernels:
-        i = bisect.bisect_right(starts, k[1]) - 1
-        if i >= 0 and k[1] < ranges[i][2]:
-            groups[ranges[i][0]].append(k)
-        else:
-            loose.append(k)
+        groups[p].extend(ks)
+        inside[p].extend(ks if synced else _clipped(ks, a, b))
 
     idle_top = (TOP_WITH_STACK, TOP_WITH_STACK) if python_frames else (TOP_HOST, TOP_FRAMES)  # idle lists' lengths
 
-    def part(ks: list, wall_us: float, phase: str | None = None) -> dict:
+    def part(ks: list, wall_us: float, busy_ks: list, phase: str | None = None) -> dict:
         by_kind: dict[str, float] = {}
         by_name: dict[str, list] = {}
         for name, a, b, *_ in ks:
@@ -193,28 +256,33 @@ def summarize(kernels: list[tuple], ranges: list[tuple[str, float, float]], devi
             entry = by_name.setdefault(name, [0, 0.0])
             entry[0] += 1
             entry[1] += (b - a) / 1e3
-        busy = _busy([(a, b) for _, a, b, *_ in ks]) / 1e3
+        busy = _busy([(a, b) for _, a, b, *_ in busy_ks]) / 1e3
         top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:TOP]
         out = {"wall_ms": wall_us / 1e3, "busy_ms": busy, "idle_ms": max(0.0, wall_us / 1e3 - busy),
                "kernels": len(ks), "kernel_ms": sum(by_kind.values()),
                "by_kind_ms": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
                "top": [{"name": n[:160], "kind": kind_of(n), "calls": c, "ms": ms} for n, (c, ms) in top]}
         if host is not None and phase is not None:
-            out["idle"] = idle_causes(ks, of_phase[phase], host, main, idle_top)
+            out["idle"] = idle_causes(busy_ks, of_phase[phase], host, main, idle_top)
         return out
 
     return {"device": device, **({"python_frames": python_frames} if python_frames is not None else {}),
-            "step": part([k for g in groups.values() for k in g], sum(walls.values())),
-            "phases": {p: part(groups[p], walls[p], p) for p in groups},
+            **({} if synced else {"synced": False}),
+            "step": part([k for g in groups.values() for k in g], sum(walls.values()),
+                         [k for g in inside.values() for k in g]),
+            "phases": {p: part(groups[p], walls[p], inside[p], p) for p in groups},
             "unattributed_ms": sum(b - a for _, a, b, *_ in loose) / 1e3}
 
 
 class StepProfiler:
     """Profiles one step; PhaseTimer calls begin() at the step's first boundary and phase() at each mark."""
 
-    def __init__(self, cuda: bool, phases: tuple[str, ...], with_stack: bool = False):
+    def __init__(self, cuda: bool, phases: tuple[str, ...], with_stack: bool = False, synced: bool = True):
         self.cuda = cuda
         self.with_stack = with_stack  # record Python calls too (--profile_stack)
+        # --profile_sync false: no sync before the step or at its phase boundaries, only after its last mark (so
+        # that every kernel it launched is recorded before the profiler stops)
+        self.synced = synced
         self.phases = phases  # PhaseTimer's, in the order they are marked
         self.prof = None
         self._range = None
@@ -225,7 +293,8 @@ class StepProfiler:
             torch.cuda.synchronize()
 
     def begin(self) -> None:
-        self._sync()
+        if self.synced:
+            self._sync()
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -245,7 +314,8 @@ class StepProfiler:
 
     def phase(self, ended: str, last: bool) -> None:
         """`ended` just ended; `last`: it was the step's last mark, so the profile stops and is summarized."""
-        self._sync()
+        if self.synced or last:
+            self._sync()
         self._range.__exit__(None, None, None)
         if not last:
             self._open(self.phases[(self.phases.index(ended) + 1) % len(self.phases)])
@@ -297,7 +367,7 @@ class StepProfiler:
                     ops.setdefault(thread, []).append((re.sub(r" at 0x[0-9a-f]+", "", name), a, b))
             main = next((e.thread for e in cpu if e.name.startswith(RANGE)), 0)
             return summarize(kernels, ranges, "cuda", {t: innermost(o) for t, o in ops.items()}, main,
-                             python_frames=bool(calls) if self.with_stack else None)
+                             python_frames=bool(calls) if self.with_stack else None, synced=self.synced)
         # CPU: the operators' self time stands in for kernels (top-level aten ops, each with its own interval)
         ops = [(e.name, e.time_range.start, e.time_range.start + e.self_cpu_time_total) for e in events
                if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("aten::")

@@ -28,13 +28,14 @@ class PhaseTimer:
     """Marks arrive as data, forward, backward, step, repeated `micro_steps` times per optimizer step."""
 
     def __init__(self, device: torch.device, micro_steps: int = 1, profile_step: int | None = None,
-                 profile_stack: bool = False):
+                 profile_stack: bool = False, profile_sync: bool = True):
         self.cuda = device.type == "cuda"
         self.micro_steps = micro_steps
         # --profile_step: that step (counted from this run's first, 0) runs under torch.profiler
         # (shared/train/step_profile.py); its summary is summary()["profile"]
         self.profile_step = profile_step
         self.profile_stack = profile_stack  # --profile_stack: Python frames in that profile too
+        self.profile_sync = profile_sync  # --profile_sync: device syncs at that step's phase boundaries
         self._profiler = None
         self.profile: dict | None = None
         self._last = None  # the most recent mark (a boundary)
@@ -63,7 +64,8 @@ class PhaseTimer:
         if self.profile_step == done and self._profiler is None and self.profile is None:
             from shared.train.step_profile import StepProfiler
 
-            self._profiler = StepProfiler(self.cuda, PHASES, with_stack=self.profile_stack)
+            self._profiler = StepProfiler(self.cuda, PHASES, with_stack=self.profile_stack,
+                                          synced=self.profile_sync)
             self._profiler.begin()
 
     def mark(self, phase: str) -> None:
