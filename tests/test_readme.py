@@ -114,3 +114,16 @@ def test_the_headline_table_quotes_the_reports_it_names():
                     _quotes(x, report["fraction_of_ceiling"][p]) for x, p in zip(fractions, paths)), name
         checked += 1
     assert checked >= 6
+
+
+def test_the_in_flight_idle_quoted_is_the_no_sync_profiles():
+    folder = RESULTS / "profile_nosync_1xh200"
+    m = re.search(r"what a step in flight idles: ([0-9.]+) ms \(raw\) and ([0-9.]+) ms\s+\(Lightning\) of the GPU "
+                  r"default's step against the ceiling's ([0-9.]+), and ([0-9.]+) TFLOPs/GPU", README)
+    runs = {p: json.loads((folder / "runs" / f"{p}_0.json").read_text())["extra"]["profile"]
+            for p in ("deepspeed", "lightning", "ceiling")}
+    assert all(prof["synced"] is False for prof in runs.values())
+    idle = [round(runs[p]["step"]["idle_ms"], 1) for p in ("deepspeed", "lightning", "ceiling")]
+    budget = json.loads((folder / "step_budget.json").read_text())["runs"][0]
+    assert budget["row"] == "deepspeed" and budget["profile_synced"] is False
+    assert [float(x) for x in m.groups()] == [*idle, round(budget["what_if"]["no_idle"]["tflops_per_gpu"], 1)]
