@@ -38,9 +38,9 @@ the shared model or step, which both paths run alike (compare.py measures their 
 three; `--keep` continues an ablation in the same --out: the configurations it already measured with the same base
 settings, device and package versions are kept (and not run again if named), the others run. With `--profile_step` the
 report adds each run's profiled step by kind of kernel against the baselines' (a lever's kernels apart from the
-clock's drift of the matmuls). `--time_limit SECONDS`
-starts a configuration only if the longest one so far still fits in the time left, else stops (exit status 3) with
-the command that runs the rest.
+clock's drift of the matmuls; with `--profile_sync false` its idle is what a step in flight idles).
+`--time_limit SECONDS` starts a configuration only if the longest one so far still fits in the time left, else stops
+(exit status 3) with the command that runs the rest.
 """
 
 from __future__ import annotations
@@ -145,6 +145,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--profile_step", type=int, default=None,
                    help="profile this step of every run (a warm-up step, before --warmup_steps: the timing excludes "
                    "it); the run JSONs under --out/runs then carry its kernels by kind")
+    p.add_argument("--profile_sync", choices=("true", "false"), default=None,
+                   help="with --profile_step: false profiles that step as timed steps run (no device syncs at its "
+                   "phase boundaries), so its idle time is what a step in flight idles (default true)")
     p.add_argument("--configs", default=None, help="comma-separated subset of the configurations")
     p.add_argument("--paths", default=None, help="comma-separated paths (default: deepspeed,lightning; deepspeed "
                    "with --set last_mile)")
@@ -185,6 +188,8 @@ def main(argv: list[str] | None = None) -> dict:
     for key in ("micro_batch", "steps", "warmup_steps", "zero_profile", "profile_step"):
         if getattr(ns, key) is not None:
             defaults[key] = getattr(ns, key)
+    if ns.profile_sync is not None:
+        defaults["profile_sync"] = ns.profile_sync == "true"
     mb_sweep = ns.mb_sweep if ns.mb_sweep is not None else "12,16,24" if cuda and not last_mile else ""
     try:
         sweep = [int(x) for x in mb_sweep.split(",") if x.strip()]

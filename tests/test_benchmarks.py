@@ -55,6 +55,8 @@ def test_ablation_refuses_an_unknown_configuration(tmp_path):
     assert proc.returncode == 2 and "unknown configuration(s) ['+turbo']" in proc.stderr
     proc = run([sys.executable, ABLATION, "--paths", "deepspeed,fsdp", "--out", tmp_path], check=False, timeout=60)
     assert proc.returncode == 2 and "--paths takes a comma-separated subset" in proc.stderr
+    proc = run([sys.executable, ABLATION, "--profile_sync", "false", "--out", tmp_path], check=False, timeout=60)
+    assert proc.returncode == 2 and "profile_sync false changes how the profiled step is recorded" in proc.stderr
 
 
 def test_ablation_last_mile_set_needs_cuda_and_keep_refuses_other_settings(tmp_path):
