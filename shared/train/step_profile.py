@@ -160,25 +160,34 @@ def idle_causes(kernels: list[tuple], ranges: list[tuple[str, float, float]],
             "host_ops": listed(by_op, top[0]), "host_inclusive": listed(inclusive, top[1])}
 
 
+def _by_range(kernels: list[tuple], ranges: list[tuple[str, float, float]], when) -> tuple[list, list]:
+    """The kernels whose time `when(kernel)` (None: none) lies in each of the sorted ranges, and the rest."""
+    starts = [a for _, a, _ in ranges]
+    per: list[list] = [[] for _ in ranges]
+    rest = []
+    for k in kernels:
+        t = when(k)
+        i = bisect.bisect_right(starts, t) - 1 if t is not None else -1
+        if i >= 0 and t < ranges[i][2]:
+            per[i].append(k)
+        else:
+            rest.append(k)
+    return per, rest
+
+
+def _launch_time(kernel: tuple) -> float | None:
+    return kernel[3][0] if len(kernel) > 3 and kernel[3] is not None else None
+
+
 def device_ranges(kernels: list[tuple], ranges: list[tuple[str, float, float]]) -> tuple[list, list, list]:
     """A step profiled without syncs (--profile_sync false): the kernels each phase launched and the stretch of the
     device's timeline that is that phase's. kernels: (name, start_us, end_us, launch); ranges: the host ranges,
     sorted. A kernel belongs to the range its launch lies in, one without a launch record to the device range it
     started in; the rest (launched before or after the step, e.g. the previous step's last kernels) are returned
-    apart. The device ranges tile the step's device
-    time: the step starts where the work before it ended (the end of the last earlier kernel, else its own first
-    kernel's start) and each range ends at the latest end of its kernels (or where the previous one ended).
-    Returns (device ranges, the kernels of each range, the rest)."""
-    starts = [a for _, a, _ in ranges]
-    per: list[list] = [[] for _ in ranges]
-    rest = []
-    for k in kernels:
-        launch = k[3] if len(k) > 3 else None
-        i = bisect.bisect_right(starts, launch[0]) - 1 if launch is not None else -1
-        if i >= 0 and launch[0] < ranges[i][2]:
-            per[i].append(k)
-        else:
-            rest.append(k)
+    apart. The device ranges tile the step's device time: the step starts where the work before it ended (the end
+    of the last earlier kernel, else its own first kernel's start) and each range ends at the latest end of its
+    kernels (or where the previous one ended). Returns (device ranges, the kernels of each range, the rest)."""
+    per, rest = _by_range(kernels, ranges, _launch_time)
     mine = [k for ks in per for k in ks]
     if not mine:
         raise ValueError("no kernel was launched inside the profiled step's phases: nothing to attribute")
@@ -194,7 +203,7 @@ def device_ranges(kernels: list[tuple], ranges: list[tuple[str, float, float]]) 
     keep = []
     for k in rest:
         i = bisect.bisect_right(ends, k[1])
-        if (len(k) <= 3 or k[3] is None) and out[0][1] <= k[1] and i < len(out):
+        if _launch_time(k) is None and out[0][1] <= k[1] and i < len(out):
             per[i].append(k)
         else:
             keep.append(k)
@@ -221,15 +230,7 @@ def summarize(kernels: list[tuple], ranges: list[tuple[str, float, float]], devi
         raise ValueError("no phase ranges in the profile: the step's marks were not recorded")
     ranges = sorted(ranges, key=lambda r: r[1])
     if synced:  # each kernel ran inside the host range that launched it: attribute by start time
-        starts = [a for _, a, _ in ranges]
-        per: list[list] = [[] for _ in ranges]
-        loose = []
-        for k in kernels:
-            i = bisect.bisect_right(starts, k[1]) - 1
-            if i >= 0 and k[1] < ranges[i][2]:
-                per[i].append(k)
-            else:
-                loose.append(k)
+        per, loose = _by_range(kernels, ranges, lambda k: k[1])
     else:
         ranges, per, loose = device_ranges(kernels, ranges)
         # what ran before the step (the previous step's tail) is not this step's: counted only inside its span
