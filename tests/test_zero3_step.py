@@ -46,6 +46,7 @@ def test_fast_step_matches_deepspeeds_norm_and_fp32_grads_on_two_ranks(check):
         assert ds > 0 and math.isclose(fast, ds, rel_tol=1e-5), (fast, ds)  # fp32 vs fp64 accumulation
     assert all(r["same_fp32"])  # the same fp32 gradient, in its own memory
     assert r["calls_direct"] == {"fast": 2 * r["n_groups"], "deepspeed": 0, "unscale_fused": 0, "unscale_deepspeed": 0}
+    assert r["inf_norm"] == -1.0  # DeepSpeed's mark of an inf/NaN norm, as its own norm gives
     assert math.isclose(r["fallback_norm"], r["ds_norms"][0], rel_tol=1e-12)
     assert r["calls_fallback"]["deepspeed"] == 1
     # engine.step() ran the fast norm and copy, and clipped with the same global norm

@@ -182,6 +182,12 @@ def main(out: str) -> None:
         zero_opt.averaged_gradients[i] = grads[i]
     calls_direct = zero3_step.calls(engine)
 
+    # an infinite gradient: the fast norm gives DeepSpeed's -1 (its step then skips the update), filled on the device
+    saved = grads[0][0].clone()
+    grads[0][0].fill_(float("inf"))
+    inf_norm = zero_opt.get_grad_norm_direct(grads[0], zero_opt.fp16_groups[0])
+    grads[0][0].copy_(saved)
+
     # a gradient that is not a view of the flat buffer (a copy) makes both fall back to DeepSpeed's code
     moved = [g.clone() if j == 0 else g for j, g in enumerate(grads[0])]
     fallback_norm = float(zero_opt.get_grad_norm_direct(moved, zero_opt.fp16_groups[0]))
@@ -207,7 +213,8 @@ def main(out: str) -> None:
         with open(out, "w") as f:
             json.dump({"fused": fused, "eager_persist": persist, "cached_walks": walks,
                        "ds_norms": ds_norms, "fast_norms": fast_norms, "same_fp32": same_fp32,
-                       "calls_direct": calls_direct, "fallback_norm": fallback_norm, "calls_fallback": calls_fallback,
+                       "calls_direct": calls_direct, "inf_norm": float(inf_norm),
+                       "fallback_norm": fallback_norm, "calls_fallback": calls_fallback,
                        "step_norm": step_norm, "calls_step": calls_step, "n_groups": len(groups),
                        "next_loss": float(loss.detach()), "world": dist.get_world_size()}, f)
     dist.barrier()

@@ -145,7 +145,8 @@ def install(zero_opt, fused_adamw: bool = False) -> bool:
         dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=group)
         total = squares.sqrt()
         invalid = total.isinf().logical_or(total.isnan())
-        return torch.where(invalid, torch.tensor(-1.0, device=total.device, dtype=torch.float), total)
+        # full_like fills on the device: torch.tensor(-1.0, device=...) would copy from the host and sync the stream
+        return torch.where(invalid, torch.full_like(total, -1.0, dtype=torch.float), total)
 
     def _prepare_fp32_grad_for_sub_group(sub_group_id):
         fp32_flat = zero_opt.fp32_partitioned_groups_flat[sub_group_id]
@@ -171,7 +172,9 @@ def install(zero_opt, fused_adamw: bool = False) -> bool:
             clip = ((total_norm / zero_opt.loss_scale) + 1e-6) / zero_opt.clip_grad
             combined_scale = torch.clamp(clip, min=1.0) * zero_opt.loss_scale
         device = zero_opt.fp32_partitioned_groups_flat[sub_group_id].device
-        pending_scale[sub_group_id] = torch.as_tensor(combined_scale, dtype=torch.float32, device=device)
+        pending_scale[sub_group_id] = (  # a Python scale (no clip) is filled on the device, not copied (a sync)
+            combined_scale.to(device=device, dtype=torch.float32) if isinstance(combined_scale, torch.Tensor)
+            else torch.full((), combined_scale, dtype=torch.float32, device=device))
 
     def _adamw_kernel_step(sub_group_id, grad, group, scale):
         from shared.kernels.adamw import adamw_step
