@@ -88,7 +88,7 @@ def main(train: TrainConfig, mode: str) -> RunResult:
     pin = device.type == "cuda"
     batches = iter(train_loader(train, rank, 0, pin_memory=pin))
     timer = PhaseTimer(device, profile_step=train.profile_step, profile_stack=train.profile_stack,
-                       profile_sync=train.profile_sync)
+                       profile_sync=train.profile_sync, sync_check_step=train.sync_check_step)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) \
         if mode == "ceiling" and train.precision == "bf16" else contextlib.nullcontext()
     losses = []

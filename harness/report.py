@@ -15,6 +15,7 @@ from harness import budget
 from harness.launch import PATHS, REFERENCES
 from shared.train.config import TrainConfig
 from shared.train.results import RunResult, tflops_convention, versions
+from shared.train.sync_check import format_syncs
 from shared.train.timing import PHASES
 
 # Parity of the two paths: per step, the loss and DeepSpeed's global gradient norm (before clipping), over a window
@@ -231,6 +232,11 @@ def build_report(train: TrainConfig, ns: argparse.Namespace, results: dict[str, 
         report["profiles"] = profiles
         report["kernel_rates"] = {name: budget.kernel_rates(results[name][0], name) for name, prof in profiles.items()
                                   if budget.is_gpu_profile(prof)}
+    # --sync_check_step: each row's first run's synchronizing CUDA calls (shared/train/sync_check.py)
+    syncs = {name: runs[0].extra["syncs"] for name, runs in results.items()
+             if runs and (runs[0].extra or {}).get("syncs")}
+    if syncs:
+        report["syncs"] = syncs
     if cross:
         report["cross_check"] = {
             path: {"ds_wall_clock_breakdown_ms": r.ds_breakdown_ms,
@@ -326,6 +332,8 @@ def format_table(report: dict) -> str:
     if report.get("profiles"):
         lines += ["", format_profiles(report["profiles"], report["train"].get("profile_step"),
                                       report.get("kernel_rates"))]
+    for name, record in report.get("syncs", {}).items():
+        lines += ["", f"{name}:", *format_syncs(record, indent="  ")]
     return "\n".join(lines)
 
 

@@ -189,6 +189,10 @@ class TrainConfig(FusedSwitches):
     run inside it, and its idle time includes the host's work before its first kernel), or profile the step as
     timed steps run (false: kernels attributed to the phase that launched them, walls and idle on the device's
     timeline; the step's idle is then what a step in flight idles)"""
+    sync_check_step: int | None = None
+    """record the calls of this step (counted from the run's first, 0) that made the host wait for the device
+    (.item(), a device-to-host copy, a stream or device synchronize), each with its phase and Python stack, into
+    the result JSON (extra.syncs; shared/train/sync_check.py; CUDA). Must be a warm-up step other than profile_step"""
     log_every: int = 10
     """print a progress line every N steps (read asynchronously: no extra host sync)"""
     out: str = "runs/result.json"
@@ -242,6 +246,14 @@ class TrainConfig(FusedSwitches):
             raise ValueError("profile_stack records Python frames in the profiled step: give --profile_step too")
         if not self.profile_sync and self.profile_step is None:
             raise ValueError("profile_sync false changes how the profiled step is recorded: give --profile_step too")
+        if self.sync_check_step is not None:
+            if not 0 <= self.sync_check_step < self.warmup_steps:
+                raise ValueError(f"sync_check_step ({self.sync_check_step}) must be >= 0 and below warmup_steps "
+                                 f"({self.warmup_steps}): recording each sync's stack slows that step, so it must be "
+                                 "one of the steps no timing figure counts")
+            if self.sync_check_step == self.profile_step:
+                raise ValueError(f"sync_check_step and profile_step are both {self.profile_step}: the profiler's own "
+                                 "syncs would be recorded as the step's; check another warm-up step")
         if not self.lr > 0:  # also refuses NaN
             raise ValueError(f"lr must be positive, got {self.lr!r}")
         for name in ("min_lr", "weight_decay", "grad_clip", "lr_warmup_steps"):

@@ -20,7 +20,8 @@ def start_progress(train: TrainConfig, device: torch.device, rank: int, prefix: 
     """The run's PhaseTimer and the Progress that reads it: per-GPU FLOPs of a step, the device's peak (CUDA only),
     progress lines on rank 0, the CSV log, LR / grad norm / memory extras."""
     timer = PhaseTimer(device, micro_steps=train.grad_accum, profile_step=train.profile_step,
-                       profile_stack=train.profile_stack, profile_sync=train.profile_sync)
+                       profile_stack=train.profile_stack, profile_sync=train.profile_sync,
+                       sync_check_step=train.sync_check_step)
     per_gpu_flops = flops.step_flops(train.model(), train.micro_batch * train.grad_accum, train.flops_factor)
     cuda = device.type == "cuda"
     peak = flops.peak_flops(torch.cuda.get_device_name(device), train.precision) if cuda else None

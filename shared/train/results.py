@@ -22,6 +22,7 @@ from shared.model import flops, layouts
 from shared.model.attention import sdpa_kernel
 from shared.model.config import GPTConfig, fused_paths
 from shared.train.config import TrainConfig
+from shared.train.sync_check import format_syncs
 
 RESULT_VERSION = 1
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # what attention sees
@@ -186,7 +187,8 @@ def build_result(*, path: str, train: TrainConfig, model_cfg: GPTConfig, ds_conf
                "deepcompile_eager_persist_dropped": getattr(runtime, "EAGER_PERSIST_DROPPED", None),
                "deepcompile_cached_walks": getattr(runtime, "CACHED_WALKS", None),
                "deepcompile_profilers": getattr(runtime, "PROFILERS", None),
-               **({"profile": timing["profile"]} if timing.get("profile") else {})},
+               **({"profile": timing["profile"]} if timing.get("profile") else {}),
+               **({"syncs": timing["syncs"]} if timing.get("syncs") else {})},
     )
 
 
@@ -273,4 +275,7 @@ def format_summary(r: RunResult) -> str:
         ("loss", f"{r.losses[0]:.4f} -> {r.losses[-1]:.4f}"),
     ]
     width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    if syncs := (r.extra or {}).get("syncs"):
+        lines += format_syncs(syncs)
+    return "\n".join(lines)

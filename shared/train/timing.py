@@ -28,8 +28,11 @@ class PhaseTimer:
     """Marks arrive as data, forward, backward, step, repeated `micro_steps` times per optimizer step."""
 
     def __init__(self, device: torch.device, micro_steps: int = 1, profile_step: int | None = None,
-                 profile_stack: bool = False, profile_sync: bool = True):
+                 profile_stack: bool = False, profile_sync: bool = True, sync_check_step: int | None = None):
         self.cuda = device.type == "cuda"
+        if sync_check_step is not None and not self.cuda:
+            raise ValueError(f"--sync_check_step {sync_check_step} records CUDA synchronizations; this run's device is "
+                             f"{device.type}")
         self.micro_steps = micro_steps
         # --profile_step: that step (counted from this run's first, 0) runs under torch.profiler
         # (shared/train/step_profile.py); its summary is summary()["profile"]
@@ -38,6 +41,10 @@ class PhaseTimer:
         self.profile_sync = profile_sync  # --profile_sync: device syncs at that step's phase boundaries
         self._profiler = None
         self.profile: dict | None = None
+        # --sync_check_step: that step's synchronizing CUDA calls (shared/train/sync_check.py), summary()["syncs"]
+        self.sync_check_step = sync_check_step
+        self._sync_check = None
+        self.syncs: dict | None = None
         self._last = None  # the most recent mark (a boundary)
         self._current: list | None = None  # [(phase, mark), ...] of the step being recorded, first = its start
         self._open: list[list] = []  # recorded steps not yet resolved
@@ -55,12 +62,20 @@ class PhaseTimer:
         if self._profiler is not None and self._current is None:  # begun at the boundary: restart it after the pause
             self._profiler.abandon()
             self._profiler = None
+        if self._sync_check is not None and self._current is None:  # likewise
+            self._sync_check.abandon()
+            self._sync_check = None
         self._maybe_profile()
         self._last = self._now()
 
     def _maybe_profile(self) -> None:
-        """At a step boundary: start the profiler if the next step is the one to profile."""
+        """At a step boundary: start the profiler (or the sync check) if the next step is the one to profile."""
         done = len(self.steps) + len(self._open)  # steps whose marks are complete
+        if self.sync_check_step == done and self._sync_check is None and self.syncs is None:
+            from shared.train.sync_check import SyncCheck
+
+            self._sync_check = SyncCheck(done, self._phase_in_progress)
+            self._sync_check.begin()
         if self.profile_step == done and self._profiler is None and self.profile is None:
             from shared.train.step_profile import StepProfiler
 
@@ -68,13 +83,16 @@ class PhaseTimer:
                                           synced=self.profile_sync)
             self._profiler.begin()
 
+    def _phase_in_progress(self) -> str:
+        return PHASES[(len(self._current) - 1) % len(PHASES)] if self._current else PHASES[0]
+
     def mark(self, phase: str) -> None:
         """Record the end of `phase`; marks cycle through PHASES, micro_steps times per optimizer step."""
         if self._last is None:
             raise RuntimeError("PhaseTimer.start() was not called")
         if self._current is None:
             self._current = [("start", self._last)]
-        expected = PHASES[(len(self._current) - 1) % len(PHASES)]
+        expected = self._phase_in_progress()
         if phase != expected:
             raise RuntimeError(f"phase {phase!r} marked where {expected!r} was expected")
         self._last = self._now()
@@ -88,6 +106,8 @@ class PhaseTimer:
             if self._profiler is not None:  # the profiled step ended: keep the summary, restart the clock
                 self.profile, self._profiler = self._profiler.summary, None
                 self._last = self._now()  # stopping and summarizing the profile is no step's time
+            if self._sync_check is not None:
+                self.syncs, self._sync_check = self._sync_check.end(), None
             self._maybe_profile()
 
     def close(self) -> None:
@@ -95,6 +115,9 @@ class PhaseTimer:
         if self._profiler is not None:
             self._profiler.abandon()
             self._profiler = None
+        if self._sync_check is not None:
+            self._sync_check.abandon()
+            self._sync_check = None
 
     def poll(self) -> None:
         """Resolve every finished step whose events have completed, without blocking."""
@@ -107,6 +130,9 @@ class PhaseTimer:
         """Block until every recorded step is resolved (one device sync, at the end of the run)."""
         if self.profile_step is not None and self.profile is None:  # also when one is still in progress
             warnings.warn(f"--profile_step {self.profile_step}: the run ended before that step did; no profile",
+                          stacklevel=2)
+        if self.sync_check_step is not None and self.syncs is None:
+            warnings.warn(f"--sync_check_step {self.sync_check_step}: the run ended before that step did; no record",
                           stacklevel=2)
         self.close()
         if self.cuda:
@@ -145,4 +171,5 @@ class PhaseTimer:
             # autotuning and allocator warm-up land here, reported apart from every throughput figure.
             "warmup_s": sum(s["total"] for s in self.steps[:skip]),
             "profile": self.profile,
+            "syncs": self.syncs,
         }
