@@ -127,3 +127,15 @@ def test_the_in_flight_idle_quoted_is_the_no_sync_profiles():
     budget = json.loads((folder / "step_budget.json").read_text())["runs"][0]
     assert budget["row"] == "deepspeed" and budget["profile_synced"] is False
     assert [float(x) for x in m.groups()] == [*idle, round(budget["what_if"]["no_idle"]["tflops_per_gpu"], 1)]
+
+
+def test_the_sync_counts_quoted_are_the_runs_records():
+    m = re.search(r"the GPU default's ZeRO-3 step\s+makes (\d+) on both paths, one at the end of the backward", README)
+    runs = {p: json.loads((RESULTS / "sync_check_1xh200" / "runs" / f"{p}_0.json").read_text())["extra"]["syncs"]
+            for p in ("deepspeed", "lightning", "ceiling")}
+    n = int(m.group(1))
+    for p in ("deepspeed", "lightning"):
+        assert runs[p]["total"] == n and runs[p]["by_phase"] == {"backward": 1, "step": 1}
+        step = next(c for c in runs[p]["syncs"] if c["phase"] == "step")
+        assert step["stack"][-1].endswith("deepspeed/runtime/utils.py:233 is_invalid_grad_norm")
+    assert runs["ceiling"]["total"] == 0 and "the ceiling's step none" in " ".join(README.split())

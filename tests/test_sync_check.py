@@ -1,5 +1,6 @@
 """--sync_check_step: one step's synchronizing CUDA calls, by phase and Python stack (shared/train/sync_check.py)."""
 
+import sys
 import warnings
 from types import SimpleNamespace
 
@@ -66,6 +67,12 @@ def test_short_paths_start_inside_the_installed_package():
     assert short_path("/venv/lib/python3.12/site-packages/deepspeed/runtime/utils.py") == "deepspeed/runtime/utils.py"
     assert short_path("/usr/lib/python3/dist-packages/torch/_tensor.py") == "torch/_tensor.py"
     assert short_path("/somewhere/else.py") == "/somewhere/else.py"
+
+
+def test_a_package_on_the_import_path_is_named_from_it(monkeypatch):  # as the GPU image installs DeepSpeed
+    monkeypatch.setattr(sys, "path", [*sys.path, "/tmp/tmp.abc", "/tmp/tmp.abc/deep"])
+    assert short_path("/tmp/tmp.abc/deepspeed/runtime/utils.py") == "deepspeed/runtime/utils.py"
+    assert short_path("/tmp/tmp.abc/deep/x.py") == "x.py"  # the longest entry that holds it
 
 
 def _step(timer, syncs=()):
@@ -146,12 +153,13 @@ def test_a_gpu_step_records_its_real_syncs_by_phase():
     timer = PhaseTimer(torch.device("cuda"), sync_check_step=1)
     timer.start()
     for _ in range(3):
+        torch.cuda.synchronize()  # an explicit device-wide wait: not seen by the debug mode (a documented limit)
         timer.mark("data")
         loss = (a @ a).sum()  # queued, no sync
         timer.mark("forward")
         loss.item()  # a device-to-host copy: a sync
         timer.mark("backward")
-        torch.cuda.synchronize()
+        a[0, :4].tolist()  # another
         timer.mark("step")
     timer.finish()
     rec = timer.syncs

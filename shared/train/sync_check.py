@@ -1,23 +1,24 @@
 """--sync_check_step N: the calls of one training step that made the host wait for the device, each with the
 Python code that made it.
 
-A synchronizing call (`.item()` or `bool()` of a CUDA tensor, a device-to-host copy, `torch.cuda.synchronize()`, a
-stream's or an event's synchronize) empties the device's queue: until the host launches its next kernel, the device
-idles, however fast the kernels are. A step without such a call lets the host run ahead and hides its Python
-behind queued kernels; `--profile_step N --profile_sync false` shows where a step in flight idles, this names the
-calls behind it.
+A synchronizing call (`.item()`, `bool()` or `.tolist()` of a CUDA tensor, any device-to-host copy, a stream's
+synchronize) empties the device's queue: until the host launches its next kernel, the device idles, however fast the
+kernels are. A step without such a call lets the host run ahead and hides its Python behind queued kernels;
+`--profile_step N --profile_sync false` shows where a step in flight idles, this names the calls behind it.
 
 torch.cuda's sync debug mode (`torch.cuda.set_sync_debug_mode("warn")`) raises a warning at each synchronizing call
 that goes through c10's CUDA helpers, including those of C++ extensions built against them. For the one step, each
 warning is recorded with the phase it came in (data, forward, backward, step) and the Python stack at that moment,
-and calls with the same phase and stack are counted together. Two limits: a C++ extension that calls the CUDA
-runtime directly is not seen, and a warning raised on the autograd engine's threads reaches Python when
-`backward()` returns, so its stack ends at the engine's `run_backward` (the sync is inside the backward's C++ or
+and calls with the same phase and stack are counted together. Three limits: an explicit device-wide wait
+(`torch.cuda.synchronize()`, c10's `device_synchronize`) and an event's synchronize raise no warning, nor does a C++
+extension that calls the CUDA runtime directly; and a warning raised on the autograd engine's threads reaches Python
+when `backward()` returns, so its stack ends at the engine's `run_backward` (the sync is inside the backward's C++ or
 compiled code, not named further).
 """
 
 from __future__ import annotations
 
+import sys
 import traceback
 import warnings
 from collections.abc import Callable
@@ -31,11 +32,15 @@ _REPO = str(Path(__file__).resolve().parents[2]) + "/"
 
 
 def short_path(path: str) -> str:
-    """A frame's file as a reader finds it: inside the installed package, or relative to this repository."""
+    """A frame's file as a reader finds it: relative to the import path it was found on (inside its package), or to
+    this repository."""
     for marker in ("site-packages/", "dist-packages/"):
         if marker in path:
             return path.rsplit(marker, 1)[1]
-    return path[len(_REPO):] if path.startswith(_REPO) else path
+    if path.startswith(_REPO):
+        return path[len(_REPO):]
+    roots = [e.rstrip("/") + "/" for e in sys.path if e and e != "/" and path.startswith(e.rstrip("/") + "/")]
+    return path[len(max(roots, key=len)):] if roots else path
 
 
 def frames(stack: list[traceback.FrameSummary]) -> list[str]:
