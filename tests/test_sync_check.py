@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from harness import report as reports
+from shared.model import config as model_config
 from shared.train.config import TrainConfig
 from shared.train.results import RunResult, format_summary
 from shared.train.sync_check import SYNC_MESSAGE, SyncCheck, format_syncs, short_path
@@ -115,14 +116,17 @@ def test_a_pause_before_the_checked_step_restarts_the_check_and_a_short_run_warn
     assert short.summary(skip=0)["syncs"] is None
 
 
-def test_bad_settings_are_refused_by_name():
+def test_bad_settings_are_refused_by_name(monkeypatch):
+    with pytest.raises(ValueError, match="this machine has no CUDA GPU, so there are none to record: drop it"):
+        TrainConfig(steps=10, warmup_steps=5, sync_check_step=3)  # CI's machine: refused before any set-up
     with pytest.raises(ValueError, match="records CUDA synchronizations; this run's device is cpu"):
         PhaseTimer(torch.device("cpu"), sync_check_step=1)
+    monkeypatch.setattr(model_config, "cuda_available", lambda: True)
     with pytest.raises(ValueError, match=r"sync_check_step \(5\) must be >= 0 and below warmup_steps \(5\)"):
         TrainConfig(steps=10, warmup_steps=5, sync_check_step=5)
     with pytest.raises(ValueError, match="sync_check_step and profile_step are both 3"):
         TrainConfig(steps=10, warmup_steps=5, sync_check_step=3, profile_step=3)
-    TrainConfig(steps=10, warmup_steps=5, sync_check_step=3, profile_step=4)
+    assert TrainConfig(steps=10, warmup_steps=5, sync_check_step=3, profile_step=4).sync_check_step == 3
 
 
 def test_the_run_summary_lists_the_calls():

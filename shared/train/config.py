@@ -251,6 +251,9 @@ class TrainConfig(FusedSwitches):
                 raise ValueError(f"sync_check_step ({self.sync_check_step}) must be >= 0 and below warmup_steps "
                                  f"({self.warmup_steps}): recording each sync's stack slows that step, so it must be "
                                  "one of the steps no timing figure counts")
+            if not model_config.cuda_available():
+                raise ValueError("--sync_check_step records the step's synchronizing CUDA calls; this machine has no "
+                                 "CUDA GPU, so there are none to record: drop it")
             if self.sync_check_step == self.profile_step:
                 raise ValueError(f"sync_check_step and profile_step are both {self.profile_step}: the profiler's own "
                                  "syncs would be recorded as the step's; check another warm-up step")
