@@ -191,8 +191,9 @@ class TrainConfig(FusedSwitches):
     timeline; the step's idle is then what a step in flight idles)"""
     sync_check_step: int | None = None
     """record the calls of this step (counted from the run's first, 0) that made the host wait for the device
-    (.item(), a device-to-host copy, a stream or device synchronize), each with its phase and Python stack, into
-    the result JSON (extra.syncs; shared/train/sync_check.py; CUDA). Must be a warm-up step other than profile_step"""
+    (.item(), any device-to-host copy, a stream's synchronize; not torch.cuda.synchronize()), each with its phase
+    and Python stack, into the result JSON (extra.syncs; shared/train/sync_check.py; CUDA). Must be a warm-up step
+    other than profile_step"""
     log_every: int = 10
     """print a progress line every N steps (read asynchronously: no extra host sync)"""
     out: str = "runs/result.json"
