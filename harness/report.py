@@ -182,6 +182,11 @@ def loss_parity(ds: list[RunResult], pl: list[RunResult], precision: str, lr_war
     return parity([(series(a), series(b)) for a, b in zip(ds, pl)], precision, lr_warmup_steps, same)
 
 
+def _first_runs(results: dict[str, list[RunResult]], key: str) -> dict:
+    """extra[key] of each row's first run, for the rows whose first run recorded it."""
+    return {name: runs[0].extra[key] for name, runs in results.items() if runs and (runs[0].extra or {}).get(key)}
+
+
 def build_report(train: TrainConfig, ns: argparse.Namespace, results: dict[str, list[RunResult]],
                  cross: dict[str, RunResult], argv: list[str]) -> dict:
     ds, pl = results["deepspeed"], results["lightning"]
@@ -226,16 +231,13 @@ def build_report(train: TrainConfig, ns: argparse.Namespace, results: dict[str, 
         if "fsdp2" in refs:
             report["fraction_of_ceiling"]["fsdp2"] = report["reference"]["fsdp2"]["tflops_per_gpu"] / ceiling
     # --profile_step: each row's first run's profiled step (shared/train/step_profile.py)
-    profiles = {name: runs[0].extra["profile"] for name, runs in results.items()
-                if runs and (runs[0].extra or {}).get("profile")}
+    profiles = _first_runs(results, "profile")
     if profiles:
         report["profiles"] = profiles
         report["kernel_rates"] = {name: budget.kernel_rates(results[name][0], name) for name, prof in profiles.items()
                                   if budget.is_gpu_profile(prof)}
     # --sync_check_step: each row's first run's synchronizing CUDA calls (shared/train/sync_check.py)
-    syncs = {name: runs[0].extra["syncs"] for name, runs in results.items()
-             if runs and (runs[0].extra or {}).get("syncs")}
-    if syncs:
+    if syncs := _first_runs(results, "syncs"):
         report["syncs"] = syncs
     if cross:
         report["cross_check"] = {
