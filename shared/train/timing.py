@@ -21,6 +21,8 @@ import warnings
 
 import torch
 
+from shared.train.sync_check import SyncCheck
+
 PHASES = ("data", "forward", "backward", "step")
 
 
@@ -72,8 +74,6 @@ class PhaseTimer:
         """At a step boundary: start the profiler (or the sync check) if the next step is the one to profile."""
         done = len(self.steps) + len(self._open)  # steps whose marks are complete
         if self.sync_check_step == done and self._sync_check is None and self.syncs is None:
-            from shared.train.sync_check import SyncCheck
-
             self._sync_check = SyncCheck(done, self._phase_in_progress)
             self._sync_check.begin()
         if self.profile_step == done and self._profiler is None and self.profile is None:
