@@ -28,7 +28,9 @@ shared/kernels/bias_gelu_grad.py), the LM head's loss and logits' gradient by on
 DeepCompile, so each step gathers them again (`-drop_eager_persist`, shared/train/ds_runtime.drop_eager_persistent),
 DeepSpeed's own walks of the model around each step instead of lists taken once (`-cached_walks`,
 shared/train/ds_runtime.cache_deepcompile_walks), the residual branches' dropout masks drawn by a Triton kernel with
-eight draws per Philox call instead of inductor's one per element (`+triton_dropout`, shared/kernels/dropout_mask.py).
+eight draws per Philox call instead of inductor's one per element (`+triton_dropout`, shared/kernels/dropout_mask.py),
+DeepCompile's op with the backward's end waited for by the compute stream instead of the host
+(`+device_backward_wait`, shared/train/deepcompile_op.py).
 The block-sparse kernel is not a lever here: it runs between compiled graphs, which DeepCompile's ZeRO-3 pass refuses
 (shared/train/config.py); benchmarks/attention.py compares it with SDPA at the model's shape.
 `baseline` runs first and again last (`baseline_again`): each configuration's ratio is against the
@@ -94,6 +96,7 @@ LAST_MILE = {
     "-cached_walks": {"deepcompile_cached_walks": False},
     "-fused_zero3_step": {"zero3_step": "fast"},
     "+triton_dropout": {"triton_dropout": True},
+    "+device_backward_wait": {"deepcompile_backward_wait": "device"},
     "baseline_again": {},
 }
 REFERENCE = {"fusions": "naive", "last_mile": "baseline"}  # each set's ratios are against these runs

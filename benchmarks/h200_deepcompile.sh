@@ -34,6 +34,10 @@
 #   STAGE=autotune  compare.py --autotune on GPUS GPUs (default 1) over GRID (default 16,24), each candidate STEPS /
 #               WARMUP steps, its budget what is left of the call; KEEP=<an earlier call's autotune folder, in the repo>
 #               continues that search (--keep_runs): candidates measured there are not run again
+#   STAGE=lever GPU 0: benchmarks/ablation.py --set last_mile over CONFIGS (comma-separated), step PROFILE_STEP
+#               (default 9) profiled as a step in flight runs, as many runs as fit before the TESTS_S seconds kept
+#               for TESTS (pytest node ids, gpu marker), which run after the timed runs; KEEP=warm continues the
+#               ablation from the copy the last call left in /tmp on the same machine (calls back to back)
 #   STAGE=headline  compare.py's GPU default on GPUS GPUs (default 1): both paths, REPEATS rounds (default 2), the
 #               ceiling in round 1, step PROFILE_STEP (default 9) profiled, over as many calls as it takes: each call
 #               runs what fits in it (--time_limit; exit status 3 when it stopped before a run) and KEEP=<the last
@@ -70,12 +74,18 @@ MB=${MB:-16}
 BASE=(--preset 1.5b --stage 3 --precision bf16 --micro_batch "$MB" --steps "${STEPS:-20}" --warmup_steps "${WARMUP:-10}"
       --compile deepcompile --deepcompile_schedule "${SCHED:-deepspeed}" ${EXTRA:-})
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv > "$W/gpus.txt" 2>&1
-# Build DeepCompile's op once, before any run races for it (the image's TORCH_CUDA_ARCH_LIST=9.0a is handled).
+# Build DeepCompile's op and its device-wait variant (--deepcompile_backward_wait device) once, side by side, before
+# any run races for them (the image's TORCH_CUDA_ARCH_LIST=9.0a is handled).
 python3 -c "
 from shared.train.ds_runtime import normalize_cuda_arch_list; print(normalize_cuda_arch_list())
 from deepspeed.ops.op_builder.dc import DeepCompileBuilder; DeepCompileBuilder().load(); print('dc op built')
-" > "$W/op_build.log" 2>&1
-echo "op build: $(tail -1 "$W/op_build.log") at $((SECONDS - T0)) s"
+" > "$W/op_build.log" 2>&1 &
+python3 -c "
+from shared.train.ds_runtime import normalize_cuda_arch_list; print(normalize_cuda_arch_list())
+from shared.train.deepcompile_op import builder; builder().load(); print('dc_device_wait op built')
+" > "$W/op_build_device_wait.log" 2>&1
+wait
+echo "op build: $(tail -1 "$W/op_build.log"); $(tail -1 "$W/op_build_device_wait.log") at $((SECONDS - T0)) s"
 # The streams a stage is made of; each takes the GPU it runs on, every one bounded by what is left of the call.
 compare_one() {  # 1-GPU compare, both paths with DeepCompile, ceiling + FSDP2 rows
   CUDA_VISIBLE_DEVICES=$1 timeout -k 10 "$(left)" python3 compare.py --gpus 1 "${BASE[@]}" \
@@ -219,6 +229,22 @@ case "$STAGE" in
       --timeout 400 --time_limit "$(( $(left) - 20 ))" --out "$W/ablation" > "$W/ablation.log" 2>&1
     echo "ablation exit $? (3: stopped before a run that would not fit; KEEP=warm continues it)"
     rm -rf "$A" && cp -r "$W/ablation" "$A" ;;
+  lever)
+    A=/tmp/keep_ablation_lever  # the ablation the last call left on this machine
+    if [ "${KEEP:-}" = warm ]; then
+      [ -d "$A" ] || { echo "KEEP=warm: no $A on this machine (a fresh one)"; exit 2; }
+      cp -r "$A" "$W/ablation"
+    fi
+    CUDA_VISIBLE_DEVICES=0 timeout -k 25 "$(left)" python3 benchmarks/ablation.py --set last_mile \
+      --configs "${CONFIGS:?CONFIGS=<comma-separated configurations>}" --profile_step "${PROFILE_STEP:-9}" \
+      --profile_sync false --keep --timeout 400 --time_limit "$(( $(left) - 20 - ${TESTS_S:-0} ))" \
+      --out "$W/ablation" > "$W/ablation.log" 2>&1
+    echo "ablation exit $? (3: stopped before a run that would not fit; KEEP=warm continues it)"
+    rm -rf "$A" && cp -r "$W/ablation" "$A"
+    if [ -n "${TESTS:-}" ]; then  # GPU tests after the timed runs, in the TESTS_S seconds kept for them
+      CUDA_VISIBLE_DEVICES=0 timeout -k 10 "$(left)" python3 -m pytest -m gpu -q $TESTS -p no:cacheprovider \
+        > "$W/gpu_tests_lever.log" 2>&1
+    fi ;;
   headline)
     G=${GPUS:-1}; C="headline_${G}xh200"
     if [ -n "${KEEP:-}" ]; then cp -r "$KEEP" "$W/$C"; fi

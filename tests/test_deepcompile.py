@@ -304,9 +304,9 @@ def test_the_lightning_strategy_hands_every_deepcompile_option_to_compile_engine
     assert calls[0][1] is train
 
 
-def _train(script, tmp_path, name, kjv, *args, steps=30):
+def _train(script, tmp_path, name, kjv, *args, steps=30, gpus=1):
     out = tmp_path / f"{name}.json"
-    torchrun(script, 1, [*GPU_BASE, "--data", kjv, "--steps", str(steps), "--warmup_steps", "8", *args,
+    torchrun(script, gpus, [*GPU_BASE, "--data", kjv, "--steps", str(steps), "--warmup_steps", "8", *args,
                          "--out", out], timeout=900)
     return load(out)
 
@@ -360,6 +360,25 @@ def test_the_once_schedule_trains_like_deepspeeds_schedule(tmp_path, kjv):
     assert once["extra"]["deepcompile_passes_s"] > 0
     tail = lambda r: sum(r["losses"][-10:]) / 10
     assert abs(tail(once) - tail(default)) <= 0.03 and once["losses"][-1] < once["losses"][0] - 1.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gpus", [1, pytest.param(2, marks=pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs two GPUs: the reduce-scatter across ranks"))])
+def test_the_device_wait_trains_like_the_host_wait_without_the_backwards_sync(tmp_path, kjv, gpus):
+    """--deepcompile_backward_wait device (shared/train/deepcompile_op.py): the op built from DeepSpeed's patched
+    source runs, the backward's host wait is gone from the step's synchronizing calls (the norm check's stays), and
+    the run trains as with DeepSpeed's own op: the change is one of timing only."""
+    host = _train(RAW, tmp_path, "host", kjv, "--compile", "deepcompile", "--sync_check_step", "7", gpus=gpus)
+    device = _train(RAW, tmp_path, "device", kjv, "--compile", "deepcompile", "--sync_check_step", "7",
+                    "--deepcompile_backward_wait", "device", gpus=gpus)
+    assert host["extra"]["deepcompile_op"] == "dc" and device["extra"]["deepcompile_op"] == "dc_device_wait"
+    assert device["train"]["deepcompile_backward_wait"] == "device" and device["fused"]["dynamo_graph_breaks"] == 0
+    print("syncs, host wait:", host["extra"]["syncs"]["by_phase"], "device wait:", device["extra"]["syncs"]["by_phase"])
+    assert host["extra"]["syncs"]["by_phase"].get("backward") == 1
+    assert "backward" not in device["extra"]["syncs"]["by_phase"] and device["extra"]["syncs"]["by_phase"]["step"] >= 1
+    tail = lambda r: sum(r["losses"][-10:]) / 10
+    assert abs(tail(device) - tail(host)) <= 0.03 and device["losses"][-1] < device["losses"][0] - 1.0
 
 
 @pytest.mark.gpu

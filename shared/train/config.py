@@ -42,6 +42,9 @@ DEEPCOMPILE_PERSIST = ("threshold", "deepspeed")
 # Eager ZeRO-3's list of persistent parameters under DeepCompile (shared/train/ds_runtime.drop_eager_persistent):
 # drop = emptied, so the optimizer step no longer gathers them eagerly; deepspeed = kept (DeepSpeed 0.19.8).
 DEEPCOMPILE_EAGER_PERSIST = ("drop", "deepspeed")
+# Where DeepCompile's op waits for its reduce-scatters at the end of the backward (shared/train/deepcompile_op.py):
+# host = DeepSpeed 0.19.8's stream synchronize; device = the compute stream waits on an event, the host goes on.
+DEEPCOMPILE_BACKWARD_WAITS = ("host", "device")
 NAN_POLICIES = ("stop", "skip")
 # The ZeRO-3 optimizer step (shared/train/zero3_step.py): fast = the gradient norm and fp32 gradient copy on the flat
 # gradient buffer, one kernel each, and the unscale inside torch's fused AdamW; deepspeed = DeepSpeed's per-parameter
@@ -134,6 +137,12 @@ class TrainConfig(FusedSwitches):
     lists taken once (shared/train/ds_runtime.cache_deepcompile_walks); same behaviour, less Python the device
     waits on: 1.006-1.007x on one H200, two pairs (docs/results.md). false: DeepSpeed 0.19.8's own walks. Only
     with --compile deepcompile at stage 3 (other modes and stages ignore it, as they do --deepcompile_persist)"""
+    deepcompile_backward_wait: str = "host"
+    """host | device: how DeepCompile's op waits for its last reduce-scatters at the end of each backward. host:
+    DeepSpeed 0.19.8's op, whose host waits for its reduce-scatter stream, so the device idles while the host runs
+    the autograd engine's end and the optimizer step's Python (docs/results.md); device: the same op built from
+    DeepSpeed's sources with that wait made the compute stream's, on an event (shared/train/deepcompile_op.py; built
+    on first use, ~1 min). Same results, other timing. Only with --compile deepcompile"""
     coordinate_descent_tuning: bool = False
     """inductor's coordinate-descent tuning (torch._inductor.config.coordinate_descent_tuning): each generated
     Triton kernel's block sizes and warps are benchmarked around the default at its first compile and the best is
@@ -295,6 +304,12 @@ class TrainConfig(FusedSwitches):
         if self.deepcompile_eager_persist not in DEEPCOMPILE_EAGER_PERSIST:
             raise ValueError(f"unknown deepcompile_eager_persist {self.deepcompile_eager_persist!r}; choose one of "
                              f"{DEEPCOMPILE_EAGER_PERSIST}")
+        if self.deepcompile_backward_wait not in DEEPCOMPILE_BACKWARD_WAITS:
+            raise ValueError(f"unknown deepcompile_backward_wait {self.deepcompile_backward_wait!r}; choose one of "
+                             f"{DEEPCOMPILE_BACKWARD_WAITS}")
+        if self.deepcompile_backward_wait != "host" and self.compile != "deepcompile":
+            raise ValueError(f"--deepcompile_backward_wait {self.deepcompile_backward_wait} changes DeepCompile's op, "
+                             f"which --compile {self.compile} does not run: add --compile deepcompile or drop it")
         if self.deepcompile_schedule not in DEEPCOMPILE_SCHEDULES:
             raise ValueError(f"unknown deepcompile_schedule {self.deepcompile_schedule!r}; choose one of "
                              f"{DEEPCOMPILE_SCHEDULES}")

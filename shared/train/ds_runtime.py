@@ -9,6 +9,8 @@ import statistics
 import time
 from typing import TYPE_CHECKING
 
+from shared.train import deepcompile_op
+
 if TYPE_CHECKING:
     from shared.train.config import TrainConfig
 
@@ -115,7 +117,7 @@ def deepcompile_schedule(name: str, stage: int, persist_threshold: int | None = 
 
 def compile_engine(engine, train: TrainConfig, rank: int = 0) -> None:
     """Apply train.compile where it lives in the engine: deepcompile calls engine.compile() (inductor), with the
-    config's DeepCompile options (schedule, persistence, the eager list, the cached walks).
+    config's DeepCompile options (schedule, persistence, the eager list, the cached walks, the backward's wait).
 
     The compiled graph is built at the first forward; DeepCompile profiles it and compiles it with its passes on the
     schedule of deepcompile_schedule, whose compile steps the timing excludes (TrainConfig validation). The
@@ -139,6 +141,8 @@ def compile_engine(engine, train: TrainConfig, rank: int = 0) -> None:
         raise ValueError(f"compile.{offload[0]} in the DeepSpeed config needs DeepSpeed's own DeepCompile schedule: "
                          "run with --deepcompile_schedule deepspeed --deepcompile_persist deepspeed")
     threshold = engine.zero_param_persistence_threshold() if persist == "threshold" else None
+    if train.deepcompile_backward_wait == "device":
+        deepcompile_op.install()  # before engine.compile() loads DeepSpeed's own op
     time_deepcompile_profilers()
     engine.compile(backend="inductor", schedule=deepcompile_schedule(schedule, stage, threshold))
     if not engine.is_deepcompile_active():

@@ -21,6 +21,7 @@ import torch
 from shared.model import flops, layouts
 from shared.model.attention import sdpa_kernel
 from shared.model.config import GPTConfig, fused_paths
+from shared.train import deepcompile_op
 from shared.train.config import TrainConfig
 from shared.train.sync_check import format_syncs
 
@@ -187,6 +188,7 @@ def build_result(*, path: str, train: TrainConfig, model_cfg: GPTConfig, ds_conf
                "deepcompile_eager_persist_dropped": getattr(runtime, "EAGER_PERSIST_DROPPED", None),
                "deepcompile_cached_walks": getattr(runtime, "CACHED_WALKS", None),
                "deepcompile_profilers": getattr(runtime, "PROFILERS", None),
+               "deepcompile_op": deepcompile_op.active_op(),
                **({"profile": timing["profile"]} if timing.get("profile") else {}),
                **({"syncs": timing["syncs"]} if timing.get("syncs") else {})},
     )
