@@ -22,6 +22,7 @@ statement exactly as 0.19.8 wrote it is refused: the option never silently build
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 OP_NAME = "dc_device_wait"
@@ -93,20 +94,18 @@ def install():
     DeepCompile uses in this process. Refused once DeepSpeed's own op is loaded."""
     import deepspeed.compile.util as dc_util
 
-    handle = dc_util.dc_handle
-    if handle is not None:
-        if getattr(handle, "__name__", "").endswith(OP_NAME):
-            return handle
+    loaded = active_op()
+    if loaded == OP_NAME:
+        return dc_util.dc_handle
+    if loaded is not None:
         raise RuntimeError("--deepcompile_backward_wait device must be set up before DeepSpeed loads its own "
-                           f"DeepCompile op, which this process already did ({handle.__name__})")
+                           f"DeepCompile op, which this process already did ({loaded})")
     dc_util.dc_handle = builder().load()
     return dc_util.dc_handle
 
 
 def active_op() -> str | None:
     """The name of the DeepCompile op this process loaded (dc: DeepSpeed's own; dc_device_wait), None if none."""
-    import sys
-
     dc_util = sys.modules.get("deepspeed.compile.util")
     handle = getattr(dc_util, "dc_handle", None)
     return None if handle is None else handle.__name__.rsplit(".", 1)[-1]
