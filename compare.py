@@ -57,12 +57,15 @@ GPU_DEFAULTS = {"preset": "1.5b", "micro_batch": 8, "steps": 30, "warmup_steps":
 # benchmarks/results/coordinate_descent_1xh200; both paths and the ceiling with it: coordinate_descent_compare_1xh200),
 # the ZeRO-3 optimizer step in one Triton kernel (1.015x in one call, benchmarks/results/fused_zero3_step_1xh200; both
 # paths and the ceiling with it: headline_fused_1xh200), the MLP's bias + GELU backward in one Triton kernel (1.010x
-# and 1.008x in two pairs, benchmarks/results/triton_gelu_grad_1xh200, last_mile_levers_1xh200; no compare with it yet).
+# and 1.008x in two pairs, benchmarks/results/triton_gelu_grad_1xh200, last_mile_levers_1xh200), and on one GPU
+# DeepCompile's backward end waited for on the device (1.005x and 1.009x in two pairs, benchmarks/results/
+# device_wait_1xh200; on more GPUs it has not been measured, and DeepSpeed's host wait stays: see parse).
 GPU_DEEPCOMPILE_DEFAULTS = {"compile": "deepcompile", "deepcompile_schedule": "once", "micro_batch": 16,
-                            "coordinate_descent_tuning": True, "triton_gelu_grad": True, "zero3_step": "fused"}
+                            "coordinate_descent_tuning": True, "triton_gelu_grad": True, "zero3_step": "fused",
+                            "deepcompile_backward_wait": "device"}
 DEEPCOMPILE_DEFAULT_HELP = ("(default on GPUs: deepcompile, with --deepcompile_schedule once, --micro_batch 16, "
-                            "--coordinate_descent_tuning, --triton_gelu_grad (without --matmul_bias_grad) and "
-                            "--zero3_step fused (AdamW, ZeRO-3), "
+                            "--coordinate_descent_tuning, --triton_gelu_grad (without --matmul_bias_grad), "
+                            "--zero3_step fused (AdamW, ZeRO-3) and, on one GPU, --deepcompile_backward_wait device, "
                             "where it can run: ZeRO stage 1-3, no --val_every/--save_every, --ds_config, "
                             "--fused_layernorm, --attention blocksparse/xformers, --explain or --autotune; else none)")
 
@@ -193,13 +196,18 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
             fused_step = zero3 and (ns.optimizer or TrainConfig.optimizer) == "adamw"
             # where the bias + GELU kernel cannot run, the search's reasons (the flags as given; ns has their names)
             gelu_kernel = autotune.gelu_kernel_refusal(ns) is None
+            # the device wait was measured and tested on one GPU only (--parallel's runs are one-GPU runs too):
+            # runs on more GPUs keep DeepSpeed's own op
+            host_wait = {} if ns.world == 1 else {"deepcompile_backward_wait": TrainConfig.deepcompile_backward_wait}
             _fill_unset(ns, {**GPU_DEEPCOMPILE_DEFAULTS,
                              **({} if fused_step else {"zero3_step": TrainConfig.zero3_step}),
-                             **({} if gelu_kernel else {"triton_gelu_grad": TrainConfig.triton_gelu_grad})})
+                             **({} if gelu_kernel else {"triton_gelu_grad": TrainConfig.triton_gelu_grad}),
+                             **host_wait})
             step = f" --zero3_step {ns.zero3_step}" if zero3 else ""
             print(f"compare.py: --compile deepcompile --deepcompile_schedule {ns.deepcompile_schedule} --micro_batch "
                   f"{ns.micro_batch} --coordinate_descent_tuning {str(ns.coordinate_descent_tuning).lower()} "
                   f"--triton_gelu_grad {str(ns.triton_gelu_grad).lower()}{step} "
+                  f"--deepcompile_backward_wait {ns.deepcompile_backward_wait} "
                   f"(the GPU default; --compile none or blocks for the others)", flush=True)
         if n_gpus:
             _fill_unset(ns, GPU_DEFAULTS)

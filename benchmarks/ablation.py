@@ -15,7 +15,8 @@ counters) and ablation.md (the table). A configuration that fails is recorded wi
 
 `--set last_mile` starts from compare.py's GPU default instead (DeepCompile, --deepcompile_schedule once, micro-
 batch 16, coordinate-descent kernel tuning, the MLP's bias + GELU backward and the optimizer step each in one Triton
-kernel, the tuned ZeRO-3 buckets; 20 steps of which 10 warm-up) and changes one lever per configuration: the chunked
+kernel, DeepCompile's backward end waited for on the device, the tuned ZeRO-3 buckets; 20 steps of which 10
+warm-up) and changes one lever per configuration: the chunked
 linear + cross-entropy (`+fused_loss`), that with the micro-batch it frees (`+fused_loss_mb24`), a padded vocabulary
 (`+vocab128`), DeepSpeed's own optimizer step instead of this project's (`-fast_zero3_step`), the fast step's three
 passes (gradient copy, torch's fused AdamW, parameter copy) instead of the one kernel (`-fused_zero3_step`,
@@ -29,8 +30,8 @@ DeepCompile, so each step gathers them again (`-drop_eager_persist`, shared/trai
 DeepSpeed's own walks of the model around each step instead of lists taken once (`-cached_walks`,
 shared/train/ds_runtime.cache_deepcompile_walks), the residual branches' dropout masks drawn by a Triton kernel with
 eight draws per Philox call instead of inductor's one per element (`+triton_dropout`, shared/kernels/dropout_mask.py),
-DeepCompile's op with the backward's end waited for by the compute stream instead of the host
-(`+device_backward_wait`, shared/train/deepcompile_op.py).
+DeepSpeed's own DeepCompile op, whose host waits for the backward's end, instead of the one whose compute stream
+waits for it (`-device_backward_wait`, shared/train/deepcompile_op.py).
 The block-sparse kernel is not a lever here: it runs between compiled graphs, which DeepCompile's ZeRO-3 pass refuses
 (shared/train/config.py); benchmarks/attention.py compares it with SDPA at the model's shape.
 `baseline` runs first and again last (`baseline_again`): each configuration's ratio is against the
@@ -96,7 +97,7 @@ LAST_MILE = {
     "-cached_walks": {"deepcompile_cached_walks": False},
     "-fused_zero3_step": {"zero3_step": "fast"},
     "+triton_dropout": {"triton_dropout": True},
-    "+device_backward_wait": {"deepcompile_backward_wait": "device"},
+    "-device_backward_wait": {"deepcompile_backward_wait": "host"},
     "baseline_again": {},
 }
 REFERENCE = {"fusions": "naive", "last_mile": "baseline"}  # each set's ratios are against these runs
@@ -131,6 +132,18 @@ def run_one(base: TrainConfig, name: str, flags: dict, path: str, out: Path, gpu
     return row
 
 
+def configs_value_joined(argv: list[str]) -> list[str]:
+    """`--configs -lever,...` as `--configs=-lever,...`: argparse takes a value that starts with "-" for an option
+    and stops with "expected one argument"; every option here starts with "--", so a single "-" is a lever."""
+    args = list(argv)
+    for i, arg in enumerate(args[:-1]):
+        nxt = args[i + 1]
+        if arg == "--configs" and nxt.startswith("-") and not nxt.startswith("--"):
+            args[i:i + 2] = [f"--configs={nxt}"]
+            break
+    return args
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cuda = torch.cuda.is_available()
@@ -151,7 +164,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--profile_sync", choices=("true", "false"), default=None,
                    help="with --profile_step: false profiles that step as timed steps run (no device syncs at its "
                    "phase boundaries), so its idle time is what a step in flight idles (default true)")
-    p.add_argument("--configs", default=None, help="comma-separated subset of the configurations")
+    p.add_argument("--configs", default=None, help="comma-separated subset of the configurations (a list that "
+                   "starts with a lever taking something off, e.g. -fast_zero3_step, is read as the value too)")
     p.add_argument("--paths", default=None, help="comma-separated paths (default: deepspeed,lightning; deepspeed "
                    "with --set last_mile)")
     p.add_argument("--mb_sweep", default=None, help="micro-batches above --micro_batch to try without activation "
@@ -166,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
                         "same command with --keep runs the rest. Not with a micro-batch sweep")
     p.add_argument("--out", default="reports/ablation")
     t_start = time.monotonic()
-    ns = p.parse_args(argv)
+    ns = p.parse_args(configs_value_joined(sys.argv[1:] if argv is None else argv))
     last_mile = ns.lever_set == "last_mile"
     all_configs = LAST_MILE if last_mile else configurations(cuda)
     names = list(all_configs) if ns.configs is None else [c.strip() for c in ns.configs.split(",") if c.strip()]

@@ -236,7 +236,7 @@ case "$STAGE" in
       cp -r "$A" "$W/ablation"
     fi
     CUDA_VISIBLE_DEVICES=0 timeout -k 25 "$(left)" python3 benchmarks/ablation.py --set last_mile \
-      --configs "${CONFIGS:?CONFIGS=<comma-separated configurations>}" --profile_step "${PROFILE_STEP:-9}" \
+      --configs="${CONFIGS:?CONFIGS=<comma-separated configurations>}" --profile_step "${PROFILE_STEP:-9}" \
       --profile_sync false --keep --timeout 400 --time_limit "$(( $(left) - 20 - ${TESTS_S:-0} ))" \
       --out "$W/ablation" > "$W/ablation.log" 2>&1
     echo "ablation exit $? (3: stopped before a run that would not fit; KEEP=warm continues it)"

@@ -53,6 +53,9 @@ def test_ablation_runs_both_paths_per_configuration_and_sweeps_the_micro_batch(t
 def test_ablation_refuses_an_unknown_configuration(tmp_path):
     proc = run([sys.executable, ABLATION, "--configs", "naive,+turbo", "--out", tmp_path], check=False, timeout=60)
     assert proc.returncode == 2 and "unknown configuration(s) ['+turbo']" in proc.stderr
+    # a list that starts with a lever taking something off is the option's value, not an option
+    proc = run([sys.executable, ABLATION, "--configs", "-compile,naive", "--out", tmp_path], check=False, timeout=60)
+    assert proc.returncode == 2 and "unknown configuration(s) ['-compile']" in proc.stderr
     proc = run([sys.executable, ABLATION, "--paths", "deepspeed,fsdp", "--out", tmp_path], check=False, timeout=60)
     assert proc.returncode == 2 and "--paths takes a comma-separated subset" in proc.stderr
     proc = run([sys.executable, ABLATION, "--profile_sync", "false", "--out", tmp_path], check=False, timeout=60)
@@ -91,6 +94,9 @@ def test_every_last_mile_lever_is_a_valid_change_of_compare_gpu_default(monkeypa
         assert all(getattr(cfg, k) == v for k, v in flags.items()), name
     assert GPU_DEEPCOMPILE_DEFAULTS["triton_gelu_grad"] and ablation.LAST_MILE["-triton_gelu_grad"] == {
         "triton_gelu_grad": False}
+    # the ablation's runs are one-GPU runs, whose default waits for the backward's end on the device
+    assert GPU_DEEPCOMPILE_DEFAULTS["deepcompile_backward_wait"] == "device"
+    assert ablation.LAST_MILE["-device_backward_wait"] == {"deepcompile_backward_wait": "host"}
 
 
 def test_ablation_table_rates_each_lever_against_the_mean_of_the_baseline_runs():

@@ -482,12 +482,13 @@ def test_compare_on_gpus_defaults_to_deepcompile_where_it_can_run(pretend_gpus, 
     assert (train.preset, train.warmup_steps) == ("1.5b", 10)
     printed = capsys.readouterr().out
     assert ("--compile deepcompile --deepcompile_schedule once --micro_batch 16 --coordinate_descent_tuning true "
-            "--triton_gelu_grad true --zero3_step fused (the GPU default") in printed
+            "--triton_gelu_grad true --zero3_step fused --deepcompile_backward_wait host (the GPU default") in printed
     # the bias + GELU kernel is a backward of the fused bias + GELU: without it, or with the other backward (the
     # bias gradient as a matmul), the default leaves the kernel off instead of refusing the flags
     for args in (["--fused_bias_gelu", "false"], ["--matmul_bias_grad"]):
         assert pretend_gpus.parse(args)[0].triton_gelu_grad is False, args
-        assert "--triton_gelu_grad false --zero3_step fused (the GPU default" in capsys.readouterr().out
+        assert "--triton_gelu_grad false --zero3_step fused --deepcompile_backward_wait host (the GPU default" in \
+            capsys.readouterr().out
     assert pretend_gpus.parse(["--triton_gelu_grad", "false"])[0].triton_gelu_grad is False
     # the fused step is AdamW's kernel: another optimizer keeps the fast step; an asked-for step is kept
     assert pretend_gpus.parse(["--optimizer", "fusedadam"])[0].zero3_step == "fast"
@@ -495,15 +496,26 @@ def test_compare_on_gpus_defaults_to_deepcompile_where_it_can_run(pretend_gpus, 
     capsys.readouterr()
     for stage in ("1", "2"):  # ZeRO-3's step only: stages 1 and 2 keep the default, and the line does not name it
         assert pretend_gpus.parse(["--stage", stage])[0].zero3_step == "fast"
-        assert "--coordinate_descent_tuning true --triton_gelu_grad true (the GPU default" in capsys.readouterr().out
+        assert "--coordinate_descent_tuning true --triton_gelu_grad true --deepcompile_backward_wait host (the GPU " \
+            "default" in capsys.readouterr().out
     # a flag the user gave wins; what DeepCompile refuses or measures something else keeps the eager default
     assert pretend_gpus.parse(["--micro_batch", "8"])[0].micro_batch == 8
     train, _ = pretend_gpus.parse(["--coordinate_descent_tuning", "false"])
     assert train.compile == "deepcompile" and train.coordinate_descent_tuning is False
     printed = capsys.readouterr().out
-    assert "--coordinate_descent_tuning false --triton_gelu_grad true --zero3_step fused (the GPU default" in printed
+    assert "--coordinate_descent_tuning false --triton_gelu_grad true --zero3_step fused" in printed
+    # DeepCompile's backward end waited for on the device: measured and tested on one GPU, so the default of a
+    # one-GPU compare (or of --parallel's one-GPU runs) only; asked for, it runs on more GPUs too
+    assert train.deepcompile_backward_wait == "host"
+    for args in (["--gpus", "1"], ["--gpus", "1", "--parallel"]):
+        assert pretend_gpus.parse(args)[0].deepcompile_backward_wait == "device", args
+        assert "--zero3_step fused --deepcompile_backward_wait device (the GPU default" in capsys.readouterr().out
+    assert pretend_gpus.parse(["--gpus", "1", "--deepcompile_backward_wait", "host"])[0].deepcompile_backward_wait \
+        == "host"
+    assert pretend_gpus.parse(["--deepcompile_backward_wait", "device"])[0].deepcompile_backward_wait == "device"
     for args in (["--compile", "blocks"], ["--stage", "0"], ["--save_every", "5", "--ckpt_dir", "ck"],
                  ["--val_every", "5"], ["--explain"], ["--attention", "blocksparse"]):
         train, _ = pretend_gpus.parse(args)
         assert train.compile != "deepcompile" and train.micro_batch == 8 and train.zero3_step == "fast", args
         assert train.coordinate_descent_tuning is False and train.triton_gelu_grad is False, args
+        assert train.deepcompile_backward_wait == "host", args

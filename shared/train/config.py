@@ -142,7 +142,8 @@ class TrainConfig(FusedSwitches):
     DeepSpeed 0.19.8's op, whose host waits for its reduce-scatter stream, so the device idles while the host runs
     the autograd engine's end and the optimizer step's Python (docs/results.md); device: the same op built from
     DeepSpeed's sources with that wait made the compute stream's, on an event (shared/train/deepcompile_op.py; built
-    on first use, ~1 min). Same results, other timing. Only with --compile deepcompile"""
+    on first use, ~1 min). Same results, other timing: 1.005x and 1.003x on one H200, two pairs (docs/results.md);
+    compare.py's GPU default when its runs use one GPU. Only with --compile deepcompile"""
     coordinate_descent_tuning: bool = False
     """inductor's coordinate-descent tuning (torch._inductor.config.coordinate_descent_tuning): each generated
     Triton kernel's block sizes and warps are benchmarked around the default at its first compile and the best is
