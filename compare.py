@@ -58,7 +58,7 @@ GPU_DEFAULTS = {"preset": "1.5b", "micro_batch": 8, "steps": 30, "warmup_steps":
 # the ZeRO-3 optimizer step in one Triton kernel (1.015x in one call, benchmarks/results/fused_zero3_step_1xh200; both
 # paths and the ceiling with it: headline_fused_1xh200), the MLP's bias + GELU backward in one Triton kernel (1.010x
 # and 1.008x in two pairs, benchmarks/results/triton_gelu_grad_1xh200, last_mile_levers_1xh200), and on one GPU
-# DeepCompile's backward end waited for on the device (1.005x and 1.009x in two pairs, benchmarks/results/
+# DeepCompile's backward end waited for on the device (1.005x and 1.003x in two pairs, benchmarks/results/
 # device_wait_1xh200; on more GPUs it has not been measured, and DeepSpeed's host wait stays: see parse).
 GPU_DEEPCOMPILE_DEFAULTS = {"compile": "deepcompile", "deepcompile_schedule": "once", "micro_batch": 16,
                             "coordinate_descent_tuning": True, "triton_gelu_grad": True, "zero3_step": "fused",

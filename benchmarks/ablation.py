@@ -13,25 +13,24 @@ counters) and ablation.md (the table). A configuration that fails is recorded wi
 
     python benchmarks/ablation.py --set last_mile --out benchmarks/results/last_mile_ablation_1xh200   # CUDA only
 
-`--set last_mile` starts from compare.py's GPU default instead (DeepCompile, --deepcompile_schedule once, micro-
-batch 16, coordinate-descent kernel tuning, the MLP's bias + GELU backward and the optimizer step each in one Triton
-kernel, DeepCompile's backward end waited for on the device, the tuned ZeRO-3 buckets; 20 steps of which 10
-warm-up) and changes one lever per configuration: the chunked
-linear + cross-entropy (`+fused_loss`), that with the micro-batch it frees (`+fused_loss_mb24`), a padded vocabulary
-(`+vocab128`), DeepSpeed's own optimizer step instead of this project's (`-fast_zero3_step`), the fast step's three
-passes (gradient copy, torch's fused AdamW, parameter copy) instead of the one kernel (`-fused_zero3_step`,
-shared/kernels/adamw.py), DeepCompile without the small parameters kept gathered (`-persist_threshold`,
-shared/train/deepcompile_passes.py), inductor's generated kernels without coordinate-descent tuning
-(`-coordinate_descent`), the MLP bias's gradient summed by a matmul instead of the bias + GELU backward kernel
-(`+matmul_bias_grad`), inductor's generated bias + GELU backward instead of that kernel (`-triton_gelu_grad`,
-shared/kernels/bias_gelu_grad.py), the LM head's loss and logits' gradient by one Triton kernel per row
-(`+triton_loss`, shared/kernels/cross_entropy.py), eager ZeRO-3's list of persistent parameters kept under
+`--set last_mile` starts from compare.py's one-GPU GPU default instead (DeepCompile, --deepcompile_schedule once,
+micro-batch 16, coordinate-descent kernel tuning, the MLP's bias + GELU backward and the optimizer step each in one
+Triton kernel, DeepCompile's backward end waited for on the device, the tuned ZeRO-3 buckets; 20 steps of which 10
+warm-up) and changes one lever per configuration: the chunked linear + cross-entropy (`+fused_loss`), that with the
+micro-batch it frees (`+fused_loss_mb24`), a padded vocabulary (`+vocab128`), DeepSpeed's own optimizer step instead
+of this project's (`-fast_zero3_step`), the fast step's three passes (gradient copy, torch's fused AdamW, parameter
+copy) instead of the one kernel (`-fused_zero3_step`, shared/kernels/adamw.py), DeepCompile without the small
+parameters kept gathered (`-persist_threshold`, shared/train/deepcompile_passes.py), inductor's generated kernels
+without coordinate-descent tuning (`-coordinate_descent`), the MLP bias's gradient summed by a matmul instead of the
+bias + GELU backward kernel (`+matmul_bias_grad`), inductor's generated bias + GELU backward instead of that kernel
+(`-triton_gelu_grad`, shared/kernels/bias_gelu_grad.py), the LM head's loss and logits' gradient by one Triton kernel
+per row (`+triton_loss`, shared/kernels/cross_entropy.py), eager ZeRO-3's list of persistent parameters kept under
 DeepCompile, so each step gathers them again (`-drop_eager_persist`, shared/train/ds_runtime.drop_eager_persistent),
 DeepSpeed's own walks of the model around each step instead of lists taken once (`-cached_walks`,
 shared/train/ds_runtime.cache_deepcompile_walks), the residual branches' dropout masks drawn by a Triton kernel with
 eight draws per Philox call instead of inductor's one per element (`+triton_dropout`, shared/kernels/dropout_mask.py),
-DeepSpeed's own DeepCompile op, whose host waits for the backward's end, instead of the one whose compute stream
-waits for it (`-device_backward_wait`, shared/train/deepcompile_op.py).
+DeepSpeed's own DeepCompile op, whose host waits for the backward's end, instead of the one whose compute stream waits
+for it (`-device_backward_wait`, shared/train/deepcompile_op.py).
 The block-sparse kernel is not a lever here: it runs between compiled graphs, which DeepCompile's ZeRO-3 pass refuses
 (shared/train/config.py); benchmarks/attention.py compares it with SDPA at the model's shape.
 `baseline` runs first and again last (`baseline_again`): each configuration's ratio is against the
