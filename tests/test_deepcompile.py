@@ -503,7 +503,8 @@ def test_compare_on_gpus_defaults_to_deepcompile_where_it_can_run(pretend_gpus, 
     train, _ = pretend_gpus.parse(["--coordinate_descent_tuning", "false"])
     assert train.compile == "deepcompile" and train.coordinate_descent_tuning is False
     printed = capsys.readouterr().out
-    assert "--coordinate_descent_tuning false --triton_gelu_grad true --zero3_step fused" in printed
+    assert ("--coordinate_descent_tuning false --triton_gelu_grad true --zero3_step fused --deepcompile_backward_wait "
+            "host (the GPU default") in printed
     # DeepCompile's backward end waited for on the device: measured and tested on one GPU, so the default of a
     # one-GPU compare (or of --parallel's one-GPU runs) only; asked for, it runs on more GPUs too
     assert train.deepcompile_backward_wait == "host"
