@@ -30,7 +30,9 @@ DeepSpeed's own walks of the model around each step instead of lists taken once 
 shared/train/ds_runtime.cache_deepcompile_walks), the residual branches' dropout masks drawn by a Triton kernel with
 eight draws per Philox call instead of inductor's one per element (`+triton_dropout`, shared/kernels/dropout_mask.py),
 DeepSpeed's own DeepCompile op, whose host waits for the backward's end, instead of the one whose compute stream waits
-for it (`-device_backward_wait`, shared/train/deepcompile_op.py).
+for it (`-device_backward_wait`, shared/train/deepcompile_op.py), the optimizer step's inf/NaN check of the gradient
+norm left on the device, each update skipping itself there, instead of DeepSpeed's read of it on the host
+(`+device_norm_check`, shared/train/zero3_step.py).
 The block-sparse kernel is not a lever here: it runs between compiled graphs, which DeepCompile's ZeRO-3 pass refuses
 (shared/train/config.py); benchmarks/attention.py compares it with SDPA at the model's shape.
 `baseline` runs first and again last (`baseline_again`): each configuration's ratio is against the
@@ -97,6 +99,7 @@ LAST_MILE = {
     "-fused_zero3_step": {"zero3_step": "fast"},
     "+triton_dropout": {"triton_dropout": True},
     "-device_backward_wait": {"deepcompile_backward_wait": "host"},
+    "+device_norm_check": {"grad_norm_check": "device"},
     "baseline_again": {},
 }
 REFERENCE = {"fusions": "naive", "last_mile": "baseline"}  # each set's ratios are against these runs

@@ -149,8 +149,8 @@ def other_launches() -> list[tuple[str, str, object, tuple, dict, int]]:
     n, f32 = 100_000_000, torch.float32
     out = [("adamw", f"BLOCK {adamw.BLOCK}", adamw._adamw_kernel,
             (meta(n, dtype=f32), meta(n), meta(n, dtype=f32), meta(n, dtype=f32), meta(n), meta(1, dtype=f32),
-             meta(1, dtype=f32), n, 3e-4, 0.9, 0.95, 1e-8, 0.1),
-            {"HAS_SCALE": True, "HAS_LP": True, "BLOCK": adamw.BLOCK}, adamw.NUM_WARPS)]
+             meta(1, dtype=f32), meta(1, dtype=torch.uint8), n, 3e-4, 0.9, 0.95, 1e-8, 0.1),
+            {"HAS_SCALE": True, "HAS_LP": True, "HAS_SKIP": True, "BLOCK": adamw.BLOCK}, adamw.NUM_WARPS)]
     m, w = 16 * 2048, 9216
     g = -(-m // bias_gelu_grad.MIN_ROWS)
     for rows, bm, bn, warps in bias_gelu_grad.CONFIGS:

@@ -62,7 +62,8 @@ class ZeroStrategy(DeepSpeedStrategy):
         # applied right after it, as the raw loop does (the engine's module hands compile() to the GPT).
         if self.train is not None:
             compile_engine(engine, self.train, self.global_rank)
-            zero3_step.apply(engine, self.train.zero3_step)  # the raw loop's step (shared/train/zero3_step.py)
+            # the raw loop's step (shared/train/zero3_step.py)
+            zero3_step.apply(engine, self.train.zero3_step, self.train.grad_norm_check)
         return engine, ds_optimizer
 
     def load_checkpoint(self, checkpoint_path, *args, **kwargs):

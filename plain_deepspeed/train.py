@@ -116,7 +116,7 @@ def main(train: TrainConfig) -> RunResult:
         raise ValueError(f"checkpoint {resume_from} is at step {start}, not before --steps {train.steps}")
     # after the resume: DeepCompile registers the loaded shards
     compile_engine(engine, train, rank)
-    zero3_step.apply(engine, train.zero3_step)
+    zero3_step.apply(engine, train.zero3_step, train.grad_norm_check)
 
     pin = device.type == "cuda"
     loader = train_loader(train, rank, start, pin_memory=pin)

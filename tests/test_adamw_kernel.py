@@ -76,6 +76,31 @@ def test_the_copy_is_skipped_when_it_is_the_parameter_itself():
     torch.testing.assert_close(p, expected, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("skipped", [False, True])
+def test_a_set_skip_flag_leaves_everything_as_it_was(skipped):
+    """skip (a device flag: the gradient norm was invalid) masks the whole update, the 16-bit copy's too; unset, the
+    update is the one without the flag."""
+    n = 2 * BLOCK + 5
+    p, m, v, step = _state(n)
+    m += 0.5
+    lp = torch.full((n,), 7.0, dtype=torch.bfloat16)
+    grad = torch.full((n,), float("nan"))
+    grad[1:] = torch.randn(n - 1, generator=torch.Generator().manual_seed(4))
+    grad = grad if skipped else grad.nan_to_num()
+    expected = [t.clone() for t in (p, m, v, lp)]
+    step += 1
+    if not skipped:
+        reference_adamw_step(expected[0], grad, expected[1], expected[2], step, param_lp=expected[3], **HYPER)
+    adamw_step(p, grad, m, v, step, param_lp=lp, skip=torch.tensor(skipped), **HYPER)
+    if skipped:  # bit for bit what it was, although the gradient holds a NaN
+        assert all(torch.equal(a, b) for a, b in zip((p, m, v, lp), expected, strict=True))
+    else:
+        torch.testing.assert_close(p, expected[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(m, expected[1], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(v, expected[2], rtol=1e-5, atol=1e-9)
+        assert not torch.equal(lp, expected[3])
+
+
 def test_bad_inputs_are_refused_before_anything_changes():
     p, m, v, step = _state(10)
     before = p.clone()
@@ -89,6 +114,8 @@ def test_bad_inputs_are_refused_before_anything_changes():
         adamw_step(p, torch.ones(10), m, v, torch.zeros(2), **HYPER)
     with pytest.raises(ValueError, match="betas must be in"):
         adamw_step(p, torch.ones(10), m, v, step, **{**HYPER, "beta2": 1.0})
+    with pytest.raises(ValueError, match="skip must be a one-element bool tensor"):
+        adamw_step(p, torch.ones(10), m, v, step, skip=torch.tensor(1.0), **HYPER)
     assert torch.equal(p, before) and not m.any() and not v.any()
 
 

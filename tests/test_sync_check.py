@@ -175,16 +175,31 @@ def test_a_gpu_step_records_its_real_syncs_by_phase():
 
 @pytest.mark.gpu
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("script", [RAW, LIGHTNING], ids=["raw", "lightning"])
-def test_gpu_run_records_the_zero3_steps_norm_check(tmp_path, script):
+@pytest.mark.parametrize("script, check, step_mode", [(RAW, "host", "fast"), (LIGHTNING, "host", "fast"),
+                                                      (RAW, "device", "fast"), (RAW, "device", "fused"),
+                                                      (LIGHTNING, "device", "fused")],
+                         ids=["raw", "lightning", "raw-device-fast", "raw-device-fused", "lightning-device-fused"])
+def test_gpu_run_records_the_zero3_steps_norm_check(tmp_path, script, check, step_mode):
     """A ZeRO-3 bf16 run on the GPU: DeepSpeed's step reads its gradient-norm check on the host (a sync) and the
-    run's JSON and summary name it."""
+    run's JSON and summary name it; with --grad_norm_check device that call is gone (torch's fused AdamW or the
+    AdamW kernel skips an invalid update on the device) and every step counts the device check."""
     out = tmp_path / "r.json"
     proc = torchrun(script, 1, [*GPU_BASE, "--steps", "5", "--warmup_steps", "3", "--compile", "none",
-                                "--stage", "3", "--precision", "bf16", "--sync_check_step", "2", "--out", out],
+                                "--stage", "3", "--precision", "bf16", "--sync_check_step", "2", "--out", out,
+                                "--grad_norm_check", check, "--zero3_step", step_mode],
                     timeout=400)
-    rec = load(out)["extra"]["syncs"]
+    result = load(out)
+    rec = result["extra"]["syncs"]
     assert rec["step"] == 2 and set(rec["by_phase"]) <= set(PHASES)
     step = [c for c in rec["syncs"] if c["phase"] == "step"]
-    assert any("is_invalid_grad_norm" in " ".join(c["stack"]) for c in step), rec
+    named = any("is_invalid_grad_norm" in " ".join(c["stack"]) for c in step)
     assert "synchronizing CUDA calls in step 2:" in proc.stdout
+    calls = result["extra"]["zero3_step_calls"]
+    if check == "host":
+        assert named, rec
+        assert "norm_check_device" not in calls
+    else:
+        assert not named, rec
+        assert calls["norm_check_device"] == 5 and calls["norm_check_host"] == 0 and calls["norm_skipped"] == 0
+        assert calls["norm_check_sync"] == 0, calls
+        assert calls.get("adamw_kernel", 0) > 0 if step_mode == "fused" else calls["unscale_fused"] > 0

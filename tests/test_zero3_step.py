@@ -95,6 +95,42 @@ def test_the_adamw_kernel_trains_like_torchs_fused_adamw_and_keeps_its_state(che
         assert fused[f"{precision}fused_clip0"]["checksum"] != fused[f"{precision}fused_clip0.05"]["checksum"]
 
 
+def test_the_norm_check_on_the_device_skips_an_invalid_update_like_deepspeeds_host_check(check):
+    """--grad_norm_check device: an inf gradient before step 2's update (rank 0 only: the norm's all-reduce carries
+    it) leaves every parameter as DeepSpeed's host check does, with the AdamW kernel, torch's fused AdamW (found_inf)
+    and, read on the host, a non-fused AdamW; the engine does not learn of the skip (its schedule advances)."""
+    runs = check["norm_check"]
+    for mode in ("fused", "fast", "unfused"):
+        host, device = runs[f"{mode}_host"], runs[f"{mode}_device"]
+        assert host["calls"] is not None and "norm_check_device" not in host["calls"]
+        calls = device["calls"]
+        assert calls["norm_check_device"] == 3 and calls["norm_check_host"] == 0 and calls["norm_skipped"] == 1
+        assert calls["norm_check_sync"] == (3 * 2 if mode == "unfused" else 0)  # 3 steps, 2 sub-groups
+        assert not device["grad_scale_left"] and not device["found_inf_left"]
+        for r in (host, device):
+            assert math.isinf(r["norms"][1]) and math.isfinite(r["norms"][0]) and math.isfinite(r["norms"][2])
+            assert r["checksums"][1] == r["checksums"][0]  # the update of step 2 changed nothing
+        assert device["checksums"][:2] == host["checksums"][:2] and device["losses"] == host["losses"]
+        assert device["state"] == host["state"]  # torch's step counts: 2 updates, not 3, on both
+        assert all(st[1] == 2.0 for st in device["state"]), device["state"]
+        assert host["skipped_steps"] == 1 and device["skipped_steps"] == 0
+        assert device["lrs"][1] != host["lrs"][1]  # the device path's schedule advanced over the skipped step
+    finite_device, finite_host = runs["fused_device_finite"], runs["fused_host_finite"]
+    assert finite_device["calls"]["norm_skipped"] == 0 and finite_device["skipped_steps"] == 0
+    assert finite_device["checksums"] == finite_host["checksums"] and finite_device["norms"] == finite_host["norms"]
+
+
+def test_the_norm_check_flag_is_validated():
+    with pytest.raises(ValueError, match="unknown grad_norm_check 'gpu'"):
+        TrainConfig(grad_norm_check="gpu")
+    with pytest.raises(ValueError, match="needs --stage 3 and --zero3_step fast or fused"):
+        TrainConfig(grad_norm_check="device", stage=2)
+    with pytest.raises(ValueError, match="needs --stage 3 and --zero3_step fast or fused"):
+        TrainConfig(grad_norm_check="device", zero3_step="deepspeed")
+    with pytest.raises(ValueError, match="cannot be used with --precision fp16"):
+        TrainConfig(grad_norm_check="device", precision="fp16")
+
+
 def test_without_the_eager_persistent_list_the_step_leaves_nothing_gathered(check):
     """Under DeepCompile (persistence off), eager ZeRO-3's persistent list made each step gather those parameters,
     which the next forward then partitioned again; drop_eager_persistent empties it (the run JSON records how many:
@@ -144,14 +180,25 @@ FAST_STEPS = int(FAST[FAST.index("--steps") + 1])
 
 
 def test_both_paths_run_the_fused_step_and_a_cpu_without_the_interpreter_refuses_it(tmp_path):
+    """Both paths with the fused step, the norm check on the host and on the device (--grad_norm_check device)."""
     for script, name in ((RAW, "raw"), (LIGHTNING, "pl")):  # conftest: TRITON_INTERPRET=1
-        run([sys.executable, script, *FAST, "--zero3_step", "fused", "--out", tmp_path / f"{name}.json"])
-    raw, pl = load(tmp_path / "raw.json"), load(tmp_path / "pl.json")
+        for check in ("host", "device"):
+            run([sys.executable, script, *FAST, "--zero3_step", "fused", "--grad_norm_check", check,
+                 "--out", tmp_path / f"{name}_{check}.json"])
+    raw, pl = load(tmp_path / "raw_host.json"), load(tmp_path / "pl_host.json")
     for r in (raw, pl):
         assert r["train"]["zero3_step"] == "fused"
         calls = r["extra"]["zero3_step_calls"]
         assert calls["adamw_kernel"] == 2 * FAST_STEPS and calls["own_optimizer"] == 0 and calls["deepspeed"] == 0
     assert all(math.isfinite(v) for v in raw["losses"]) and pl["losses"] == raw["losses"]
+    for name, host in (("raw", raw), ("pl", pl)):
+        device = load(tmp_path / f"{name}_device.json")
+        assert device["train"]["grad_norm_check"] == "device" and host["train"]["grad_norm_check"] == "host"
+        calls = device["extra"]["zero3_step_calls"]
+        assert calls["norm_check_device"] == FAST_STEPS and calls["norm_skipped"] == 0
+        assert calls["norm_check_host"] == 0 and calls["norm_check_sync"] == 0
+        assert calls["adamw_kernel"] == 2 * FAST_STEPS
+        assert device["losses"] == host["losses"] and device["grad_norms"] == host["grad_norms"]
     env = {k: v for k, v in run_env().items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, RAW, *FAST, "--zero3_step", "fused", "--out", tmp_path / "cpu.json"],
                           capture_output=True, text=True, env=env, timeout=240, cwd=ROOT)

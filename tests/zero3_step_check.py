@@ -42,24 +42,32 @@ def build_engine(train: TrainConfig, make_optimizer):
     return engine
 
 
-def train_fused(train: TrainConfig, mode: str, rank: int) -> dict:
-    """Three steps of the tiny GPT with torch's fused AdamW under ZeRO-3 and `mode`'s step; the trained weights'
-    checksum, the losses, the global norms and the fast step's counts."""
+def train_fused(train: TrainConfig, mode: str, rank: int, norm_check: str = "host", inf_at: int | None = None,
+                fused: bool = True) -> dict:
+    """Three steps of the tiny GPT with torch's AdamW (fused unless told) under ZeRO-3 and `mode`'s step; the trained
+    weights' checksum (and after each step), the losses, the global norms and the fast step's counts. inf_at: before
+    that step's update, rank 0 sets one element of its reduced gradient partition to inf."""
     engine = build_engine(train, lambda model: torch.optim.AdamW(
-        param_groups(model, train.weight_decay), lr=train.lr, betas=(0.9, 0.95), eps=1e-8, fused=True))
-    zero3_step.apply(engine, mode)
+        param_groups(model, train.weight_decay), lr=train.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused))
+    zero3_step.apply(engine, mode, norm_check)
     batches = iter(train_loader(train, rank, 0, pin_memory=False))
-    losses, norms = [], []
-    for _ in range(3):
+    losses, norms, checksums, lrs = [], [], [], []
+    for i in range(3):
         x, y = next(batches)
         loss = engine(x, y)
         engine.backward(loss)
+        if i == inf_at and rank == 0:
+            engine.optimizer.grad_partitions_flat_buffer[0] = float("inf")
         engine.step()
         losses.append(float(loss.detach()))
         norms.append(float(engine.get_global_grad_norm()))
+        checksums.append(param_checksum(engine.module))
+        lrs.append(engine.get_lr()[0])
     state = engine.optimizer.optimizer.state.values()
-    return {"checksum": param_checksum(engine.module), "losses": losses, "norms": norms,
+    return {"checksum": param_checksum(engine.module), "losses": losses, "norms": norms, "checksums": checksums,
+            "lrs": lrs, "skipped_steps": engine.skipped_steps,
             "calls": zero3_step.calls(engine), "grad_scale_left": hasattr(engine.optimizer.optimizer, "grad_scale"),
+            "found_inf_left": hasattr(engine.optimizer.optimizer, "found_inf"),
             "state": sorted([sorted(st), float(st["step"]), str(st["step"].device), str(st["exp_avg"].dtype)]
                             for st in state)}
 
@@ -207,11 +215,20 @@ def main(out: str) -> None:
     fused.update({f"fp32_{mode}_clip{clip:g}": train_fused(
         TrainConfig(preset="tiny", steps=3, warmup_steps=1, grad_clip=clip, precision="fp32"), mode, rank)
         for clip in (0.0, 0.05) for mode in ("fast", "fused")})
+    # the invalid-norm check on the device against DeepSpeed's on the host, an inf gradient before step 2's update:
+    # the AdamW kernel, torch's fused AdamW and a non-fused AdamW (no hook: the flag read on the host)
+    clipped = TrainConfig(preset="tiny", steps=3, warmup_steps=1, grad_clip=1.0)
+    norm_check = {f"{mode}_{check}": train_fused(clipped, mode, rank, check, inf_at=1)
+                  for mode in ("fused", "fast") for check in ("host", "device")}
+    norm_check.update({f"unfused_{check}": train_fused(clipped, "fast", rank, check, inf_at=1, fused=False)
+                       for check in ("host", "device")})
+    norm_check["fused_device_finite"] = train_fused(clipped, "fused", rank, "device")
+    norm_check["fused_host_finite"] = train_fused(clipped, "fused", rank, "host")
     persist = eager_persist(train, rank)
     walks = cached_walks(train, rank)
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"fused": fused, "eager_persist": persist, "cached_walks": walks,
+            json.dump({"fused": fused, "norm_check": norm_check, "eager_persist": persist, "cached_walks": walks,
                        "ds_norms": ds_norms, "fast_norms": fast_norms, "same_fp32": same_fp32,
                        "calls_direct": calls_direct, "inf_norm": float(inf_norm),
                        "fallback_norm": fallback_norm, "calls_fallback": calls_fallback,

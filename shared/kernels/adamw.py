@@ -28,9 +28,12 @@ NUM_WARPS = 8
 
 
 @triton.jit
-def _adamw_kernel(param, grad, exp_avg, exp_avg_sq, param_lp, step_ptr, scale_ptr, n, lr, beta1, beta2, eps,
-                  weight_decay, HAS_SCALE: tl.constexpr, HAS_LP: tl.constexpr, BLOCK: tl.constexpr):
+def _adamw_kernel(param, grad, exp_avg, exp_avg_sq, param_lp, step_ptr, scale_ptr, skip_ptr, n, lr, beta1, beta2,
+                  eps, weight_decay, HAS_SCALE: tl.constexpr, HAS_LP: tl.constexpr, HAS_SKIP: tl.constexpr,
+                  BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    if HAS_SKIP:  # a set flag leaves no element in range: nothing is read or written
+        n = tl.where(tl.load(skip_ptr) != 0, 0, n)
     mask = offs < n
     step = tl.load(step_ptr).to(tl.float32)
     g = tl.load(grad + offs, mask=mask, other=0.0).to(tl.float32)
@@ -58,10 +61,13 @@ def interpreted() -> bool:
 
 def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                step: torch.Tensor, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-               grad_scale: torch.Tensor | None = None, param_lp: torch.Tensor | None = None) -> None:
+               grad_scale: torch.Tensor | None = None, param_lp: torch.Tensor | None = None,
+               skip: torch.Tensor | None = None) -> None:
     """One AdamW update of the flat fp32 `param` in place (and of its moments), from `grad` / `grad_scale`; writes
     the result into `param_lp` too when given. `step` is the update's count (1 for the first), a one-element tensor
-    on the parameter's device. Raises ValueError on inputs it cannot take, before touching anything."""
+    on the parameter's device. `skip`, a one-element bool tensor on that device: when it holds True the kernel
+    changes nothing (an update skipped for an invalid gradient norm, decided without the host). Raises ValueError on
+    inputs it cannot take, before touching anything."""
     n = param.numel()
     for name, t in (("param", param), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
         if t.dtype != torch.float32 or t.dim() != 1 or not t.is_contiguous():
@@ -74,7 +80,7 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     shapes = {t.numel() for t in (grad, exp_avg, exp_avg_sq, param_lp) if t is not None}
     if shapes != {n}:
         raise ValueError(f"adamw_step: every buffer must hold {n} elements like param, got sizes {sorted(shapes)}")
-    tensors = [t for t in (param, grad, exp_avg, exp_avg_sq, step, grad_scale, param_lp) if t is not None]
+    tensors = [t for t in (param, grad, exp_avg, exp_avg_sq, step, grad_scale, param_lp, skip) if t is not None]
     if len({t.device for t in tensors}) != 1:
         devices = sorted({str(t.device) for t in tensors})
         raise ValueError(f"adamw_step: every tensor must be on one device, got {devices}")
@@ -83,23 +89,28 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
                          "triton is imported to run it in Triton's interpreter")
     if step.numel() != 1 or (grad_scale is not None and grad_scale.numel() != 1):
         raise ValueError("adamw_step: step and grad_scale must be one-element tensors")
+    if skip is not None and (skip.numel() != 1 or skip.dtype != torch.bool):
+        raise ValueError(f"adamw_step: skip must be a one-element bool tensor, got {skip.dtype} {tuple(skip.shape)}")
     if not (0.0 < beta1 < 1.0 and 0.0 < beta2 < 1.0):
         raise ValueError(f"adamw_step: betas must be in (0, 1), got {beta1}, {beta2}")
     if n == 0:
         return
     lp = param_lp if param_lp is not None and param_lp.data_ptr() != param.data_ptr() else None
+    skip_flag = skip.view(torch.uint8) if skip is not None else step  # Triton loads no bool pointer in its interpreter
     _adamw_kernel[(triton.cdiv(n, BLOCK),)](
         param, grad, exp_avg, exp_avg_sq, lp if lp is not None else param, step,
-        grad_scale if grad_scale is not None else step, n, float(lr), float(beta1), float(beta2), float(eps),
-        float(weight_decay), HAS_SCALE=grad_scale is not None, HAS_LP=lp is not None, BLOCK=BLOCK,
-        num_warps=NUM_WARPS)
+        grad_scale if grad_scale is not None else step, skip_flag, n, float(lr), float(beta1), float(beta2), float(eps),
+        float(weight_decay), HAS_SCALE=grad_scale is not None, HAS_LP=lp is not None, HAS_SKIP=skip is not None,
+        BLOCK=BLOCK, num_warps=NUM_WARPS)
 
 
 def reference_adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                          step: torch.Tensor, *, lr: float, beta1: float, beta2: float, eps: float,
                          weight_decay: float, grad_scale: torch.Tensor | None = None,
-                         param_lp: torch.Tensor | None = None) -> None:
+                         param_lp: torch.Tensor | None = None, skip: torch.Tensor | None = None) -> None:
     """What adamw_step computes, in PyTorch operations (the tests' reference)."""
+    if skip is not None and bool(skip):
+        return
     g = grad.float()
     if grad_scale is not None:
         g = g / grad_scale.float()

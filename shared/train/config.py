@@ -51,6 +51,9 @@ NAN_POLICIES = ("stop", "skip")
 # loops and its multiply; fused = fast with the fp32 gradient copy, torch's AdamW and the 16-bit parameter copy in one
 # Triton kernel (shared/kernels/adamw.py).
 ZERO3_STEPS = ("fast", "fused", "deepspeed")
+# Where the ZeRO-3 step checks the gradient norm for inf/NaN (shared/train/zero3_step.py): host = DeepSpeed 0.19.8's
+# bool() of the device value; device = the flag stays on the device and the update skips itself there.
+GRAD_NORM_CHECKS = ("host", "device")
 
 
 @dataclass
@@ -157,6 +160,14 @@ class TrainConfig(FusedSwitches):
     torch's AdamW and the copy of the fp32 parameters into the 16-bit ones in one Triton kernel (AdamW only; on a CPU
     under TRITON_INTERPRET=1 only); deepspeed: DeepSpeed's own per-parameter loops (norm in fp64) and multiply. Other
     stages ignore it; compare.py's GPU default (DeepCompile, AdamW) runs fused"""
+    grad_norm_check: str = "host"
+    """host | device: where the ZeRO-3 step checks its global gradient norm for inf/NaN (DeepSpeed then skips the
+    update). host: DeepSpeed 0.19.8's check, which makes the host wait for the backward and the norm, so the device
+    idles while the host then launches the rest of the step; device: the flag stays on the device and each update
+    skips itself there when it is set (shared/train/zero3_step.py): the same parameters, moments and step counts,
+    but the engine does not learn of a skip during the step (its learning-rate schedule advances, as torch's with a
+    GradScaler does; the run JSON's zero3_step_calls.norm_skipped counts skips). bf16/fp32 only (fp16's loss scale
+    needs the host); with --zero3_step fast or fused at stage 3"""
     zero_profile: str = "tuned"
     """DeepSpeed config rules: tuned (the default; see shared/train/ds_config.py; chosen from a single pair of runs per
     profile, raw first: +8.5% raw per GPU on 2 H200s, inside single-pair noise) |
@@ -316,6 +327,17 @@ class TrainConfig(FusedSwitches):
                              f"{DEEPCOMPILE_SCHEDULES}")
         if self.zero3_step not in ZERO3_STEPS:
             raise ValueError(f"unknown zero3_step {self.zero3_step!r}; choose one of {ZERO3_STEPS}")
+        if self.grad_norm_check not in GRAD_NORM_CHECKS:
+            raise ValueError(f"unknown grad_norm_check {self.grad_norm_check!r}; choose one of {GRAD_NORM_CHECKS}")
+        if self.grad_norm_check == "device":
+            if self.stage != 3 or self.zero3_step == "deepspeed":
+                raise ValueError(f"--grad_norm_check device runs inside this project's ZeRO-3 step: it needs --stage 3 "
+                                 f"and --zero3_step fast or fused (got --stage {self.stage}, --zero3_step "
+                                 f"{self.zero3_step})")
+            if self.precision == "fp16":
+                raise ValueError("--grad_norm_check device cannot be used with --precision fp16: its dynamic loss "
+                                 "scale is updated on the host from the overflow check; use bf16 or fp32, or "
+                                 "--grad_norm_check host")
         if self.compile == "deepcompile":
             _check_deepcompile(self)
         if self.coordinate_descent_tuning and not model_config.cuda_available():

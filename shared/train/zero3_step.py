@@ -34,13 +34,30 @@ stay in torch's AdamW state, laid out as torch keeps them, so checkpoints are th
 AdamW only (no amsgrad, no maximize, a float learning rate, the step count on the parameter's device as the fused
 kernel keeps it); any other sub-group step runs `fast`'s with the optimizer's own step, counted apart
 (`adamw_kernel`, `own_optimizer`).
+
+The invalid-norm check on the device (`install(zero_opt, norm_check="device")`, `--grad_norm_check device`): DeepSpeed's
+step asks the host whether the global gradient norm is inf/NaN (`is_invalid_grad_norm`, a `bool()` of a device
+tensor: the host waits for the whole backward and the norm, and the device then idles while the host launches the
+rest of the step and the next forward). Here that call returns False at once and leaves the flag on the device, and
+each sub-group's update skips itself there when it is set: the AdamW kernel's `skip`, or torch's fused Adam/AdamW's
+`found_inf` (the hook torch.amp.GradScaler skips a step with; the step count is taken back as well). An invalid norm
+thus changes no parameter, moment or step count, as with DeepSpeed, and the global norm the engine reports is inf, so
+the run stops at the next progress line as before (nan_policy stop). What differs: the host does not know of the
+skip during the step, so the engine counts it as a step taken (its learning-rate schedule advances, as torch's with a
+GradScaler does) and `calls(engine)["norm_skipped"]` counts the skips, read at the end. It applies to bf16 and fp32
+(fp16's dynamic loss scale is updated on the host from its own overflow check: DeepSpeed's step runs there, counted
+`norm_check_host`), each step counted `norm_check_device`; a sub-group whose update has neither hook (another
+optimizer) reads the flag on the host, counted `norm_check_sync`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from shared.train.config import ZERO3_STEPS
+from shared.train.config import GRAD_NORM_CHECKS, ZERO3_STEPS
+
+# The optimizer whose step is in progress with the check on the device, and the flag its norm check left there.
+_DEFERRED: dict = {"opt": None, "invalid": None}
 
 
 def _flat_region(buffer: torch.Tensor | None, grads) -> torch.Tensor | None:
@@ -101,11 +118,39 @@ def _adamw_kernel_group(zero_opt, sub_group_id) -> dict | None:
     return group
 
 
-def install(zero_opt, fused_adamw: bool = False) -> bool:
+def _patch_invalid_norm_check() -> None:
+    """DeepSpeed's stage3 module's is_invalid_grad_norm, deferred for the optimizer in _DEFERRED (once per process)."""
+    import deepspeed.runtime.zero.stage3 as stage3
+
+    original = stage3.is_invalid_grad_norm
+    if getattr(original, "_zero3bench", False):
+        return
+
+    def is_invalid_grad_norm(norm):
+        if _DEFERRED["opt"] is None or not torch.is_tensor(norm):
+            return original(norm)
+        _DEFERRED["invalid"] = (~torch.isfinite(norm) | (norm < 0)).any()  # DeepSpeed's test, left on the device
+        return False
+
+    is_invalid_grad_norm._zero3bench = True
+    stage3.is_invalid_grad_norm = is_invalid_grad_norm
+
+
+def _checks_on_device(zero_opt) -> bool:
+    """Whether the step's invalid-norm check can stay on the device: no fp16 loss scale (updated on the host from the
+    overflow), DeepSpeed stepping the inner optimizer itself, no Muon."""
+    return zero_opt.dtype != torch.float16 and _stepped_directly(zero_opt)
+
+
+def install(zero_opt, fused_adamw: bool = False, norm_check: str = "host") -> bool:
     """Give a DeepSpeedZeroOptimizer_Stage3 the flat-buffer gradient norm and fp32 gradient copy and the unscale inside
-    a fused AdamW (with fused_adamw, the AdamW kernel instead of the copy, torch's AdamW and the 16-bit copy); returns
-    whether it did (False for any other optimizer, e.g. ZeRO 1/2's, which is left as it is)."""
+    a fused AdamW (with fused_adamw, the AdamW kernel instead of the copy, torch's AdamW and the 16-bit copy), and with
+    norm_check="device" the invalid-norm check left on the device; returns whether it did (False for any other
+    optimizer, e.g. ZeRO 1/2's, which is left as it is)."""
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    if norm_check not in GRAD_NORM_CHECKS:
+        raise ValueError(f"unknown grad_norm_check {norm_check!r}; choose one of {GRAD_NORM_CHECKS}")
 
     if not isinstance(zero_opt, DeepSpeedZeroOptimizer_Stage3) or getattr(zero_opt, "_zero3bench_fast_step", False):
         return bool(getattr(zero_opt, "_zero3bench_fast_step", False))
@@ -124,9 +169,13 @@ def install(zero_opt, fused_adamw: bool = False) -> bool:
     deepspeed_unscale = zero_opt.unscale_and_clip_grads
     deepspeed_optimizer_step = zero_opt._optimizer_step
     deepspeed_reassign = zero_opt._reassign_or_swap_out_partitioned_parameters
+    deepspeed_step = zero_opt.step
     counts = {"fast": 0, "deepspeed": 0, "unscale_fused": 0, "unscale_deepspeed": 0}
     if fused_adamw:
         counts.update(adamw_kernel=0, own_optimizer=0)
+    if norm_check == "device":
+        counts.update(norm_check_device=0, norm_check_host=0, norm_check_sync=0)
+    skipped = {}  # "count": the device tensor of updates skipped for an invalid norm (norm_check device)
     pending_scale = {}  # sub-group -> the combined scale its optimizer step divides by
     kernel_grads = {}  # sub-group -> (its 16-bit gradient region, its AdamW param group): the AdamW kernel's step
     lp_written = set()  # sub-groups whose 16-bit partition the kernel wrote
@@ -176,7 +225,7 @@ def install(zero_opt, fused_adamw: bool = False) -> bool:
             combined_scale.to(device=device, dtype=torch.float32) if isinstance(combined_scale, torch.Tensor)
             else torch.full((), combined_scale, dtype=torch.float32, device=device))
 
-    def _adamw_kernel_step(sub_group_id, grad, group, scale):
+    def _adamw_kernel_step(sub_group_id, grad, group, scale, invalid):
         from shared.kernels.adamw import adamw_step
 
         inner = zero_opt.optimizer
@@ -186,29 +235,38 @@ def install(zero_opt, fused_adamw: bool = False) -> bool:
             state["step"] = torch.zeros((), dtype=torch.float32, device=fp32_flat.device)
             state["exp_avg"] = torch.zeros_like(fp32_flat, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(fp32_flat, memory_format=torch.preserve_format)
-        state["step"].add_(1)
+        state["step"].add_(1 if invalid is None else invalid.logical_not().to(state["step"].dtype))
         beta1, beta2 = group["betas"]
         adamw_step(fp32_flat.data, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], lr=group["lr"],
                    beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], grad_scale=scale,
-                   param_lp=zero_opt.fp16_partitioned_groups_flat[sub_group_id])
+                   param_lp=zero_opt.fp16_partitioned_groups_flat[sub_group_id], skip=invalid)
         inner._opt_called = True  # what torch's step wrapper records for the LR scheduler's order check
         lp_written.add(sub_group_id)
 
     def _optimizer_step(sub_group_id):
         scale = pending_scale.pop(sub_group_id, None)
+        invalid = _DEFERRED["invalid"] if _DEFERRED["opt"] is zero_opt else None
         if sub_group_id in kernel_grads:
             grad, group = kernel_grads.pop(sub_group_id)
             counts["adamw_kernel"] += 1
-            return _adamw_kernel_step(sub_group_id, grad, group, scale)
+            return _adamw_kernel_step(sub_group_id, grad, group, scale, invalid)
         if fused_adamw:
             counts["own_optimizer"] += 1
         if scale is None:
+            if invalid is not None:  # no hook to skip the update on the device: the flag is read here
+                counts["norm_check_sync"] += 1
+                if bool(invalid):
+                    return None
             return deepspeed_optimizer_step(sub_group_id)
         zero_opt.optimizer.grad_scale = scale
+        if invalid is not None:  # torch's fused Adam/AdamW skips the update (and takes the step count back) when set
+            zero_opt.optimizer.found_inf = invalid.to(torch.float32)
         try:
             return deepspeed_optimizer_step(sub_group_id)
         finally:
             del zero_opt.optimizer.grad_scale
+            if invalid is not None:
+                del zero_opt.optimizer.found_inf
 
     def _reassign_or_swap_out_partitioned_parameters(sub_group_id):
         if sub_group_id in lp_written:  # the kernel already wrote the 16-bit partition: only point the params at it
@@ -216,6 +274,24 @@ def install(zero_opt, fused_adamw: bool = False) -> bool:
             return zero_opt._unflatten_partitioned_parameters(sub_group_id)
         return deepspeed_reassign(sub_group_id)
 
+    def step(closure=None):
+        if not _checks_on_device(zero_opt):
+            counts["norm_check_host"] += 1
+            return deepspeed_step(closure)
+        counts["norm_check_device"] += 1
+        _DEFERRED.update(opt=zero_opt, invalid=None)
+        try:
+            deepspeed_step(closure)
+            invalid = _DEFERRED["invalid"]
+        finally:
+            _DEFERRED.update(opt=None, invalid=None)
+        if invalid is not None:
+            skipped["count"] = skipped.get("count", 0) + invalid.to(torch.int64)
+
+    if norm_check == "device":
+        _patch_invalid_norm_check()
+        zero_opt.step = step
+        zero_opt._zero3bench_norm_skipped = skipped
     zero_opt.get_grad_norm_direct = get_grad_norm_direct
     zero_opt._prepare_fp32_grad_for_sub_group = _prepare_fp32_grad_for_sub_group
     zero_opt.unscale_and_clip_grads = unscale_and_clip_grads
@@ -230,13 +306,26 @@ def calls(engine) -> dict[str, int] | None:
     """How many gradient norms and fp32 gradient copies ran the flat-buffer code (`fast`) and how many fell back to
     DeepSpeed's (`deepspeed`), and how many unscales went into the fused optimizer (`unscale_fused`) or ran
     DeepSpeed's multiply (`unscale_deepspeed`); None when the fast step is not installed."""
-    counts = getattr(getattr(engine, "optimizer", None), "_zero3bench_step_calls", None)
-    return dict(counts) if counts is not None else None
+    optimizer = getattr(engine, "optimizer", None)
+    counts = getattr(optimizer, "_zero3bench_step_calls", None)
+    if counts is None:
+        return None
+    counts = dict(counts)
+    skipped = getattr(optimizer, "_zero3bench_norm_skipped", None)
+    if skipped is not None:  # the updates the device skipped for an invalid norm (read here: one sync, at the end)
+        counts["norm_skipped"] = int(skipped["count"]) if "count" in skipped else 0
+    return counts
 
 
-def apply(engine, mode: str) -> bool:
-    """TrainConfig.zero3_step on a live engine: `fast` installs the step above on a ZeRO-3 optimizer, `fused` the same
-    with the AdamW kernel; returns whether the engine now runs it."""
+def apply(engine, mode: str, norm_check: str = "host") -> bool:
+    """TrainConfig.zero3_step and grad_norm_check on a live engine: `fast` installs the step above on a ZeRO-3
+    optimizer, `fused` the same with the AdamW kernel, norm_check "device" leaves the invalid-norm check on the device
+    (`fast` or `fused` only); returns whether the engine now runs it."""
     if mode not in ZERO3_STEPS:
         raise ValueError(f"unknown zero3_step {mode!r}; choose one of {ZERO3_STEPS}")
-    return mode != "deepspeed" and install(engine.optimizer, fused_adamw=mode == "fused")
+    if norm_check not in GRAD_NORM_CHECKS:
+        raise ValueError(f"unknown grad_norm_check {norm_check!r}; choose one of {GRAD_NORM_CHECKS}")
+    if mode == "deepspeed" and norm_check != "host":
+        raise ValueError("--grad_norm_check device runs inside this project's ZeRO-3 step: use --zero3_step fast or "
+                         "fused, not deepspeed")
+    return mode != "deepspeed" and install(engine.optimizer, fused_adamw=mode == "fused", norm_check=norm_check)
