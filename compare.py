@@ -45,7 +45,7 @@ from harness.report import build_report, format_table, plot_phases, write_markdo
 from lightning_app.overheads import check_overheads
 from shared.model.config import GRAPH_BREAKING_BACKENDS
 from shared.train.cli import add_config_args, config_from_args
-from shared.train.config import TrainConfig
+from shared.train.config import TrainConfig, normalize_precision
 from shared.train.distributed import check_before_start
 from shared.train.results import RunResult, differences, versions
 
@@ -59,13 +59,16 @@ GPU_DEFAULTS = {"preset": "1.5b", "micro_batch": 8, "steps": 30, "warmup_steps":
 # paths and the ceiling with it: headline_fused_1xh200), the MLP's bias + GELU backward in one Triton kernel (1.010x
 # and 1.008x in two pairs, benchmarks/results/triton_gelu_grad_1xh200, last_mile_levers_1xh200), and on one GPU
 # DeepCompile's backward end waited for on the device (1.005x and 1.003x in two pairs, benchmarks/results/
-# device_wait_1xh200; on more GPUs it has not been measured, and DeepSpeed's host wait stays: see parse).
+# device_wait_1xh200) and the optimizer step's invalid-norm check left on the device (1.002x and 1.004x in two pairs,
+# benchmarks/results/norm_check_1xh200); on more GPUs neither has been measured, and DeepSpeed's host wait and host
+# check stay (see parse).
 GPU_DEEPCOMPILE_DEFAULTS = {"compile": "deepcompile", "deepcompile_schedule": "once", "micro_batch": 16,
                             "coordinate_descent_tuning": True, "triton_gelu_grad": True, "zero3_step": "fused",
-                            "deepcompile_backward_wait": "device"}
+                            "deepcompile_backward_wait": "device", "grad_norm_check": "device"}
 DEEPCOMPILE_DEFAULT_HELP = ("(default on GPUs: deepcompile, with --deepcompile_schedule once, --micro_batch 16, "
                             "--coordinate_descent_tuning, --triton_gelu_grad (without --matmul_bias_grad), "
-                            "--zero3_step fused (AdamW, ZeRO-3) and, on one GPU, --deepcompile_backward_wait device, "
+                            "--zero3_step fused (AdamW, ZeRO-3) and, on one GPU, --deepcompile_backward_wait device "
+                            "and --grad_norm_check device (ZeRO-3, not fp16), "
                             "where it can run: ZeRO stage 1-3, no --val_every/--save_every, --ds_config, "
                             "--fused_layernorm, --attention blocksparse/xformers, --explain or --autotune; else none)")
 
@@ -196,14 +199,17 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
             fused_step = zero3 and (ns.optimizer or TrainConfig.optimizer) == "adamw"
             # where the bias + GELU kernel cannot run, the search's reasons (the flags as given; ns has their names)
             gelu_kernel = autotune.gelu_kernel_refusal(ns) is None
-            # the device wait was measured and tested on one GPU only (--parallel's runs are one-GPU runs too):
-            # runs on more GPUs keep DeepSpeed's own op
+            # the device wait and the device norm check were measured and tested on one GPU only (--parallel's runs
+            # are one-GPU runs too): runs on more GPUs keep DeepSpeed's own op and check
             host_wait = {} if ns.world == 1 else {"deepcompile_backward_wait": TrainConfig.deepcompile_backward_wait}
+            # the check on the device is the ZeRO-3 step's (this project's), and fp16's loss scale needs it on the host
+            norm_check = (ns.world == 1 and zero3 and ns.zero3_step != "deepspeed"
+                          and normalize_precision(ns.precision or TrainConfig.precision) != "fp16")
             _fill_unset(ns, {**GPU_DEEPCOMPILE_DEFAULTS,
                              **({} if fused_step else {"zero3_step": TrainConfig.zero3_step}),
                              **({} if gelu_kernel else {"triton_gelu_grad": TrainConfig.triton_gelu_grad}),
-                             **host_wait})
-            step = f" --zero3_step {ns.zero3_step}" if zero3 else ""
+                             **host_wait, **({} if norm_check else {"grad_norm_check": TrainConfig.grad_norm_check})})
+            step = f" --zero3_step {ns.zero3_step} --grad_norm_check {ns.grad_norm_check}" if zero3 else ""
             print(f"compare.py: --compile deepcompile --deepcompile_schedule {ns.deepcompile_schedule} --micro_batch "
                   f"{ns.micro_batch} --coordinate_descent_tuning {str(ns.coordinate_descent_tuning).lower()} "
                   f"--triton_gelu_grad {str(ns.triton_gelu_grad).lower()}{step} "

@@ -15,24 +15,24 @@ counters) and ablation.md (the table). A configuration that fails is recorded wi
 
 `--set last_mile` starts from compare.py's one-GPU GPU default instead (DeepCompile, --deepcompile_schedule once,
 micro-batch 16, coordinate-descent kernel tuning, the MLP's bias + GELU backward and the optimizer step each in one
-Triton kernel, DeepCompile's backward end waited for on the device, the tuned ZeRO-3 buckets; 20 steps of which 10
-warm-up) and changes one lever per configuration: the chunked linear + cross-entropy (`+fused_loss`), that with the
-micro-batch it frees (`+fused_loss_mb24`), a padded vocabulary (`+vocab128`), DeepSpeed's own optimizer step instead
-of this project's (`-fast_zero3_step`), the fast step's three passes (gradient copy, torch's fused AdamW, parameter
-copy) instead of the one kernel (`-fused_zero3_step`, shared/kernels/adamw.py), DeepCompile without the small
-parameters kept gathered (`-persist_threshold`, shared/train/deepcompile_passes.py), inductor's generated kernels
-without coordinate-descent tuning (`-coordinate_descent`), the MLP bias's gradient summed by a matmul instead of the
-bias + GELU backward kernel (`+matmul_bias_grad`), inductor's generated bias + GELU backward instead of that kernel
-(`-triton_gelu_grad`, shared/kernels/bias_gelu_grad.py), the LM head's loss and logits' gradient by one Triton kernel
-per row (`+triton_loss`, shared/kernels/cross_entropy.py), eager ZeRO-3's list of persistent parameters kept under
-DeepCompile, so each step gathers them again (`-drop_eager_persist`, shared/train/ds_runtime.drop_eager_persistent),
-DeepSpeed's own walks of the model around each step instead of lists taken once (`-cached_walks`,
-shared/train/ds_runtime.cache_deepcompile_walks), the residual branches' dropout masks drawn by a Triton kernel with
-eight draws per Philox call instead of inductor's one per element (`+triton_dropout`, shared/kernels/dropout_mask.py),
-DeepSpeed's own DeepCompile op, whose host waits for the backward's end, instead of the one whose compute stream waits
-for it (`-device_backward_wait`, shared/train/deepcompile_op.py), the optimizer step's inf/NaN check of the gradient
-norm left on the device, each update skipping itself there, instead of DeepSpeed's read of it on the host
-(`+device_norm_check`, shared/train/zero3_step.py).
+Triton kernel, DeepCompile's backward end waited for on the device, the step's gradient-norm check left on the device,
+the tuned ZeRO-3 buckets; 20 steps of which 10 warm-up) and changes one lever per configuration: the chunked linear +
+cross-entropy (`+fused_loss`), that with the micro-batch it frees (`+fused_loss_mb24`), a padded vocabulary
+(`+vocab128`), DeepSpeed's own optimizer step instead of this project's (`-fast_zero3_step`), the fast step's three
+passes (gradient copy, torch's fused AdamW, parameter copy) instead of the one kernel (`-fused_zero3_step`,
+shared/kernels/adamw.py), DeepCompile without the small parameters kept gathered (`-persist_threshold`,
+shared/train/deepcompile_passes.py), inductor's generated kernels without coordinate-descent tuning
+(`-coordinate_descent`), the MLP bias's gradient summed by a matmul instead of the bias + GELU backward kernel
+(`+matmul_bias_grad`), inductor's generated bias + GELU backward instead of that kernel (`-triton_gelu_grad`,
+shared/kernels/bias_gelu_grad.py), the LM head's loss and logits' gradient by one Triton kernel per row (`+triton_loss`,
+shared/kernels/cross_entropy.py), eager ZeRO-3's list of persistent parameters kept under DeepCompile, so each step
+gathers them again (`-drop_eager_persist`, shared/train/ds_runtime.drop_eager_persistent), DeepSpeed's own walks of the
+model around each step instead of lists taken once (`-cached_walks`, shared/train/ds_runtime.cache_deepcompile_walks),
+the residual branches' dropout masks drawn by a Triton kernel with eight draws per Philox call instead of inductor's one
+per element (`+triton_dropout`, shared/kernels/dropout_mask.py), DeepSpeed's own DeepCompile op, whose host waits for
+the backward's end, instead of the one whose compute stream waits for it (`-device_backward_wait`,
+shared/train/deepcompile_op.py), DeepSpeed's read of the gradient norm's inf/NaN check on the host instead of the flag
+left on the device, each update skipping itself there (`-device_norm_check`, shared/train/zero3_step.py).
 The block-sparse kernel is not a lever here: it runs between compiled graphs, which DeepCompile's ZeRO-3 pass refuses
 (shared/train/config.py); benchmarks/attention.py compares it with SDPA at the model's shape.
 `baseline` runs first and again last (`baseline_again`): each configuration's ratio is against the
@@ -88,7 +88,7 @@ LAST_MILE = {
     "+fused_loss": {"fused_loss": True},
     "+fused_loss_mb24": {"fused_loss": True, "micro_batch": 24},
     "+vocab128": {"vocab_multiple": 128},
-    "-fast_zero3_step": {"zero3_step": "deepspeed"},
+    "-fast_zero3_step": {"zero3_step": "deepspeed", "grad_norm_check": "host"},  # DeepSpeed's step checks on the host
     "-persist_threshold": {"deepcompile_persist": "deepspeed"},
     "-coordinate_descent": {"coordinate_descent_tuning": False},
     "+matmul_bias_grad": {"matmul_bias_grad": True, "triton_gelu_grad": False},  # the other backward of the two
@@ -99,7 +99,7 @@ LAST_MILE = {
     "-fused_zero3_step": {"zero3_step": "fast"},
     "+triton_dropout": {"triton_dropout": True},
     "-device_backward_wait": {"deepcompile_backward_wait": "host"},
-    "+device_norm_check": {"grad_norm_check": "device"},
+    "-device_norm_check": {"grad_norm_check": "host"},
     "baseline_again": {},
 }
 REFERENCE = {"fusions": "naive", "last_mile": "baseline"}  # each set's ratios are against these runs

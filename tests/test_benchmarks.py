@@ -97,6 +97,8 @@ def test_every_last_mile_lever_is_a_valid_change_of_compare_gpu_default(monkeypa
     # the ablation's runs are one-GPU runs, whose default waits for the backward's end on the device
     assert GPU_DEEPCOMPILE_DEFAULTS["deepcompile_backward_wait"] == "device"
     assert ablation.LAST_MILE["-device_backward_wait"] == {"deepcompile_backward_wait": "host"}
+    assert GPU_DEEPCOMPILE_DEFAULTS["grad_norm_check"] == "device"
+    assert ablation.LAST_MILE["-device_norm_check"] == {"grad_norm_check": "host"}
 
 
 def test_ablation_table_rates_each_lever_against_the_mean_of_the_baseline_runs():

@@ -294,13 +294,15 @@ def test_the_lightning_strategy_hands_every_deepcompile_option_to_compile_engine
 
     calls = []
     monkeypatch.setattr(strategy, "compile_engine", lambda *args: calls.append(args))
-    monkeypatch.setattr(strategy.zero3_step, "apply", lambda engine, mode: calls.append(("zero3_step", mode)))
+    monkeypatch.setattr(strategy.zero3_step, "apply",
+                        lambda engine, mode, check: calls.append(("zero3_step", mode, check)))
     train = TrainConfig(deepcompile_schedule="once", deepcompile_persist="deepspeed",
-                        deepcompile_eager_persist="deepspeed", deepcompile_cached_walks=False, zero3_step="deepspeed")
+                        deepcompile_eager_persist="deepspeed", deepcompile_cached_walks=False, zero3_step="fused",
+                        grad_norm_check="device")
     zs = build_strategy(train)
     monkeypatch.setattr(zs, "_initialize", lambda model, optimizer, scheduler=None: ("engine", "optimizer"))
     assert zs._setup_model_and_optimizer("model", "optimizer") == ("engine", "optimizer")
-    assert calls == [("engine", train, zs.global_rank), ("zero3_step", "deepspeed")]
+    assert calls == [("engine", train, zs.global_rank), ("zero3_step", "fused", "device")]
     assert calls[0][1] is train
 
 
@@ -482,13 +484,14 @@ def test_compare_on_gpus_defaults_to_deepcompile_where_it_can_run(pretend_gpus, 
     assert (train.preset, train.warmup_steps) == ("1.5b", 10)
     printed = capsys.readouterr().out
     assert ("--compile deepcompile --deepcompile_schedule once --micro_batch 16 --coordinate_descent_tuning true "
-            "--triton_gelu_grad true --zero3_step fused --deepcompile_backward_wait host (the GPU default") in printed
+            "--triton_gelu_grad true --zero3_step fused --grad_norm_check host --deepcompile_backward_wait host "
+            "(the GPU default") in printed
     # the bias + GELU kernel is a backward of the fused bias + GELU: without it, or with the other backward (the
     # bias gradient as a matmul), the default leaves the kernel off instead of refusing the flags
     for args in (["--fused_bias_gelu", "false"], ["--matmul_bias_grad"]):
         assert pretend_gpus.parse(args)[0].triton_gelu_grad is False, args
-        assert "--triton_gelu_grad false --zero3_step fused --deepcompile_backward_wait host (the GPU default" in \
-            capsys.readouterr().out
+        assert ("--triton_gelu_grad false --zero3_step fused --grad_norm_check host --deepcompile_backward_wait host "
+                "(the GPU default") in capsys.readouterr().out
     assert pretend_gpus.parse(["--triton_gelu_grad", "false"])[0].triton_gelu_grad is False
     # the fused step is AdamW's kernel: another optimizer keeps the fast step; an asked-for step is kept
     assert pretend_gpus.parse(["--optimizer", "fusedadam"])[0].zero3_step == "fast"
@@ -503,14 +506,24 @@ def test_compare_on_gpus_defaults_to_deepcompile_where_it_can_run(pretend_gpus, 
     train, _ = pretend_gpus.parse(["--coordinate_descent_tuning", "false"])
     assert train.compile == "deepcompile" and train.coordinate_descent_tuning is False
     printed = capsys.readouterr().out
-    assert ("--coordinate_descent_tuning false --triton_gelu_grad true --zero3_step fused --deepcompile_backward_wait "
-            "host (the GPU default") in printed
+    assert ("--coordinate_descent_tuning false --triton_gelu_grad true --zero3_step fused --grad_norm_check host "
+            "--deepcompile_backward_wait host (the GPU default") in printed
     # DeepCompile's backward end waited for on the device: measured and tested on one GPU, so the default of a
     # one-GPU compare (or of --parallel's one-GPU runs) only; asked for, it runs on more GPUs too
     assert train.deepcompile_backward_wait == "host"
+    # and so is the optimizer step's invalid-norm check on the device
+    assert train.grad_norm_check == "host"
     for args in (["--gpus", "1"], ["--gpus", "1", "--parallel"]):
-        assert pretend_gpus.parse(args)[0].deepcompile_backward_wait == "device", args
-        assert "--zero3_step fused --deepcompile_backward_wait device (the GPU default" in capsys.readouterr().out
+        train, _ = pretend_gpus.parse(args)
+        assert train.deepcompile_backward_wait == "device" and train.grad_norm_check == "device", args
+        assert ("--zero3_step fused --grad_norm_check device --deepcompile_backward_wait device (the GPU default"
+                in capsys.readouterr().out)
+    # the check on the device is the project's ZeRO-3 step's, and not for fp16 (its loss scale needs the host)
+    for args in (["--stage", "2"], ["--zero3_step", "deepspeed"], ["--precision", "fp16"], ["--precision", "16"]):
+        train, _ = pretend_gpus.parse(["--gpus", "1", *args])
+        assert train.compile == "deepcompile" and train.grad_norm_check == "host", args
+    assert pretend_gpus.parse(["--gpus", "1", "--grad_norm_check", "host"])[0].grad_norm_check == "host"
+    assert pretend_gpus.parse(["--grad_norm_check", "device"])[0].grad_norm_check == "device"
     assert pretend_gpus.parse(["--gpus", "1", "--deepcompile_backward_wait", "host"])[0].deepcompile_backward_wait \
         == "host"
     assert pretend_gpus.parse(["--deepcompile_backward_wait", "device"])[0].deepcompile_backward_wait == "device"
@@ -519,4 +532,4 @@ def test_compare_on_gpus_defaults_to_deepcompile_where_it_can_run(pretend_gpus, 
         train, _ = pretend_gpus.parse(args)
         assert train.compile != "deepcompile" and train.micro_batch == 8 and train.zero3_step == "fast", args
         assert train.coordinate_descent_tuning is False and train.triton_gelu_grad is False, args
-        assert train.deepcompile_backward_wait == "host", args
+        assert train.deepcompile_backward_wait == "host" and train.grad_norm_check == "host", args

@@ -130,7 +130,7 @@ def test_the_in_flight_idle_quoted_is_the_no_sync_profiles():
 
 
 def test_the_sync_counts_quoted_are_the_runs_records():
-    m = re.search(r"the GPU default's ZeRO-3 step\s+makes (\d+) on both paths, one at the end of the backward", README)
+    m = re.search(r"the GPU default's ZeRO-3 step\s+made (\d+) on both paths, one at the end of the backward", README)
     runs = {p: json.loads((RESULTS / "sync_check_1xh200" / "runs" / f"{p}_0.json").read_text())["extra"]["syncs"]
             for p in ("deepspeed", "lightning", "ceiling")}
     n = int(m.group(1))

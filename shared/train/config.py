@@ -166,7 +166,8 @@ class TrainConfig(FusedSwitches):
     idles while the host then launches the rest of the step; device: the flag stays on the device and each update
     skips itself there when it is set (shared/train/zero3_step.py): the same parameters, moments and step counts,
     but the engine does not learn of a skip during the step (its learning-rate schedule advances, as torch's with a
-    GradScaler does; the run JSON's zero3_step_calls.norm_skipped counts skips). bf16/fp32 only (fp16's loss scale
+    GradScaler does; the run JSON's zero3_step_calls.norm_skipped counts skips). 1.002x and 1.004x on one H200, two
+    pairs (docs/results.md); compare.py's GPU default when its runs use one GPU. bf16/fp32 only (fp16's loss scale
     needs the host); with --zero3_step fast or fused at stage 3"""
     zero_profile: str = "tuned"
     """DeepSpeed config rules: tuned (the default; see shared/train/ds_config.py; chosen from a single pair of runs per
