@@ -305,7 +305,9 @@ def install(zero_opt, fused_adamw: bool = False, norm_check: str = "host") -> bo
 def calls(engine) -> dict[str, int] | None:
     """How many gradient norms and fp32 gradient copies ran the flat-buffer code (`fast`) and how many fell back to
     DeepSpeed's (`deepspeed`), and how many unscales went into the fused optimizer (`unscale_fused`) or ran
-    DeepSpeed's multiply (`unscale_deepspeed`); None when the fast step is not installed."""
+    DeepSpeed's multiply (`unscale_deepspeed`); with the norm check on the device, the steps that checked there
+    (`norm_check_device`) or, fp16, on the host (`norm_check_host`), the flags read on the host for an update without
+    a hook (`norm_check_sync`) and the updates skipped (`norm_skipped`); None when the fast step is not installed."""
     optimizer = getattr(engine, "optimizer", None)
     counts = getattr(optimizer, "_zero3bench_step_calls", None)
     if counts is None:
