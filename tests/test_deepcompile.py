@@ -384,6 +384,21 @@ def test_the_device_wait_trains_like_the_host_wait_without_the_backwards_sync(tm
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("script", [RAW, LIGHTNING], ids=["raw", "lightning"])
+def test_with_the_wait_and_the_norm_check_on_the_device_the_step_makes_no_sync(tmp_path, kjv, script):
+    """compare.py's one-GPU default: --deepcompile_backward_wait device takes the backward's synchronizing call away
+    and --grad_norm_check device the optimizer step's (tests/test_sync_check.py: eager); together, under DeepCompile,
+    the checked step makes none, and every step checked its norm on the device."""
+    run = _train(script, tmp_path, "both", kjv, "--compile", "deepcompile", "--sync_check_step", "7",
+                 "--deepcompile_backward_wait", "device", "--grad_norm_check", "device", "--zero3_step", "fused")
+    assert run["extra"]["deepcompile_op"] == "dc_device_wait" and run["train"]["grad_norm_check"] == "device"
+    assert run["extra"]["syncs"]["total"] == 0, run["extra"]["syncs"]
+    calls = run["extra"]["zero3_step_calls"]
+    assert calls["norm_check_device"] == 30 and calls["norm_skipped"] == 0 and calls["norm_check_sync"] == 0, calls
+    assert run["losses"][-1] < run["losses"][0] - 1.0
+
+
+@pytest.mark.gpu
 def test_the_cached_walks_train_like_deepspeeds_walks(tmp_path, kjv):
     """--deepcompile_cached_walks (the default) replaces DeepSpeed's walks of the model around each step (CPU
     equivalence: tests/test_zero3_step.py); under DeepCompile the run trains as with DeepSpeed's own walks."""
