@@ -45,7 +45,7 @@ from harness.report import build_report, format_table, plot_phases, write_markdo
 from lightning_app.overheads import check_overheads
 from shared.model.config import GRAPH_BREAKING_BACKENDS
 from shared.train.cli import add_config_args, config_from_args
-from shared.train.config import TrainConfig, normalize_precision
+from shared.train.config import TrainConfig, device_norm_check_refusal, normalize_precision
 from shared.train.distributed import check_before_start
 from shared.train.results import RunResult, differences, versions
 
@@ -202,9 +202,10 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
             # the device wait and the device norm check were measured and tested on one GPU only (--parallel's runs
             # are one-GPU runs too): runs on more GPUs keep DeepSpeed's own op and check
             host_wait = {} if ns.world == 1 else {"deepcompile_backward_wait": TrainConfig.deepcompile_backward_wait}
-            # the check on the device is the ZeRO-3 step's (this project's), and fp16's loss scale needs it on the host
-            norm_check = (ns.world == 1 and zero3 and ns.zero3_step != "deepspeed"
-                          and normalize_precision(ns.precision or TrainConfig.precision) != "fp16")
+            # where TrainConfig would refuse the check on the device (not ZeRO-3's step, fp16), the host's stays
+            norm_check = ns.world == 1 and device_norm_check_refusal(
+                ns.stage or TrainConfig.stage, ns.zero3_step or TrainConfig.zero3_step,
+                normalize_precision(ns.precision or TrainConfig.precision)) is None
             _fill_unset(ns, {**GPU_DEEPCOMPILE_DEFAULTS,
                              **({} if fused_step else {"zero3_step": TrainConfig.zero3_step}),
                              **({} if gelu_kernel else {"triton_gelu_grad": TrainConfig.triton_gelu_grad}),

@@ -330,15 +330,9 @@ class TrainConfig(FusedSwitches):
             raise ValueError(f"unknown zero3_step {self.zero3_step!r}; choose one of {ZERO3_STEPS}")
         if self.grad_norm_check not in GRAD_NORM_CHECKS:
             raise ValueError(f"unknown grad_norm_check {self.grad_norm_check!r}; choose one of {GRAD_NORM_CHECKS}")
-        if self.grad_norm_check == "device":
-            if self.stage != 3 or self.zero3_step == "deepspeed":
-                raise ValueError(f"--grad_norm_check device runs inside this project's ZeRO-3 step: it needs --stage 3 "
-                                 f"and --zero3_step fast or fused (got --stage {self.stage}, --zero3_step "
-                                 f"{self.zero3_step})")
-            if self.precision == "fp16":
-                raise ValueError("--grad_norm_check device cannot be used with --precision fp16: its dynamic loss "
-                                 "scale is updated on the host from the overflow check; use bf16 or fp32, or "
-                                 "--grad_norm_check host")
+        refusal = device_norm_check_refusal(self.stage, self.zero3_step, self.precision)
+        if self.grad_norm_check == "device" and refusal:
+            raise ValueError(refusal)
         if self.compile == "deepcompile":
             _check_deepcompile(self)
         if self.coordinate_descent_tuning and not model_config.cuda_available():
@@ -430,6 +424,18 @@ _PRECISION_ALIASES = {
     "fp16": "fp16", "16": "fp16", "16-mixed": "fp16", "16-true": "fp16", "float16": "fp16",
     "fp32": "fp32", "32": "fp32", "32-true": "fp32", "float32": "fp32",
 }
+
+
+def device_norm_check_refusal(stage: int, zero3_step: str, precision: str) -> str | None:
+    """Why --grad_norm_check device cannot run with these settings (precision as normalize_precision gives it), or
+    None where it can; compare.py's one-GPU default asks the same before it turns the check on."""
+    if stage != 3 or zero3_step == "deepspeed":
+        return (f"--grad_norm_check device runs inside this project's ZeRO-3 step: it needs --stage 3 and --zero3_step "
+                f"fast or fused (got --stage {stage}, --zero3_step {zero3_step})")
+    if precision == "fp16":
+        return ("--grad_norm_check device cannot be used with --precision fp16: its dynamic loss scale is updated on "
+                "the host from the overflow check; use bf16 or fp32, or --grad_norm_check host")
+    return None
 
 
 def normalize_precision(value: str) -> str:

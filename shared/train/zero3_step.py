@@ -285,8 +285,10 @@ def install(zero_opt, fused_adamw: bool = False, norm_check: str = "host") -> bo
             invalid = _DEFERRED["invalid"]
         finally:
             _DEFERRED.update(opt=None, invalid=None)
-        if invalid is not None:
-            skipped["count"] = skipped.get("count", 0) + invalid.to(torch.int64)
+        if invalid is not None:  # one in-place add a step: no new tensor after the first
+            if "count" not in skipped:
+                skipped["count"] = torch.zeros((), dtype=torch.int64, device=invalid.device)
+            skipped["count"].add_(invalid)
 
     if norm_check == "device":
         _patch_invalid_norm_check()
