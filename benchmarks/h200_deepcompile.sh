@@ -43,7 +43,8 @@
 #               runs what fits in it (--time_limit; exit status 3 when it stopped before a run) and KEEP=<the last
 #               call's headline_<GPUS>xh200 folder, in the repo> continues it (--keep_runs) until the report is written;
 #               KEEP=warm continues from the copy the last call left in /tmp on the same machine (calls back to back
-#               keep the machine, and with it the compile cache) and stops if the machine is a fresh one
+#               keep the machine, and with it the compile cache) and stops if the machine is a fresh one; TESTS
+#               (pytest node ids, gpu marker) run after compare.py, in the TESTS_S seconds kept for them
 #   STAGE=dropout  the dropout-mask kernel's GPU tests and benchmarks/residual_dropout.py at the 1.5b shape (without
 #               coordinate-descent tuning, which takes minutes to compile there), then benchmarks/ablation.py --set
 #               last_mile over CONFIGS (default baseline,+triton_dropout,baseline_again), step PROFILE_STEP (default 9)
@@ -251,10 +252,14 @@ case "$STAGE" in
     # compare.py stops between runs by itself; the outer timeout only guards a first run longer than the call
     timeout -k 25 "$(left)" python3 compare.py --gpus "$G" --preset 1.5b --stage 3 --precision bf16 \
       --steps "${STEPS:-20}" --warmup_steps "${WARMUP:-10}" --profile_step "${PROFILE_STEP:-9}" ${EXTRA:-} \
-      --repeats "${REPEATS:-2}" --reference ceiling --reference_rounds 1 --keep_runs --time_limit "$(( $(left) - 20 ))" \
-      --timeout 400 --out "$W/$C" > "$W/$C.log" 2>&1
+      --repeats "${REPEATS:-2}" --reference ceiling --reference_rounds 1 --keep_runs \
+      --time_limit "$(( $(left) - 20 - ${TESTS_S:-0} ))" --timeout 400 --out "$W/$C" > "$W/$C.log" 2>&1
     echo "compare exit $? (3: stopped before a run that would not fit; KEEP=warm or KEEP=<this folder> continues it)"
-    rm -rf "$WARM.new" && cp -r "$W/$C" "$WARM.new" && rm -rf "$WARM" && mv "$WARM.new" "$WARM" ;;
+    rm -rf "$WARM.new" && cp -r "$W/$C" "$WARM.new" && rm -rf "$WARM" && mv "$WARM.new" "$WARM"
+    if [ -n "${TESTS:-}" ]; then  # GPU tests after the timed runs, in the TESTS_S seconds kept for them
+      CUDA_VISIBLE_DEVICES=0 timeout -k 10 "$(left)" python3 -m pytest -m gpu -q $TESTS -p no:cacheprovider \
+        > "$W/gpu_tests_headline.log" 2>&1
+    fi ;;
   autotune)
     if [ -n "${KEEP:-}" ]; then cp -r "$KEEP" "$W/autotune"; K=(--keep_runs); else K=(); fi
     # -k 25: compare.py's own SIGTERM handler takes up to 15 s to stop the candidate it runs
