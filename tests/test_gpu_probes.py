@@ -1,0 +1,67 @@
+"""benchmarks/attention_layout.py and sustained_clock.py on a CPU: inputs, readings, arguments (timing needs a GPU)."""
+
+import pytest
+import torch
+
+from benchmarks import attention_layout as al
+
+
+def test_the_layouts_have_the_strides_the_model_hands_sdpa():
+    B, H, T, D = 2, 3, 8, 4
+    C = H * D
+    shape = (B, H, T, D)
+    q, k, v, do = al.make_inputs("bhtd", B, H, T, D, seed=0, device="cpu")
+    assert all(t.shape == shape and t.is_contiguous() for t in (q, k, v, do))
+    q, k, v, do = al.make_inputs("qkv_split", B, H, T, D, seed=0, device="cpu")
+    # as in shared/model/gpt.py: views of one (B, T, 3C) tensor, transposed to (B, H, T, D)
+    assert all(t.shape == shape and t.stride() == (T * 3 * C, D, 3 * C, 1) for t in (q, k, v))
+    assert q._base is k._base is v._base and q._base.shape == (B, T, 3 * C) and q._base.requires_grad
+    assert do.shape == shape and do.stride() == (T * C, D, C, 1)
+    q, k, v, do = al.make_inputs("bthd", B, H, T, D, seed=0, device="cpu")
+    assert all(t.shape == shape and t.stride() == (T * C, D, C, 1) and t.requires_grad for t in (q, k, v))
+    assert q._base is not k._base
+
+
+def test_each_call_takes_the_next_input_set_and_returns_the_gradients():
+    sets = [al.make_inputs("qkv_split", 1, 2, 4, 2, seed=s, device="cpu") for s in range(2)]
+    seen = []
+    fwd, fwd_bwd = al.calls(lambda q, k, v: seen.append(q) or (q * k * v), sets)
+    fwd()
+    grads = fwd_bwd()
+    assert seen[0] is sets[0][0] and seen[1] is sets[1][0]
+    assert [g.shape for g in grads] == [sets[1][0].shape] * 3
+
+
+def test_bad_arguments_are_refused():
+    for argv in (["--dropouts", "1.0"], ["--rounds", "0"], ["--backends", "xformers"], ["--seq", "0"]):
+        with pytest.raises(SystemExit):
+            al.parse_args(argv)
+    with pytest.raises(ValueError, match="unknown layout"):
+        al.make_inputs("bshd", 1, 1, 1, 1, seed=0, device="cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU message")
+def test_without_a_gpu_it_says_so():
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        al.main(al.parse_args([]))
+
+
+def test_sustained_clock_reads_nvidia_smi_lines_and_refuses_bad_arguments():
+    from benchmarks import sustained_clock as sc
+
+    assert sc.parse_smi("1755, 612.40, 61, 0x0000000000000004") == {
+        "sm_mhz": 1755.0, "power_w": 612.4, "temp_c": 61.0, "event_reasons": "0x0000000000000004"}
+    assert sc.parse_smi("1980, [N/A], 40") == {"sm_mhz": 1980.0, "power_w": None, "temp_c": 40.0}
+    with pytest.raises(ValueError, match="expected clock, power, temperature"):
+        sc.parse_smi("1980")
+    poller = sc.Poller(1.0, 0.0)
+    poller.readings = [(0.5, {"sm_mhz": 1980.0, "power_w": 300.0, "temp_c": 40.0, "event_reasons": "0x0"}),
+                       (1.5, {"sm_mhz": 1700.0, "power_w": 690.0, "temp_c": 60.0, "event_reasons": "0x4"}),
+                       (1.7, {"sm_mhz": 1600.0, "power_w": 700.0, "temp_c": 62.0, "event_reasons": "0x4"}),
+                       (1.8, {"error": "nvidia-smi gone"})]
+    assert poller.between(1.0, 2.0) == {"readings": 2, "sm_mhz": 1650.0, "power_w": 695.0, "temp_c": 61.0,
+                                        "event_reasons": ["0x4"]}
+    assert poller.between(3.0, 4.0) == {"readings": 0}
+    for argv in (["--dropout", "-0.1"], ["--seconds", "0"], ["--window", "0"], ["--batch", "0"]):
+        with pytest.raises(SystemExit):
+            sc.parse_args(argv)
