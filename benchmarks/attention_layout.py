@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 import sys
 import time
@@ -32,7 +31,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from shared.train.results import device_info, versions
+from shared.train.results import device_info, versions, write_json
 
 LAYOUTS = ("bhtd", "qkv_split", "bthd")
 BACKENDS = {"sdpa": None, "sdpa:cudnn": "CUDNN_ATTENTION", "sdpa:flash": "FLASH_ATTENTION"}
@@ -171,9 +170,7 @@ def main(args) -> dict:
         print(f"{row['layout']:10} {row['backend']:11} {row['dropout']:4} {row['fwd_ms']:8.3f} "
               f"{row['fwd_bwd_ms']:11.3f} [{lo:6.3f}, {hi:6.3f}] {row.get('fwd_bwd_vs_bhtd', float('nan')):8.3f}")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2))
-        print(f"wrote {args.out}")
+        write_json(args.out, result)
     return result
 
 

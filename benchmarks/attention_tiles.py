@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
 import sys
 import time
 from pathlib import Path
@@ -42,7 +41,7 @@ import triton
 from shared.kernels import blocksparse_attention as bsa
 from shared.model import layouts
 from shared.model.config import GPTConfig
-from shared.train.results import device_info, versions
+from shared.train.results import device_info, versions, write_json
 
 KINDS = ("fwd", "dq", "dkdv")
 ATOMIC = "dkdv_dq"  # the whole backward in one pass over the keys, dq added atomically (--atomic_dq)
@@ -228,9 +227,7 @@ def main(args) -> dict:
             print(f"{'':6} one-pass backward {a['best']['ms']:.3f} ms ({a['vs_two_kernel_backward']:.3f}x the two "
                   f"kernels): sum {a['sum_ms']:.3f} ms -> {a['speedup_vs_sdpa_cudnn']:.3f}x sdpa cudnn")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2, default=str))
-        print(f"wrote {args.out}")
+        write_json(args.out, result, default=str)
     return result
 
 

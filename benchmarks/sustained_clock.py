@@ -16,7 +16,6 @@ load keeps.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -29,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.model.config import PRESETS
-from shared.train.results import device_info, versions
+from shared.train.results import device_info, versions, write_json
 
 SMI_FIELDS = ("clocks.sm", "power.draw", "temperature.gpu")
 REASONS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")  # newer and older drivers' names
@@ -166,9 +165,7 @@ def main(args) -> dict:
     for key, s in summary.items():
         print(f"{key}: first {s['first']:.3f}, last windows {s['last_mean']:.3f} ({s['last_over_first']:.3f}x)")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2))
-        print(f"wrote {args.out}")
+        write_json(args.out, result)
     return result
 
 

@@ -1,5 +1,7 @@
 """benchmarks/attention_layout.py and sustained_clock.py on a CPU: inputs, readings, arguments (timing needs a GPU)."""
 
+import json
+
 import pytest
 import torch
 
@@ -65,3 +67,12 @@ def test_sustained_clock_reads_nvidia_smi_lines_and_refuses_bad_arguments():
     for argv in (["--dropout", "-0.1"], ["--seconds", "0"], ["--window", "0"], ["--batch", "0"]):
         with pytest.raises(SystemExit):
             sc.parse_args(argv)
+
+
+def test_a_benchmark_result_is_written_where_asked_with_its_folder(tmp_path, capsys):
+    from shared.train.results import write_json
+
+    out = tmp_path / "new" / "folder" / "r.json"
+    write_json(out, {"command": "python x.py", "path": tmp_path}, default=str)
+    assert json.loads(out.read_text()) == {"command": "python x.py", "path": str(tmp_path)}
+    assert f"wrote {out}" in capsys.readouterr().out

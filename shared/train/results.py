@@ -41,6 +41,14 @@ def versions() -> dict[str, str | None]:
     return out
 
 
+def write_json(path: str | Path, result: dict, **dumps) -> None:
+    """A benchmark's JSON result at `path` (its folder made), and a line saying where."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2, **dumps))
+    print(f"wrote {path}")
+
+
 def device_info(device: torch.device | None = None) -> dict:
     """What `device` is (default: this machine's, the first GPU where there is one, else the CPU)."""
     if device is None:
