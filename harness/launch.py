@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from harness import telemetry
+from harness.telemetry import Telemetry
 from shared.train.cli import to_argv
 from shared.train.config import TrainConfig
 from shared.train.results import RunResult
@@ -161,8 +163,48 @@ def launch(path: str, train: TrainConfig, world: int, out: Path, log: Path, time
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
            str(SCRIPTS[path]), *SCRIPT_ARGS.get(path, []), *to_argv(run_cfg)]
     log.parent.mkdir(parents=True, exist_ok=True)
+    gpus = run_gpus(env, world)
     env = run_env(env)
     t0 = time.perf_counter()
+    # the SM clock and power of the run's GPUs, read beside it (harness/telemetry.py); none on a CPU machine
+    tele = Telemetry(gpus, log.with_suffix(".gpu.csv")).start() if gpus else None
+    try:
+        returncode = _run(path, cmd, env, log, timeout)
+    finally:
+        if tele is not None:
+            tele.stop()
+    if returncode != 0 or not out.is_file():
+        lines = log.read_text().splitlines()
+        # The script's own message ("error: ...", or a Python exception line) says more than torchrun's summary.
+        reasons = [ln for ln in lines if ln.startswith("error:") or ln.startswith("[rank0]: ") and "Error" in ln]
+        tail = "\n".join(lines[-15:])
+        reason = f"\nreason: {reasons[0]}" if reasons else ""
+        raise CompareError(f"{path} run failed (exit {returncode}); log: {log}{reason}\n"
+                           f"--- last lines of the log ---\n{tail}")
+    result = RunResult.from_json(out)
+    if tele is not None:
+        result.extra["gpu_telemetry"] = ({"gpus": gpus, "error": tele.error} if tele.error else
+                                         telemetry.summarize(tele.csv_path, result.extra.get("timed_wall"), gpus))
+        result.to_json(out)
+    clock = (result.extra.get("gpu_telemetry") or {}).get("sm_mhz")
+    print(f"  {path:<9} {result.tflops_per_gpu:9.3f} TFLOPs/GPU  step {result.step_time_s['median'] * 1e3:8.1f} ms"
+          + (f"  SM {clock['median']:.0f} MHz" if clock else "")
+          + f"  ({time.perf_counter() - t0:.0f}s incl. start-up)", flush=True)
+    return result
+
+
+def run_gpus(env: dict | None, world: int) -> list[str]:
+    """The GPUs a run will use, as CUDA_VISIBLE_DEVICES names them (its own, where `env` pins one); [] on a CPU."""
+    if not torch.cuda.is_available():
+        return []
+    pinned = (env or {}).get("CUDA_VISIBLE_DEVICES")
+    if pinned:
+        return [v.strip() for v in pinned.split(",") if v.strip()][:world]
+    return [visible_gpu(i) for i in range(min(world, torch.cuda.device_count()))]
+
+
+def _run(path: str, cmd: list[str], env: dict, log: Path, timeout: int) -> int:
+    """One run's process group, its output in `log`; its exit status."""
     with open(log, "w") as f:
         f.write(" ".join(cmd) + "\n")
         f.flush()
@@ -182,18 +224,7 @@ def launch(path: str, train: TrainConfig, world: int, out: Path, log: Path, time
             raise
         finally:
             RUNNING.discard(proc.pid)
-    if returncode != 0 or not out.is_file():
-        lines = log.read_text().splitlines()
-        # The script's own message ("error: ...", or a Python exception line) says more than torchrun's summary.
-        reasons = [ln for ln in lines if ln.startswith("error:") or ln.startswith("[rank0]: ") and "Error" in ln]
-        tail = "\n".join(lines[-15:])
-        reason = f"\nreason: {reasons[0]}" if reasons else ""
-        raise CompareError(f"{path} run failed (exit {returncode}); log: {log}{reason}\n"
-                           f"--- last lines of the log ---\n{tail}")
-    result = RunResult.from_json(out)
-    print(f"  {path:<9} {result.tflops_per_gpu:9.3f} TFLOPs/GPU  step {result.step_time_s['median'] * 1e3:8.1f} ms"
-          f"  ({time.perf_counter() - t0:.0f}s incl. start-up)", flush=True)
-    return result
+    return returncode
 
 
 def visible_gpu(slot: int) -> str:

@@ -96,6 +96,8 @@ def summarize_path(runs: list[RunResult]) -> dict:
         "deepcompile_passes_s": [r.extra.get("deepcompile_passes_s") for r in runs],
         # of those, DeepCompile's operator and memory profiling (shared/train/ds_runtime.time_deepcompile_profilers)
         "deepcompile_profiling_s": [_profiling_s(r.extra.get("deepcompile_profilers")) for r in runs],
+        # the SM clock and power its GPUs held during the timed steps (harness/telemetry.py), per run; None on CPU
+        "gpu_telemetry": [r.extra.get("gpu_telemetry") for r in runs],
         "sdpa_kernel": sorted({r.sdpa_kernel for r in runs}, key=str),  # per kernel seen, one entry
         "fused": runs[0].fused,
         "ds_config": runs[0].ds_config,
@@ -263,6 +265,19 @@ def tflops_spec(report: dict) -> str:
     return ".2f" if report["paths"]["deepspeed"]["tflops_per_gpu"] >= 1 else ".5f"
 
 
+def telemetry_cell(p: dict, key: str, spec: str) -> str:
+    """Each run's median reading of `key` during its timed steps ("n/a": none; "?": the reading failed)."""
+    cells = []
+    for t in p.get("gpu_telemetry") or []:
+        if not t:
+            cells.append("n/a")
+        elif t.get("error") or not t.get(key):
+            cells.append("?")
+        else:
+            cells.append(f"{t[key]['median']:{spec}}")
+    return ", ".join(cells) or "n/a"
+
+
 def format_table(report: dict) -> str:
     spec = tflops_spec(report)
     rows = [("", "deepspeed", "lightning")]
@@ -295,17 +310,22 @@ def format_table(report: dict) -> str:
     if any(any(v is not None for v in p.get("deepcompile_passes_s", [])) for p in report["paths"].values()):
         row("  DeepCompile passes s", lambda p: per_run_s(p, "deepcompile_passes_s"))
         row("    of them profiling s", lambda p: per_run_s(p, "deepcompile_profiling_s") or "n/a")
+    if any(t for p in P.values() for t in p.get("gpu_telemetry") or []):
+        row("SM clock MHz, timed steps (per run)", lambda p: telemetry_cell(p, "sm_mhz", ".0f"))
+        row("  power W (per run)", lambda p: telemetry_cell(p, "power_w", ".0f"))
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)
     lines = [f"{a:<{w0}}  {b:>{w1}}  {c}" for a, b, c in rows]
     for name, ref in report.get("reference", {}).items():
         s = ref["tflops_spread"]
         frac = report.get("fraction_of_ceiling", {})
+        clock = telemetry_cell(ref, "sm_mhz", ".0f")
         lines.append(f"reference {name} ({ref['world_size']} x, compile {ref['fused']['compile']}): "
                      f"{ref['tflops_per_gpu']:{spec}} [{s['min']:{spec}}, {s['max']:{spec}}] TFLOPs/GPU, "
                      f"step {ref['step_time_s']['median'] * 1e3:.1f} ms, peak "
                      f"{_fmt(ref['peak_mem_gib'])} GiB" + (f", {frac['fsdp2']:.3f} of the ceiling"
-                                                          if name == "fsdp2" and "fsdp2" in frac else ""))
+                                                          if name == "fsdp2" and "fsdp2" in frac else "")
+                     + (f", SM clock {clock} MHz" if any(ref.get("gpu_telemetry") or []) else ""))
     if "fraction_of_ceiling" in report:
         f = report["fraction_of_ceiling"]
         lines.append(f"fraction of the ceiling (median TFLOPs / ceiling median, same run): deepspeed "

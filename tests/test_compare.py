@@ -196,6 +196,31 @@ def test_deepcompiles_passes_and_their_profiling_are_reported_per_run():
     assert "DeepCompile passes s" not in reports.format_table(eager)
 
 
+def test_the_clock_each_run_held_is_reported_per_run():
+    train = TrainConfig(precision="bf16")
+    clock = lambda mhz, w: {"gpus": ["0"], "readings": 30, "sm_mhz": {"median": mhz, "min": mhz - 15, "max": mhz + 15},
+                            "power_w": {"median": w, "min": w - 2, "max": w + 2}, "clock_event_reasons": ["0x4"]}
+    runs = {}
+    for path, tele in (("deepspeed", [clock(1710.0, 690.4), clock(1725.0, 688.0)]),
+                       ("lightning", [{"gpus": ["0"], "error": "nvidia-smi not found"}, None]),
+                       ("ceiling", [clock(1695.0, 691.0)])):
+        runs[path] = []
+        for t in tele:
+            r = dataclasses.replace(_run(2.0))
+            r.extra, r.fused = {"gpu_telemetry": t}, {**r.fused, "compile": "whole_model"}
+            runs[path].append(r)
+    report = reports.build_report(train, SimpleNamespace(world=1, repeats=2, reference=["ceiling"]), runs, {}, [])
+    assert report["paths"]["deepspeed"]["gpu_telemetry"][1]["sm_mhz"]["median"] == 1725.0
+    text = reports.format_table(report)
+    rows = {re.split(r"\s{2,}", line.strip())[0]: line.split() for line in text.splitlines()}
+    assert rows["SM clock MHz, timed steps (per run)"][-4:] == ["1710,", "1725", "?,", "n/a"]
+    assert rows["power W (per run)"][-4:] == ["690,", "688", "?,", "n/a"]
+    assert "SM clock 1695 MHz" in text  # the ceiling's line
+    cpu = reports.build_report(train, SimpleNamespace(world=1, repeats=1),
+                               {"deepspeed": [_run(2.0)], "lightning": [_run(2.0)]}, {}, [])
+    assert "SM clock" not in reports.format_table(cpu)
+
+
 def test_profiled_steps_are_reported_per_row():
     from shared.train.step_profile import summarize
 

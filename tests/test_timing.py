@@ -21,6 +21,11 @@ def test_phases_are_timed_per_step_with_accumulation():
     assert s["phases_s"]["forward"] >= 0.008  # two micro-steps of 4 ms each
     assert s["phases_s"]["forward"] > s["phases_s"]["backward"] > s["phases_s"]["data"]
     assert s["step_time_s"]["median"] == pytest.approx(sum(s["phases_s"].values()), rel=0.2)
+    # the timed steps' place in wall-clock time: from the end of step 0 (the skipped one) to the end of step 2
+    start, end = s["timed_wall"]
+    assert timer.wall_started < start < end and start == timer.wall_done[0] and end == timer.wall_done[2]
+    assert end - start == pytest.approx(sum(s["per_step_s"]), abs=0.005)
+    assert timer.summary(skip=0)["timed_wall"][0] == timer.wall_started
 
 
 def test_marks_out_of_order_are_refused():

@@ -51,6 +51,10 @@ class PhaseTimer:
         self._current: list | None = None  # [(phase, mark), ...] of the step being recorded, first = its start
         self._open: list[list] = []  # recorded steps not yet resolved
         self.steps: list[dict[str, float]] = []  # resolved per-step phase sums in seconds, plus "total"
+        # Host wall-clock times (time.time()) of the first start() and of each step's last mark: where the timed
+        # steps lie in time, for readings taken beside the run (harness/telemetry.py)
+        self.wall_started: float | None = None
+        self.wall_done: list[float] = []
 
     def _now(self):
         if self.cuda:
@@ -69,6 +73,8 @@ class PhaseTimer:
             self._sync_check = None
         self._maybe_profile()
         self._last = self._now()
+        if self.wall_started is None:
+            self.wall_started = time.time()
 
     def _maybe_profile(self) -> None:
         """At a step boundary: start the profiler (or the sync check) if the next step is the one to profile."""
@@ -101,6 +107,7 @@ class PhaseTimer:
         if self._profiler is not None:
             self._profiler.phase(phase, last=done)
         if done:
+            self.wall_done.append(time.time())
             self._open.append(self._current)
             self._current = None
             if self._profiler is not None:  # the profiled step ended: keep the summary, restart the clock
@@ -172,4 +179,6 @@ class PhaseTimer:
             "warmup_s": sum(s["total"] for s in self.steps[:skip]),
             "profile": self.profile,
             "syncs": self.syncs,
+            # [start of the first timed step, end of the last], host time (up to a step ahead of the device)
+            "timed_wall": [self.wall_done[skip - 1] if skip else self.wall_started, self.wall_done[-1]],
         }
