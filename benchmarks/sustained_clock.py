@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from harness.telemetry import REASONS, number
 from shared.model.config import PRESETS
 from shared.train.results import device_info, versions, write_json
 
 SMI_FIELDS = ("clocks.sm", "power.draw", "temperature.gpu")
-REASONS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")  # newer and older drivers' names
 
 
 def smi() -> dict:
@@ -51,17 +51,10 @@ def smi() -> dict:
 
 def parse_smi(line: str) -> dict:
     """`clock, power, temperature[, reasons]` as nvidia-smi prints them (csv, noheader, nounits)."""
-
-    def num(x):
-        try:
-            return float(x)
-        except ValueError:  # "[N/A]"
-            return None
-
     values = [x.strip() for x in line.split(",")]
     if len(values) not in (3, 4):
         raise ValueError(f"nvidia-smi printed {line!r}; expected clock, power, temperature[, reasons]")
-    reading = {"sm_mhz": num(values[0]), "power_w": num(values[1]), "temp_c": num(values[2])}
+    reading = {"sm_mhz": number(values[0]), "power_w": number(values[1]), "temp_c": number(values[2])}
     if len(values) == 4:
         reading["event_reasons"] = values[3]
     return reading

@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 
 from harness import telemetry
-from harness.telemetry import Telemetry
 from shared.train.cli import to_argv
 from shared.train.config import TrainConfig
 from shared.train.results import RunResult
@@ -167,7 +166,7 @@ def launch(path: str, train: TrainConfig, world: int, out: Path, log: Path, time
     env = run_env(env)
     t0 = time.perf_counter()
     # the SM clock and power of the run's GPUs, read beside it (harness/telemetry.py); none on a CPU machine
-    tele = Telemetry(gpus, log.with_suffix(".gpu.csv")).start() if gpus else None
+    tele = telemetry.Telemetry(gpus, log.with_suffix(".gpu.csv")).start() if gpus else None
     try:
         returncode = _run(path, cmd, env, log, timeout)
     finally:
@@ -184,7 +183,8 @@ def launch(path: str, train: TrainConfig, world: int, out: Path, log: Path, time
     result = RunResult.from_json(out)
     if tele is not None:
         result.extra["gpu_telemetry"] = ({"gpus": gpus, "error": tele.error} if tele.error else
-                                         telemetry.summarize(tele.csv_path, result.extra.get("timed_wall"), gpus))
+                                         telemetry.summarize(tele.csv_path, result.extra.get("timed_wall"), gpus,
+                                                             tele.interval_ms))
         result.to_json(out)
     clock = (result.extra.get("gpu_telemetry") or {}).get("sm_mhz")
     print(f"  {path:<9} {result.tflops_per_gpu:9.3f} TFLOPs/GPU  step {result.step_time_s['median'] * 1e3:8.1f} ms"

@@ -31,8 +31,8 @@ def _query(reasons: str | None) -> str:
 class Telemetry:
     """nvidia-smi in loop mode for the GPUs `gpus`, its CSV lines written to `csv_path`; stop() ends it."""
 
-    def __init__(self, gpus: list[str], csv_path: Path, interval_ms: int = INTERVAL_MS):
-        self.gpus, self.csv_path, self.interval_ms = gpus, Path(csv_path), interval_ms
+    def __init__(self, gpus: list[str], csv_path: Path, interval_ms: int | None = None):
+        self.gpus, self.csv_path, self.interval_ms = gpus, Path(csv_path), interval_ms or INTERVAL_MS
         self.proc: subprocess.Popen | None = None
         self.error: str | None = None
 
@@ -88,8 +88,8 @@ def parse(csv_path: Path) -> tuple[list[dict], list[str]]:
         values = [v.strip() for v in line.split(",")]
         try:
             t = dt.datetime.strptime(values[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()  # local time, as time.time()
-            reading = {"t": t, "gpu": values[1], "sm_mhz": _num(values[2]), "power_w": _num(values[3]),
-                       "temp_c": _num(values[4])}
+            reading = {"t": t, "gpu": values[1], "sm_mhz": number(values[2]), "power_w": number(values[3]),
+                       "temp_c": number(values[4])}
             if len(values) > 5:
                 reading["reasons"] = values[5]
         except (ValueError, IndexError):
@@ -99,7 +99,8 @@ def parse(csv_path: Path) -> tuple[list[dict], list[str]]:
     return readings, other
 
 
-def _num(x: str) -> float | None:
+def number(x: str) -> float | None:
+    """A numeric nvidia-smi field (nounits), or None where it printed none."""
     try:
         return float(x)
     except ValueError:  # "[N/A]", "[Not Supported]"
@@ -110,7 +111,7 @@ def _spread(values: list[float]) -> dict | None:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else None
 
 
-def summarize(csv_path: Path, window: list[float] | None, gpus: list[str], interval_ms: int = INTERVAL_MS) -> dict:
+def summarize(csv_path: Path, window: list[float] | None, gpus: list[str], interval_ms: int) -> dict:
     """The readings of `csv_path` taken inside `window` ([start, end], POSIX seconds), summarized."""
     out = {"source": Path(csv_path).name, "gpus": gpus, "interval_ms": interval_ms, "window": window}
     if window is None:

@@ -65,9 +65,9 @@ def test_readings_are_taken_beside_and_cut_to_the_window(tmp_path, fake_smi):
     assert s["sm_mhz"]["min"] >= 1700 and s["sm_mhz"]["max"] <= 1720 and s["power_w"]["median"] == 690.5
     assert s["temp_c_max"] == 61 and s["clock_event_reasons"] == ["0x0000000000000004"]
     assert s["window"] == [t0, t1] and s["gpus"] == ["0", "1"] and s["interval_ms"] == 20
-    late = telemetry.summarize(csv, [t1 + 60, t1 + 61], ["0", "1"])
+    late = telemetry.summarize(csv, [t1 + 60, t1 + 61], ["0", "1"], interval_ms=20)
     assert late["error"].startswith("none of the") and "sm_mhz" not in late
-    assert telemetry.summarize(csv, None, ["0"])["error"].startswith("the run recorded no timed window")
+    assert telemetry.summarize(csv, None, ["0"], interval_ms=20)["error"].startswith("the run recorded no timed window")
 
 
 def test_an_older_driver_gets_the_older_field_name(tmp_path, fake_smi, monkeypatch):
@@ -94,7 +94,7 @@ def test_lines_that_are_not_readings_are_kept_apart(tmp_path):
     assert readings == [{"t": pytest.approx(now.timestamp(), abs=1e-3), "gpu": "0", "sm_mhz": None,
                          "power_w": 650.0, "temp_c": 60.0}]
     assert other == ["Failed to initialize NVML: Driver/library mismatch"]
-    s = telemetry.summarize(csv, [now.timestamp() - 1, now.timestamp() + 1], ["0"])
+    s = telemetry.summarize(csv, [now.timestamp() - 1, now.timestamp() + 1], ["0"], interval_ms=500)
     assert s["sm_mhz"] is None and s["power_w"]["median"] == 650.0 and s["unparsed_lines"] == other
 
 
@@ -102,7 +102,6 @@ def test_a_run_records_its_timed_window_and_the_clock_of_its_gpus(tmp_path, fake
     """launch() on a CPU run with GPUs pretended: the readings land in the run JSON, cut to the timed steps."""
     monkeypatch.setattr(launch_mod, "run_gpus", lambda env, world: ["0"])
     monkeypatch.setattr(telemetry, "INTERVAL_MS", 20)
-    monkeypatch.setattr(launch_mod.Telemetry.__init__, "__defaults__", (20,))
     train = TrainConfig(preset="tiny", steps=12, warmup_steps=2, log_every=6)
     out, log = tmp_path / "runs" / "deepspeed_0.json", tmp_path / "logs" / "deepspeed_0.log"
     result = launch_mod.launch("deepspeed", train, 1, out, log, timeout=300)
@@ -134,7 +133,7 @@ def test_the_real_nvidia_smi_reads_the_clock_of_a_busy_gpu(tmp_path):
         torch.cuda.synchronize()
     t1 = time.time()
     tele.stop()
-    s = telemetry.summarize(tele.csv_path, [t0, t1], gpu)
+    s = telemetry.summarize(tele.csv_path, [t0, t1], gpu, tele.interval_ms)
     print(s)
     assert "error" not in s and "unparsed_lines" not in s and s["readings"] >= 6, s
     assert 300 <= s["sm_mhz"]["median"] <= 3000 and s["power_w"]["median"] > 50 and s["clock_event_reasons"], s
