@@ -26,8 +26,10 @@ nnz(layout) / nnz(causal), efficiency = ideal / actual (1.0: time scales exactly
 Attention dropout (`--dropouts 0 0.1`, the preset's rate): every backend runs in training mode with that rate
 (its masks drawn in the kernel: SDPA's fused kernels, blocksparse's Triton kernel; flex has none and records its
 error). `sdpa:flash`, `sdpa:efficient`, `sdpa:cudnn` pin one of SDPA's fused kernels (torch.nn.attention.sdpa_kernel);
-plain `sdpa` is what the dispatcher picks, recorded per dropout rate. With dropout the outputs cannot be compared
-with the reference (other random masks): those rows record no error (the GPU tests check dropout's statistics).
+plain `sdpa` is what the dispatcher picks, recorded per dropout rate. `blocksparse:bits` is the block-sparse kernel
+with its mask drawn once per call and read from bits by the three kernels (`dropout_mask="bits"`; the same mask).
+With dropout the outputs cannot be compared with the reference (other random masks): those rows record no error
+(the GPU tests check dropout's statistics).
 
 Correctness: before timing, each backend's output and dq/dk/dv on the benchmark input are compared with the
 reference (shared.model.attention.ReferenceAttention in fp32, on batch 0 and the first CHECK_HEADS heads); the max
@@ -63,7 +65,8 @@ SDPA_PINNED = {"sdpa:flash": "FLASH_ATTENTION", "sdpa:efficient": "EFFICIENT_ATT
 def model_cfg(args, seq: int, layout: str, backend: str, dropout: float = 0.0) -> GPTConfig:
     return GPTConfig(n_head=args.heads, n_embd=args.heads * args.head_dim, seq_len=seq, sparse_block=args.block,
                      layout=layout, local_blocks=args.local_blocks, stride_blocks=args.stride_blocks,
-                     attn_dropout=dropout, dropout=0.0, attention=backend.split(":")[0])
+                     attn_dropout=dropout, dropout=0.0, attention=backend.split(":")[0],
+                     attn_dropout_mask="bits" if backend == "blocksparse:bits" else "philox")
 
 
 class Pinned(torch.nn.Module):
@@ -152,14 +155,15 @@ def run_one(args, seq: int, layout_name: str, backend: str, input_sets, ref, dro
 
 
 def backend_key(r: dict) -> str:
-    """A row's backend without its detail ("blocksparse:autotuned" -> "blocksparse"), pinned SDPA kernels kept."""
-    return r["backend"] if r["backend"].startswith("sdpa:") else r["backend"].split(":")[0]
+    """A row's backend without its detail ("xformers:fa2F@..." -> "xformers"); pinned SDPA kernels and the
+    block-sparse kernel reading its dropout mask from bits kept apart."""
+    return r["backend"] if r["backend"].startswith(("sdpa:", "blocksparse:bits")) else r["backend"].split(":")[0]
 
 
 def add_ratios(rows: list[dict]) -> None:
     ok = {(r["seq"], r["layout"], backend_key(r), r.get("dropout", 0.0)): r for r in rows if r["status"] == "ok"}
     for (seq, lay, name, p), r in ok.items():
-        if name == "blocksparse":
+        if name.startswith("blocksparse"):
             for other in ("flex", "sdpa", "xformers"):
                 o = ok.get((seq, lay, other, p))
                 if o is not None:
@@ -274,7 +278,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if any(s % args.block for s in args.seqs):
         p.error(f"every --seqs value must be a multiple of --block {args.block}")
-    known = {"blocksparse", "flex", "sdpa", "xformers", *SDPA_PINNED}
+    known = {"blocksparse", "blocksparse:bits", "flex", "sdpa", "xformers", *SDPA_PINNED}
     if unknown := [b for b in args.backends if b not in known]:
         p.error(f"unknown --backends {unknown}; choose from {sorted(known)}")
     if bad := [d for d in args.dropouts if not 0.0 <= d < 1.0]:

@@ -377,6 +377,40 @@ def test_attention_benchmark_compares_backends_at_the_same_dropout_rate():
     assert args.dropouts == [0.0, 0.1] and bench.model_cfg(args, 2048, "causal", "sdpa:cudnn", 0.1).attn_dropout == 0.1
 
 
+def test_attention_benchmark_keeps_the_bits_mode_apart():
+    bench = _attention_bench()
+    row = lambda backend, ms: {"seq": 2048, "layout": "local", "backend": backend, "dropout": 0.1, "status": "ok",
+                               "fwd_bwd_ms": ms, "nnz_blocks": 58}
+    rows = [row("blocksparse", 2.6), row("blocksparse:bits", 2.3), row("flex", 4.6)]
+    bench.add_ratios(rows)
+    assert rows[0]["speedup_vs_flex"] == pytest.approx(4.6 / 2.6) and rows[1]["speedup_vs_flex"] == pytest.approx(2)
+    args = bench.parse_args(["--backends", "blocksparse", "blocksparse:bits", "--dropouts", "0.1"])
+    assert bench.model_cfg(args, 2048, "local", "blocksparse:bits", 0.1).attn_dropout_mask == "bits"
+    assert bench.model_cfg(args, 2048, "local", "blocksparse", 0.1).attn_dropout_mask == "philox"
+
+
+def test_attention_dropout_sums_each_modes_kernels_per_round():
+    import torch
+
+    bench = load_module("attention_dropout", ROOT / "benchmarks" / "attention_dropout.py")
+    times = {"none/fwd": [1.0, 1.2], "none/dq": [1.0, 1.0], "philox/fwd": [2.0, 2.0], "philox/dq": [2.0, 3.0],
+             "bits/fwd": [1.5, 1.5], "bits/mask_bits": [0.5, 0.7], "sdpa_none/fwd_bwd": [1.8, 2.2],
+             "sdpa_dropout/fwd_bwd": [3.0, 3.0], "sdpa_dropout/fwd": [1.0, 1.0]}
+    sums, ratios = bench.summarize(times)
+    assert sums["none"]["range_ms"] == [2.0, 2.2] and sums["philox"]["median_ms"] == pytest.approx(4.5)
+    assert sums["bits"]["kernels"] == ["bits/fwd", "bits/mask_bits"] and sums["bits"]["range_ms"] == [2.0, 2.2]
+    assert sums["sdpa_dropout"]["median_ms"] == 3.0  # its forward-only row is not added in
+    assert ratios["bits_vs_philox"] == pytest.approx(4.5 / 2.1)
+    assert ratios["none_vs_sdpa_none"] == pytest.approx(2.0 / 2.1)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--dropout", "0"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--seq", "2000"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            bench.main(bench.parse_args([]))
+
+
 def test_attention_tiles_sums_each_kernels_fastest_tile_per_path_and_rate():
     tiles = load_module("attention_tiles", ROOT / "benchmarks" / "attention_tiles.py")
     row = lambda kernel, path, p, bm, ms, status="ok": {"kernel": kernel, "path": path, "dropout": p, "block_m": bm,

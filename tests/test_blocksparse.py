@@ -92,9 +92,9 @@ def assert_tma_loads_match_pointer_loads(q, k, v, do, lut, tiles, dropout_p, see
         torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
-def check_against_reference(layout, block, q, k, v, do, tiles=None, dropout_p=0.0, seed=0):
+def check_against_reference(layout, block, q, k, v, do, tiles=None, dropout_p=0.0, seed=0, dropout_mask="philox"):
     lut = BlockLUT.from_layout(layout, block).to(q.device)
-    out = blocksparse_attention(q, k, v, lut, dropout_p=dropout_p, seed=seed, tiles=tiles)
+    out = blocksparse_attention(q, k, v, lut, dropout_p=dropout_p, seed=seed, tiles=tiles, dropout_mask=dropout_mask)
     out.backward(do)
     keep = None
     if dropout_p > 0:
@@ -359,6 +359,49 @@ def test_dropout_forward_and_backward_use_the_same_mask(kind, head_dim):
     check_against_reference(layout, 64, q, k, v, do, dropout_p=0.3, seed=1234)
 
 
+def run_with_mask(q, k, v, do, lut, tiles, dropout_p, seed, dropout_mask):
+    for x in (q, k, v):
+        x.grad = None
+    out = blocksparse_attention(q, k, v, lut, dropout_p=dropout_p, seed=seed, tiles=tiles, dropout_mask=dropout_mask)
+    return (out, *torch.autograd.grad(out, (q, k, v), do))
+
+
+@pytest.mark.parametrize("kind,head_dim,pad_d,block", [("causal", 96, False, 64), ("random", 64, False, 64),
+                                                        ("strided", 96, True, 64), ("local", 32, False, 32)])
+def test_dropout_mask_read_from_bits_gives_the_philox_kernels_numbers(kind, head_dim, pad_d, block):
+    """dropout_mask="bits" (the mask drawn once, packed eight scores to a byte, read by all three kernels) gives
+    outputs and gradients bit for bit equal to the kernels drawing it themselves, on the model's strided views."""
+    nb = 4
+    q, k, v, do = model_views(1, 2, nb * block, head_dim, torch.float16, seed=head_dim + block)
+    lut = BlockLUT.from_layout(make_layout(kind, 2, nb), block).to(DEVICE)
+    tiles = bsa.interpreter_tiles(block, pad_d) if DEVICE == "cpu" else {
+        name: bsa.candidate_tiles(name, block, head_dim, q.dtype, True)[0] for name in ("fwd", "dq", "dkdv")}
+    philox = run_with_mask(q, k, v, do, lut, tiles, 0.3, 77, "philox")
+    bits = run_with_mask(q, k, v, do, lut, tiles, 0.3, 77, "bits")
+    for name, a, b in zip(("out", "dq", "dk", "dv"), philox, bits):
+        torch.testing.assert_close(b, a, atol=0, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+    no_drop = run_with_mask(q, k, v, do, lut, tiles, 0.0, 77, "bits")  # without dropout no mask is drawn or read
+    torch.testing.assert_close(no_drop[0], run_with_mask(q, k, v, do, lut, tiles, 0.0, 77, "philox")[0], atol=0, rtol=0)
+    assert not torch.equal(no_drop[0], bits[0])
+
+
+@pytest.mark.parametrize("kind,block", [("causal", 16), ("random", 64), ("strided", 128), ("local", 32)])
+def test_dropout_bits_pack_the_keep_mask_of_every_visited_block(kind, block):
+    """Bit k % 8 of byte (q, k // 8) is the keep mask's (q, k) in every block of the layout, whole (a diagonal
+    block's tiles read past the causal diagonal); blocks outside the layout are not drawn."""
+    B, H, nb = 2, 2, 4 if block == 128 else 6
+    T = nb * block
+    q = torch.empty(B, H, T, 64, device=DEVICE)
+    layout = make_layout(kind, H, nb)
+    bits = bsa._dropout_bits(q, BlockLUT.from_layout(layout, block).to(DEVICE), bsa.applied_dropout(0.25), 5)
+    bits = bits.cpu().reshape(B, H, T, T // 8)
+    unpacked = ((bits[..., None].int() >> torch.arange(8)) & 1).reshape(B, H, T, T).bool()
+    keep = bsa.dropout_keep_mask(B, H, T, 0.25, 5, DEVICE).cpu()
+    drawn = layout.expand(H, nb, nb).repeat_interleave(block, 1).repeat_interleave(block, 2).expand(B, H, T, T)
+    assert torch.equal(unpacked[drawn], keep[drawn])
+    assert abs(keep[drawn].float().mean().item() - 0.75) < 0.05
+
+
 def test_module_dropout_follows_torch_seed_and_eval_turns_it_off():
     cfg = GPTConfig(n_head=2, n_embd=128, seq_len=128, sparse_block=64, attn_dropout=0.2, attention="blocksparse")
     attn = build_attention(cfg)
@@ -396,6 +439,8 @@ def test_bad_inputs_raise_naming_the_value():
         blocksparse_attention(q, k, v, per_head)
     with pytest.raises(ValueError, match="dropout_p"):
         blocksparse_attention(q, k, v, lut, dropout_p=1.0)
+    with pytest.raises(ValueError, match="'philox', 'bits'.*'bitz'"):
+        blocksparse_attention(q, k, v, lut, dropout_p=0.1, dropout_mask="bitz")
 
 
 def test_bad_configs_and_layouts_raise():
@@ -506,6 +551,20 @@ def test_gpu_every_candidate_tile_is_correct(kernel, dropout_p, tma):
             x.grad = None
         check_against_reference(layout, 128, q, k, v, do, tiles={**tiles, kernel: tile}, dropout_p=dropout_p,
                                 seed=5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["fwd", "dq", "dkdv"])
+def test_gpu_every_candidate_tile_reads_the_dropout_bits(kernel):
+    """With the mask read from bits every tile is a candidate (no Philox registers): each agrees with the reference
+    under the mask, on the causal layout at D = 96 (tiles reaching past the diagonal read bits drawn for them)."""
+    q, k, v, do = inputs(1, 4, 512, 96, torch.bfloat16, seed=23)
+    tiles = {name: bsa.candidate_tiles(name, 128, 96, torch.bfloat16, False)[0] for name in GPU_TILES[96]}
+    for tile in bsa.candidate_tiles(kernel, 128, 96, torch.bfloat16, False):
+        for x in (q, k, v):
+            x.grad = None
+        check_against_reference(layouts.causal(4), 128, q, k, v, do, tiles={**tiles, kernel: tile}, dropout_p=0.1,
+                                seed=5, dropout_mask="bits")
 
 
 @pytest.mark.gpu

@@ -12,6 +12,7 @@ from shared.train.config import TrainConfig, normalize_precision
         (dict(seq_len=100, sparse_block=16), "multiple of sparse_block"),
         (dict(attention="flash9"), "unknown attention backend 'flash9'"),
         (dict(layout="zigzag"), "unknown layout 'zigzag'"),
+        (dict(attn_dropout_mask="bitz"), "unknown attn_dropout_mask 'bitz'"),
         (dict(n_layer=0), "n_layer must be a positive integer"),
         (dict(dropout=1.0), "dropout must be in"),
     ],
@@ -44,6 +45,7 @@ def test_study_preset_shape():
         (dict(profile_step=-1), r"profile_step \(-1\)"),
         (dict(precision="fp8"), "unknown precision 'fp8'"),
         (dict(attention="nope"), "unknown attention backend"),
+        (dict(attn_dropout_mask="mask"), "unknown attn_dropout_mask 'mask'"),
         (dict(optimizer="sgd"), "unknown optimizer"),
         (dict(lr=-1.0), "lr must be positive, got -1.0"),
         (dict(lr=float("nan")), "lr must be positive, got nan"),
@@ -97,3 +99,15 @@ def test_run_cli_keeps_the_exit_code_of_a_system_exit(code, rc, stderr):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env(), cwd=ROOT,
                           timeout=120)
     assert proc.returncode == rc and proc.stderr.strip().endswith(stderr), proc.stderr
+
+
+def test_attn_dropout_mask_reaches_the_blocksparse_module():
+    from shared.model.attention import build_attention
+
+    argv = ["--preset", "tiny", "--attention", "blocksparse", "--attn_dropout_mask", "bits"]
+    train = parse_train_config(argv, "test")
+    cfg = train.model()
+    assert cfg.attn_dropout_mask == "bits" and TrainConfig(preset="tiny").model().attn_dropout_mask == "philox"
+    attn = build_attention(cfg)
+    assert attn.dropout_mask == "bits" and attn.backend == "blocksparse:bits"
+    assert build_attention(preset("tiny", attention="blocksparse")).backend == "blocksparse"

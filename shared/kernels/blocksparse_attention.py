@@ -73,6 +73,7 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 96, 128)
 SUPPORTED_BLOCKS = (16, 32, 64, 128)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_DROPOUT_T = 32768
+DROPOUT_MASKS = ("philox", "bits")  # where the kernels take the dropout mask from: see blocksparse_attention
 LOG2E = 1.4426950408889634
 
 
@@ -198,6 +199,50 @@ def _keep(key, rows, col0, N: tl.constexpr, T, dropout_p):
 
 
 @triton.jit
+def _keep_tile(key, bits, rows, col0, N: tl.constexpr, T, dropout_p, FROM_BITS: tl.constexpr):
+    """The keep mask (len(rows), N) of `_keep`: drawn here from Philox, or with FROM_BITS read from the bits
+    `_dropout_bits_kernel` packed (`bits` is the (batch, head)'s (T, T / 8) bytes): the same mask either way, one
+    byte load per eight scores instead of an eighth of a Philox call per score."""
+    if FROM_BITS:
+        words = tl.load(bits + rows[:, None] * (T // 8) + (col0 // 8 + tl.arange(0, N // 8))[None, :]).to(tl.int32)
+        keep = tl.reshape((words[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1, (rows.shape[0], N)) != 0
+    else:
+        keep = _keep(key, rows, col0, N, T, dropout_p)
+    return keep
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _dropout_bits_kernel(BITS, COL_CUM, DIAG, dropout_p, seed, T, H, NB, LUT_HEADS, SPARSE_BLOCK: tl.constexpr,
+                         ROWS: tl.constexpr, BYTES: tl.constexpr):
+    """The keep mask packed for DROPOUT_BITS: score (q, k) of head bh is bit k % 8 of byte
+    (bh * T + q) * T / 8 + k // 8. That byte's index within the head, q * T / 8 + k // 8, is the Philox counter
+    whose eight 16-bit halves `_keep` gives the scores k // 8 * 8 .. + 7: one call makes one byte, no shuffles.
+    A program draws (ROWS x 8 BYTES) scores inside one sparse block, and only in the layout's blocks (the kernels
+    visit no other; their diagonal blocks' tiles read the whole block, past the causal diagonal): a sparse layout
+    pays for its own blocks. Bytes of other blocks stay unwritten."""
+    off_hz = tl.program_id(2)
+    row0 = tl.program_id(0) * ROWS
+    byte0 = tl.program_id(1) * BYTES
+    rb = row0 // SPARSE_BLOCK
+    cb = byte0 * 8 // SPARSE_BLOCK
+    col = ((off_hz % H) % LUT_HEADS) * NB + cb  # the key block's column of the table: col_cum[col, t] counts its
+    visited = (rb == cb) & (tl.load(DIAG + col - cb + rb) != 0)  # query blocks <= t; the diagonal block from DIAG
+    if cb < rb:
+        visited = tl.load(COL_CUM + col * NB + rb) != tl.load(COL_CUM + col * NB + rb - 1)
+    if visited:
+        counters = (row0 + tl.arange(0, ROWS))[:, None] * (T // 8) + (byte0 + tl.arange(0, BYTES))[None, :]
+        r0, r1, r2, r3 = tl.randint4x(_philox_key(seed, off_hz), counters)
+        t = tl.cast(dropout_p * 65536.0 + 0.5, tl.uint32) << 16
+        # number i's low half is score 2 i of the eight, its high half score 2 i + 1 (`keep_halves`' order)
+        packed = (((r0 << 16) >= t).to(tl.int32) | ((r0 >= t).to(tl.int32) << 1)
+                  | (((r1 << 16) >= t).to(tl.int32) << 2) | ((r1 >= t).to(tl.int32) << 3)
+                  | (((r2 << 16) >= t).to(tl.int32) << 4) | ((r2 >= t).to(tl.int32) << 5)
+                  | (((r3 << 16) >= t).to(tl.int32) << 6) | ((r3 >= t).to(tl.int32) << 7))
+        BITS += off_hz.to(tl.int64) * T * (T // 8)
+        tl.store(BITS + counters, packed.to(tl.uint8))
+
+
+@triton.jit
 def _load_a(ptrs, dmask, PADDED: tl.constexpr):
     """Load a tile of the first head-dim part; masked only when that part is padded past the head dim."""
     if PADDED:
@@ -240,9 +285,9 @@ def _descriptors(X, T, stride_t, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, DA:
 
 @triton.jit
 def _fwd_tile(acc_a, acc_b, l_i, m_i, q_a, q_b, K_a, K_b, V_a, V_b, start_n, offs_m, offs_n, qk_scale,
-              stride_kt, stride_vt, key, dropout_p, T, dm_row, dm_col,
+              stride_kt, stride_vt, key, bits, dropout_p, T, dm_row, dm_col,
               DB: tl.constexpr, MASK: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
-              PADDED: tl.constexpr, TMA: tl.constexpr):
+              PADDED: tl.constexpr, TMA: tl.constexpr, FROM_BITS: tl.constexpr):
     """One (BLOCK_M x BLOCK_N) step of the online softmax (FA2 algorithm 1), in base 2. With TMA, K_*/V_* are
     tensor descriptors of (BLOCK_N, part) tiles instead of rows of addresses."""
     cols_k = (start_n + offs_n)[None, :] * stride_kt
@@ -269,7 +314,7 @@ def _fwd_tile(acc_a, acc_b, l_i, m_i, q_a, q_b, K_a, K_b, V_a, V_b, start_n, off
     alpha = tl.math.exp2(m_i - m_ij)
     l_i = l_i * alpha + tl.sum(p, 1)  # the normalizer counts dropped probabilities too
     if DROPOUT:
-        p = tl.where(_keep(key, offs_m, start_n, offs_n.shape[0], T, dropout_p), p, 0.0)
+        p = tl.where(_keep_tile(key, bits, offs_m, start_n, offs_n.shape[0], T, dropout_p, FROM_BITS), p, 0.0)
     p = p.to(q_a.dtype)
     rows_v = (start_n + offs_n)[:, None] * stride_vt
     v_a = _load_rows(V_a, rows_v, start_n, dm_row, PADDED, TMA)  # (BLOCK_N, DA)
@@ -282,13 +327,13 @@ def _fwd_tile(acc_a, acc_b, l_i, m_i, q_a, q_b, K_a, K_b, V_a, V_b, start_n, off
 
 @triton.jit(do_not_specialize=["seed"])
 def _attn_fwd(Q, K, V, Out, LSE, ROW_IDX, ROW_OFF, DIAG,
-              sm_scale, dropout_p, seed,
+              sm_scale, dropout_p, seed, BITS,
               stride_qz, stride_qh, stride_qt, stride_kz, stride_kh, stride_kt,
               stride_vz, stride_vh, stride_vt, stride_oz, stride_oh, stride_ot,
               H, T, NB, LUT_HEADS, ROW_WIDTH,
               HEAD_DIM: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
-              CONTIG: tl.constexpr, TMA: tl.constexpr = False):
+              CONTIG: tl.constexpr, TMA: tl.constexpr = False, DROPOUT_BITS: tl.constexpr = False):
     # Query tiles in reverse: under a causal layout the last rows have the most blocks, so they start first and
     # the short rows fill the tail of the grid.
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
@@ -325,6 +370,7 @@ def _attn_fwd(Q, K, V, Out, LSE, ROW_IDX, ROW_OFF, DIAG,
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     qk_scale = sm_scale * 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
     key = _philox_key(seed, off_hz)
+    bits = BITS + off_hz.to(tl.int64) * T * (T // 8)  # read only with DROPOUT_BITS
 
     row = (off_h % LUT_HEADS) * NB + start_m // SPARSE_BLOCK
     SUB: tl.constexpr = SPARSE_BLOCK // BLOCK_N
@@ -338,8 +384,8 @@ def _attn_fwd(Q, K, V, Out, LSE, ROW_IDX, ROW_OFF, DIAG,
             kb = tl.load(ROW_IDX + row * ROW_WIDTH + it // SUB)
             start_n = tl.multiple_of(kb * SPARSE_BLOCK + (it % SUB) * BLOCK_N, BLOCK_N)
         acc_a, acc_b, l_i, m_i = _fwd_tile(acc_a, acc_b, l_i, m_i, q_a, q_b, K_a, K_b, V_a, V_b, start_n, offs_m,
-                                           offs_n, qk_scale, stride_kt, stride_vt, key, dropout_p, T, dm_row,
-                                           dm_col, DB, False, DROPOUT, PREC, PADDED, TMA)
+                                           offs_n, qk_scale, stride_kt, stride_vt, key, bits, dropout_p, T,
+                                           dm_row, dm_col, DB, False, DROPOUT, PREC, PADDED, TMA, DROPOUT_BITS)
     # The diagonal block, causal mask, up to this tile's last query. Its first key is at or before every query
     # of the tile, so no row is ever fully masked and the running max stays finite.
     diag_start = (start_m // SPARSE_BLOCK) * SPARSE_BLOCK
@@ -347,8 +393,8 @@ def _attn_fwd(Q, K, V, Out, LSE, ROW_IDX, ROW_OFF, DIAG,
     for it in tl.range(0, n_diag, disable_licm=True):
         start_n = tl.multiple_of(diag_start + it * BLOCK_N, BLOCK_N)
         acc_a, acc_b, l_i, m_i = _fwd_tile(acc_a, acc_b, l_i, m_i, q_a, q_b, K_a, K_b, V_a, V_b, start_n, offs_m,
-                                           offs_n, qk_scale, stride_kt, stride_vt, key, dropout_p, T, dm_row,
-                                           dm_col, DB, True, DROPOUT, PREC, PADDED, TMA)
+                                           offs_n, qk_scale, stride_kt, stride_vt, key, bits, dropout_p, T,
+                                           dm_row, dm_col, DB, True, DROPOUT, PREC, PADDED, TMA, DROPOUT_BITS)
 
     l_rcp = 1.0 / l_i
     if DROPOUT:
@@ -362,9 +408,9 @@ def _attn_fwd(Q, K, V, Out, LSE, ROW_IDX, ROW_OFF, DIAG,
 
 @triton.jit
 def _dq_tile(dq_a, dq_b, q_a, q_b, do_a, do_b, lse, delta, K_a, K_b, V_a, V_b, start_n, offs_m, offs_n, qk_scale,
-             stride_kt, stride_vt, key, dropout_p, T, dm_row,
+             stride_kt, stride_vt, key, bits, dropout_p, T, dm_row,
              DB: tl.constexpr, MASK: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr, PADDED: tl.constexpr,
-             TMA: tl.constexpr):
+             TMA: tl.constexpr, FROM_BITS: tl.constexpr):
     """dq += dS K for one (BLOCK_M x BLOCK_N) tile, with P recomputed from the saved log-sum-exp."""
     rows_k = (start_n + offs_n)[:, None] * stride_kt
     rows_v = (start_n + offs_n)[:, None] * stride_vt
@@ -381,7 +427,7 @@ def _dq_tile(dq_a, dq_b, q_a, q_b, do_a, do_b, lse, delta, K_a, K_b, V_a, V_b, s
     if MASK:
         p = tl.where(offs_m[:, None] >= (start_n + offs_n)[None, :], p, 0.0)
     if DROPOUT:
-        keep = _keep(key, offs_m, start_n, offs_n.shape[0], T, dropout_p)
+        keep = _keep_tile(key, bits, offs_m, start_n, offs_n.shape[0], T, dropout_p, FROM_BITS)
         dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
     ds = (p * (dp - delta[:, None])).to(q_a.dtype)
     dq_a = tl.dot(ds, k_a, dq_a, input_precision=PREC)
@@ -392,14 +438,14 @@ def _dq_tile(dq_a, dq_b, q_a, q_b, do_a, do_b, lse, delta, K_a, K_b, V_a, V_b, s
 
 @triton.jit(do_not_specialize=["seed"])
 def _attn_bwd_dq(Q, K, V, Out, DO, DQ, LSE, DELTA, ROW_IDX, ROW_OFF, DIAG,
-                 sm_scale, dropout_p, seed,
+                 sm_scale, dropout_p, seed, BITS,
                  stride_qz, stride_qh, stride_qt, stride_kz, stride_kh, stride_kt,
                  stride_vz, stride_vh, stride_vt, stride_oz, stride_oh, stride_ot,
                  stride_doz, stride_doh, stride_dot,
                  H, T, NB, LUT_HEADS, ROW_WIDTH,
                  HEAD_DIM: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
-                 CONTIG: tl.constexpr, TMA: tl.constexpr = False):
+                 CONTIG: tl.constexpr, TMA: tl.constexpr = False, DROPOUT_BITS: tl.constexpr = False):
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     off_hz = tl.program_id(1)
     off_z = off_hz // H
@@ -443,6 +489,7 @@ def _attn_bwd_dq(Q, K, V, Out, DO, DQ, LSE, DELTA, ROW_IDX, ROW_OFF, DIAG,
     lse = tl.load(LSE + offs_m)
     qk_scale = sm_scale * 1.4426950408889634
     key = _philox_key(seed, off_hz)
+    bits = BITS + off_hz.to(tl.int64) * T * (T // 8)  # read only with DROPOUT_BITS
 
     row = (off_h % LUT_HEADS) * NB + start_m // SPARSE_BLOCK
     SUB: tl.constexpr = SPARSE_BLOCK // BLOCK_N
@@ -455,15 +502,15 @@ def _attn_bwd_dq(Q, K, V, Out, DO, DQ, LSE, DELTA, ROW_IDX, ROW_OFF, DIAG,
             kb = tl.load(ROW_IDX + row * ROW_WIDTH + it // SUB)
             start_n = tl.multiple_of(kb * SPARSE_BLOCK + (it % SUB) * BLOCK_N, BLOCK_N)
         dq_a, dq_b = _dq_tile(dq_a, dq_b, q_a, q_b, do_a, do_b, lse, delta, K_a, K_b, V_a, V_b, start_n, offs_m,
-                              offs_n, qk_scale, stride_kt, stride_vt, key, dropout_p, T, dm_row, DB, False, DROPOUT,
-                              PREC, PADDED, TMA)
+                              offs_n, qk_scale, stride_kt, stride_vt, key, bits, dropout_p, T, dm_row, DB, False,
+                              DROPOUT, PREC, PADDED, TMA, DROPOUT_BITS)
     diag_start = (start_m // SPARSE_BLOCK) * SPARSE_BLOCK
     n_diag = tl.load(DIAG + row) * tl.cdiv(start_m + BLOCK_M - diag_start, BLOCK_N)
     for it in tl.range(0, n_diag, disable_licm=True):
         start_n = tl.multiple_of(diag_start + it * BLOCK_N, BLOCK_N)
         dq_a, dq_b = _dq_tile(dq_a, dq_b, q_a, q_b, do_a, do_b, lse, delta, K_a, K_b, V_a, V_b, start_n, offs_m,
-                              offs_n, qk_scale, stride_kt, stride_vt, key, dropout_p, T, dm_row, DB, True, DROPOUT,
-                              PREC, PADDED, TMA)
+                              offs_n, qk_scale, stride_kt, stride_vt, key, bits, dropout_p, T, dm_row, DB, True,
+                              DROPOUT, PREC, PADDED, TMA, DROPOUT_BITS)
 
     _store_a(DQ + offs_m[:, None] * stride_ot + offs_da[None, :], (dq_a * sm_scale).to(DQ.dtype.element_ty), dm_row,
              PADDED)
@@ -473,9 +520,9 @@ def _attn_bwd_dq(Q, K, V, Out, DO, DQ, LSE, DELTA, ROW_IDX, ROW_OFF, DIAG,
 
 @triton.jit
 def _dkdv_tile(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, Q_a, Q_b, DO_a, DO_b, DQ_a, DQ_b, LSE, DELTA, start_m,
-               start_n, offs_m, offs_n, sm_scale, qk_scale, stride_qt, stride_dot, stride_gt, key, dropout_p, T, dm_row,
-               DB: tl.constexpr, MASK: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
-               PADDED: tl.constexpr, TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr):
+               start_n, offs_m, offs_n, sm_scale, qk_scale, stride_qt, stride_dot, stride_gt, key, bits, dropout_p, T,
+               dm_row, DB: tl.constexpr, MASK: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
+               PADDED: tl.constexpr, TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr, FROM_BITS: tl.constexpr):
     """dv += P^T dO and dk += dS^T Q for one (BLOCK_N keys x BLOCK_M queries) tile, computed transposed; with
     DQ_ATOMIC also dq += dS K, added atomically."""
     rows_q = (start_m + offs_m)[:, None] * stride_qt
@@ -496,7 +543,7 @@ def _dkdv_tile(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, Q_a, Q_b, DO_a, DO_b,
     if MASK:
         pT = tl.where(q_idx[None, :] >= offs_n[:, None], pT, 0.0)
     if DROPOUT:
-        keep = tl.trans(_keep(key, q_idx, start_n, offs_n.shape[0], T, dropout_p))  # (BLOCK_N, BLOCK_M)
+        keep = tl.trans(_keep_tile(key, bits, q_idx, start_n, offs_n.shape[0], T, dropout_p, FROM_BITS))  # (N, M)
         ppT = tl.where(keep, pT, 0.0)  # dv is scaled by 1/(1-p) once, at the end
         dpT = tl.where(keep, dpT * (1.0 / (1.0 - dropout_p)), 0.0)
     else:
@@ -546,14 +593,15 @@ def _attn_bwd_delta(Out, DO, DELTA, stride_oz, stride_oh, stride_ot, stride_doz,
 
 @triton.jit(do_not_specialize=["seed"])
 def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, DQ, LSE, DELTA, COL_IDX, COL_CUM, DIAG,
-                   sm_scale, dropout_p, seed,
+                   sm_scale, dropout_p, seed, BITS,
                    stride_qz, stride_qh, stride_qt, stride_kz, stride_kh, stride_kt,
                    stride_vz, stride_vh, stride_vt, stride_doz, stride_doh, stride_dot,
                    stride_gz, stride_gh, stride_gt,
                    H, T, NB, LUT_HEADS, COL_WIDTH,
                    HEAD_DIM: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
-                   CONTIG: tl.constexpr, TMA: tl.constexpr = False, DQ_ATOMIC: tl.constexpr = False):
+                   CONTIG: tl.constexpr, TMA: tl.constexpr = False, DQ_ATOMIC: tl.constexpr = False,
+                   DROPOUT_BITS: tl.constexpr = False):
     # Key tiles in order: under a causal layout the first columns have the most blocks.
     start_n = tl.program_id(0) * BLOCK_N
     off_hz = tl.program_id(1)
@@ -598,6 +646,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, DQ, LSE, DELTA, COL_IDX, COL_CUM, DIAG,
         DO_a, DO_b = _descriptors(DO, T, stride_dot, BLOCK_M, HEAD_DIM, DA, DB)
     qk_scale = sm_scale * 1.4426950408889634
     key = _philox_key(seed, off_hz)
+    bits = BITS + off_hz.to(tl.int64) * T * (T // 8)  # read only with DROPOUT_BITS
 
     kb = start_n // SPARSE_BLOCK
     col = (off_h % LUT_HEADS) * NB + kb
@@ -608,8 +657,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, DQ, LSE, DELTA, COL_IDX, COL_CUM, DIAG,
         start_m = tl.multiple_of(diag_lo + it * BLOCK_M, BLOCK_M)
         dk_a, dk_b, dv_a, dv_b = _dkdv_tile(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, Q_a, Q_b, DO_a, DO_b, DQ_a,
                                             DQ_b, LSE, DELTA, start_m, start_n, offs_m, offs_n, sm_scale, qk_scale,
-                                            stride_qt, stride_dot, stride_gt, key, dropout_p, T, dm_row, DB, True,
-                                            DROPOUT, PREC, PADDED, TMA, DQ_ATOMIC)
+                                            stride_qt, stride_dot, stride_gt, key, bits, dropout_p, T, dm_row, DB,
+                                            True, DROPOUT, PREC, PADDED, TMA, DQ_ATOMIC, DROPOUT_BITS)
     # Query blocks strictly below the diagonal, only those inside the runtime T.
     n_off = tl.load(COL_CUM + col * NB + T // SPARSE_BLOCK - 1)
     SUB: tl.constexpr = SPARSE_BLOCK // BLOCK_M
@@ -622,8 +671,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, DQ, LSE, DELTA, COL_IDX, COL_CUM, DIAG,
             start_m = tl.multiple_of(qb * SPARSE_BLOCK + (it % SUB) * BLOCK_M, BLOCK_M)
         dk_a, dk_b, dv_a, dv_b = _dkdv_tile(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, Q_a, Q_b, DO_a, DO_b, DQ_a,
                                             DQ_b, LSE, DELTA, start_m, start_n, offs_m, offs_n, sm_scale, qk_scale,
-                                            stride_qt, stride_dot, stride_gt, key, dropout_p, T, dm_row, DB, False,
-                                            DROPOUT, PREC, PADDED, TMA, DQ_ATOMIC)
+                                            stride_qt, stride_dot, stride_gt, key, bits, dropout_p, T, dm_row, DB,
+                                            False, DROPOUT, PREC, PADDED, TMA, DQ_ATOMIC, DROPOUT_BITS)
 
     dv_scale = 1.0
     if DROPOUT:
@@ -758,7 +807,7 @@ def _tuned(kernel, kind: str, head_dim: int, tiles: tuple[Tile, ...]):
         # Tiles are chosen per sequence length, dropout, stepping and layout width (the most off-diagonal blocks in
         # a row, or column for dk/dv): a causal and a local layout of one length need different tiles.
         width = "COL_WIDTH" if kind.startswith("dkdv") else "ROW_WIDTH"
-        _TUNERS[key] = triton.autotune(configs=configs, key=["T", "DROPOUT", "CONTIG", width],
+        _TUNERS[key] = triton.autotune(configs=configs, key=["T", "DROPOUT", "DROPOUT_BITS", "CONTIG", width],
                                        reset_to_zero=reset)(kernel)
     return _TUNERS[key]
 
@@ -813,7 +862,10 @@ def _launch(kernel, kind: str, T: int, BH: int, tiles: dict[str, Tile] | None, b
                                                         num_stages=t.num_stages)
         tma = t.tma
     else:
-        candidates = candidate_tiles(tile_kind, block, head_dim, dtype, consts["DROPOUT"])
+        # A kernel reading the mask from bits spends no registers on Philox: every tile is a candidate, as without
+        # dropout.
+        philox = consts["DROPOUT"] and not consts["DROPOUT_BITS"]
+        candidates = candidate_tiles(tile_kind, block, head_dim, dtype, philox)
         if any(c.tma for c in candidates) and tma_ok(*inputs) is not None:
             candidates = tuple(c for c in candidates if not c.tma)  # inputs TMA cannot read: pointer tiles only
         tuner = _tuned(kernel, kind, head_dim, candidates)
@@ -885,52 +937,68 @@ def _unit_last(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _constexprs(q: torch.Tensor, lut: BlockLUT, dropout_p: float) -> dict:
+def _constexprs(q: torch.Tensor, lut: BlockLUT, dropout_p: float, bits: torch.Tensor | None) -> dict:
     """The constexprs every kernel takes besides its tile (fp32 inputs take exact "ieee" dots)."""
     return dict(HEAD_DIM=q.shape[-1], SPARSE_BLOCK=lut.block, DROPOUT=dropout_p > 0,
-                PREC="ieee" if q.dtype == torch.float32 else "tf32", CONTIG=lut.contiguous)
+                PREC="ieee" if q.dtype == torch.float32 else "tf32", CONTIG=lut.contiguous,
+                DROPOUT_BITS=dropout_p > 0 and bits is not None)
 
 
-def _forward(q, k, v, lut: BlockLUT, dropout_p: float, seed: int, tiles):
+def _dropout_bits(q: torch.Tensor, lut: BlockLUT, dropout_p: float, seed: int) -> torch.Tensor:
+    """The packed keep mask (B * H, T, T / 8) uint8 of `_dropout_bits_kernel` for q's shape: T * T / 8 bytes a
+    head (0.5 MB at T = 2048), drawn before the forward and kept for the backward."""
+    B, H, T, _ = q.shape
+    bits = torch.empty(B * H, T, T // 8, dtype=torch.uint8, device=q.device)
+    rows, nbytes = min(64, lut.block), lut.block // 8
+    _dropout_bits_kernel[(T // rows, T // 8 // nbytes, B * H)](bits, lut.col_cum, lut.diag, float(dropout_p),
+                                                               int(seed), T, H, lut.n_blocks, lut.n_heads,
+                                                               SPARSE_BLOCK=lut.block, ROWS=rows, BYTES=nbytes,
+                                                               num_warps=4 if rows * nbytes >= 512 else 1)
+    return bits
+
+
+def _forward(q, k, v, lut: BlockLUT, dropout_p: float, seed: int, tiles, bits=None):
     B, H, T, D = q.shape
     o = _empty_bthd(q)
     lse = torch.empty(B * H, T, dtype=torch.float32, device=q.device)
     args = (q, k, v, o, lse, lut.row_idx, lut.row_off, lut.diag, 1.0 / math.sqrt(D), float(dropout_p), int(seed),
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+            lse if bits is None else bits, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
             H, T, lut.n_blocks, lut.n_heads, lut.row_idx.shape[1])
-    consts = _constexprs(q, lut, dropout_p)
+    consts = _constexprs(q, lut, dropout_p, bits)
     _launch(_attn_fwd, "fwd", T, B * H, tiles, lut.block, D, q.dtype, args, consts)
     return o, lse
 
 
-def _backward_dq(do, q, k, v, o, lse, lut: BlockLUT, dropout_p: float, seed: int, tiles):
+def _backward_dq(do, q, k, v, o, lse, lut: BlockLUT, dropout_p: float, seed: int, tiles, bits=None):
     """dq, and delta = rowsum(o * do) for the dk/dv kernel."""
     B, H, T, D = q.shape
     dq, delta = _empty_bthd(q), torch.empty_like(lse)
-    consts = _constexprs(q, lut, dropout_p)
+    consts = _constexprs(q, lut, dropout_p, bits)
     args = (q, k, v, o, do, dq, lse, delta, lut.row_idx, lut.row_off, lut.diag, 1.0 / math.sqrt(D), float(dropout_p),
-            int(seed), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *do.stride()[:3],
-            H, T, lut.n_blocks, lut.n_heads, lut.row_idx.shape[1])
+            int(seed), lse if bits is None else bits, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+            *o.stride()[:3], *do.stride()[:3], H, T, lut.n_blocks, lut.n_heads, lut.row_idx.shape[1])
     _launch(_attn_bwd_dq, "dq", T, B * H, tiles, lut.block, D, q.dtype, args, consts)
     return dq, delta
 
 
-def _backward_dkdv(do, q, k, v, lse, delta, lut: BlockLUT, dropout_p: float, seed: int, tiles, dq32=None):
+def _backward_dkdv(do, q, k, v, lse, delta, lut: BlockLUT, dropout_p: float, seed: int, tiles, dq32=None,
+                   bits=None):
     """dk, dv; with `dq32` (fp32 zeros in dk's layout) the kernel also adds dq into it atomically."""
     B, H, T, D = q.shape
     dk, dv = _empty_bthd(q), _empty_bthd(q)
-    consts = _constexprs(q, lut, dropout_p)
+    consts = _constexprs(q, lut, dropout_p, bits)
     if dq32 is not None:
         consts["DQ_ATOMIC"] = True
     args = (q, k, v, do, dk, dv, dk if dq32 is None else dq32, lse, delta, lut.col_idx, lut.col_cum, lut.diag,
-            1.0 / math.sqrt(D), float(dropout_p), int(seed), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-            *do.stride()[:3], *dk.stride()[:3], H, T, lut.n_blocks, lut.n_heads, lut.col_idx.shape[1])
+            1.0 / math.sqrt(D), float(dropout_p), int(seed), lse if bits is None else bits, *q.stride()[:3],
+            *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], H, T, lut.n_blocks, lut.n_heads,
+            lut.col_idx.shape[1])
     kind = "dkdv" if dq32 is None else "dkdv_dq"
     _launch(_attn_bwd_dkdv, kind, T, B * H, tiles, lut.block, D, q.dtype, args, consts)
     return dk, dv
 
 
-def _backward_atomic_dq(do, q, k, v, o, lse, lut: BlockLUT, dropout_p: float, seed: int, tiles):
+def _backward_atomic_dq(do, q, k, v, o, lse, lut: BlockLUT, dropout_p: float, seed: int, tiles, bits=None):
     """The backward in one pass over the keys: delta from its own small kernel, then dk, dv and dq from the dk/dv
     kernel (dq added atomically in fp32, so in an order that varies from run to run), then dq cast."""
     do = _unit_last(do)
@@ -940,48 +1008,53 @@ def _backward_atomic_dq(do, q, k, v, o, lse, lut: BlockLUT, dropout_p: float, se
     _attn_bwd_delta[(T // block_m, B * H)](o, do, delta, *o.stride()[:3], *do.stride()[:3], H, T, HEAD_DIM=D,
                                            BLOCK_D=triton.next_power_of_2(D), BLOCK_M=block_m)
     dq32 = torch.zeros(B, T, H, D, dtype=torch.float32, device=q.device).transpose(1, 2)
-    dk, dv = _backward_dkdv(do, q, k, v, lse, delta, lut, dropout_p, seed, tiles, dq32)
+    dk, dv = _backward_dkdv(do, q, k, v, lse, delta, lut, dropout_p, seed, tiles, dq32, bits)
     return dq32.to(q.dtype), dk, dv
 
 
-def _backward(do, q, k, v, o, lse, lut: BlockLUT, dropout_p: float, seed: int, tiles):
+def _backward(do, q, k, v, o, lse, lut: BlockLUT, dropout_p: float, seed: int, tiles, bits=None):
     do = _unit_last(do)
-    dq, delta = _backward_dq(do, q, k, v, o, lse, lut, dropout_p, seed, tiles)
-    dk, dv = _backward_dkdv(do, q, k, v, lse, delta, lut, dropout_p, seed, tiles)
+    dq, delta = _backward_dq(do, q, k, v, o, lse, lut, dropout_p, seed, tiles, bits)
+    dk, dv = _backward_dkdv(do, q, k, v, lse, delta, lut, dropout_p, seed, tiles, bits=bits)
     return dq, dk, dv
 
 
 class _BlockSparseAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, lut, dropout_p, seed, tiles):
+    def forward(ctx, q, k, v, lut, dropout_p, seed, tiles, dropout_mask):
         q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
-        o, lse = _forward(q, k, v, lut, dropout_p, seed, tiles)
-        ctx.save_for_backward(q, k, v, o, lse)
+        bits = _dropout_bits(q, lut, dropout_p, seed) if dropout_p > 0 and dropout_mask == "bits" else None
+        o, lse = _forward(q, k, v, lut, dropout_p, seed, tiles, bits)
+        ctx.save_for_backward(q, k, v, o, lse, bits)
         ctx.lut, ctx.dropout_p, ctx.seed, ctx.tiles = lut, dropout_p, seed, tiles
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(do, q, k, v, o, lse, ctx.lut, ctx.dropout_p, ctx.seed, ctx.tiles)
-        return dq, dk, dv, None, None, None, None
+        q, k, v, o, lse, bits = ctx.saved_tensors
+        dq, dk, dv = _backward(do, q, k, v, o, lse, ctx.lut, ctx.dropout_p, ctx.seed, ctx.tiles, bits)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def blocksparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lut: BlockLUT,
-                          dropout_p: float = 0.0, seed: int = 0, tiles: dict[str, Tile] | None = None
-                          ) -> torch.Tensor:
+                          dropout_p: float = 0.0, seed: int = 0, tiles: dict[str, Tile] | None = None,
+                          dropout_mask: str = "philox") -> torch.Tensor:
     """Block-sparse causal attention of q, k, v (B, H, T, D) -> (B, H, T, D), differentiable.
 
     `lut` must live on q's device (BlockLUT.to). `seed` keys the dropout mask (ignored when dropout_p == 0).
     `tiles` fixes the launch shapes ({"fwd"|"dq"|"dkdv": Tile}); by default the autotuner picks them on a GPU and
-    `interpreter_tiles` is used under the interpreter.
+    `interpreter_tiles` is used under the interpreter. `dropout_mask` (DROPOUT_MASKS): "philox" draws the mask
+    inside each of the three kernels, "bits" draws it once per call into T * T / 8 bytes a head (kept for the
+    backward), which the three kernels read; both apply the same mask.
     """
     _check_inputs(q, k, v, lut, dropout_p)
+    if dropout_mask not in DROPOUT_MASKS:
+        raise ValueError(f"dropout_mask must be one of {DROPOUT_MASKS}, got {dropout_mask!r}")
     if tiles is not None and (missing := {"fwd", "dq", "dkdv"} - set(tiles)):
         raise ValueError(f"tiles must give a Tile for each of fwd, dq and dkdv; missing {sorted(missing)}")
     if tiles is None and _interpreted():
         tiles = interpreter_tiles(lut.block)
-    return _BlockSparseAttentionFn.apply(q, k, v, lut, applied_dropout(dropout_p), int(seed), tiles)
+    return _BlockSparseAttentionFn.apply(q, k, v, lut, applied_dropout(dropout_p), int(seed), tiles, dropout_mask)
 
 
 # The rate the kernels apply for dropout_p: the nearest multiple of 1/65536 below 1 (a 16-bit random number per score

@@ -101,6 +101,9 @@ class GPTConfig(FusedSwitches):
     """biases in Linear and LayerNorm layers (GPT-2/Megatron style)"""
     attention: str = "sdpa"
     """attention backend: one of ATTENTION_BACKENDS"""
+    attn_dropout_mask: str = "philox"
+    """blocksparse with attention dropout: philox (each kernel draws the mask) | bits (drawn once per call into
+    T*T/8 bytes a head, read by the three kernels; the same mask)"""
     layout: str = "causal"
     """block layout for sparse backends: causal | local | strided | dense | path to a .pt bool tensor"""
     sparse_block: int = 128
@@ -127,6 +130,8 @@ class GPTConfig(FusedSwitches):
             )
         if self.attention not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention backend {self.attention!r}; choose one of {ATTENTION_BACKENDS}")
+        if self.attn_dropout_mask not in ("philox", "bits"):
+            raise ValueError(f"unknown attn_dropout_mask {self.attn_dropout_mask!r}; choose philox or bits")
         if self.seq_len % self.sparse_block != 0:
             raise ValueError(
                 f"seq_len ({self.seq_len}) must be a multiple of sparse_block ({self.sparse_block}) "

@@ -90,6 +90,9 @@ class TrainConfig(FusedSwitches):
     """seeds model init, dropout and the data order"""
     attention: str | None = None
     """override the preset's attention backend"""
+    attn_dropout_mask: str | None = None
+    """blocksparse with attention dropout: philox (each kernel draws the mask, the default) | bits (drawn once per
+    call, T*T/8 bytes a head kept for the backward)"""
     layout: str | None = None
     """override the preset's block layout"""
     seq_len: int | None = None
@@ -369,6 +372,7 @@ class TrainConfig(FusedSwitches):
         return preset(
             self.preset,
             attention=self.attention,
+            attn_dropout_mask=self.attn_dropout_mask,
             layout=self.layout,
             seq_len=self.seq_len,
             n_layer=self.n_layer,

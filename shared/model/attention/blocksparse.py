@@ -20,6 +20,9 @@ class BlockSparseAttention(Attention):
         check_block(cfg.sparse_block)
         split_head_dim(cfg.head_dim)
         self.lut = BlockLUT.from_layout(layout, cfg.sparse_block)
+        self.dropout_mask = cfg.attn_dropout_mask
+        if self.dropout_mask != "philox":
+            self.backend = f"blocksparse:{self.dropout_mask}"
         self._device_luts: dict[torch.device, BlockLUT] = {}
 
     def lut_on(self, device: torch.device) -> BlockLUT:
@@ -34,4 +37,4 @@ class BlockSparseAttention(Attention):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         p = self._dropout()
         seed = draw_seed() if p > 0 else 0
-        return blocksparse_attention(q, k, v, self.lut_on(q.device), p, seed)
+        return blocksparse_attention(q, k, v, self.lut_on(q.device), p, seed, dropout_mask=self.dropout_mask)
