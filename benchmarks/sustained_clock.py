@@ -6,8 +6,9 @@ A training step runs the matmuls and the attention (cuDNN, with the preset's dro
 same kernels timed alone, in bursts of ~100 ms (benchmarks/attention.py, attention_layout.py), run faster than in a
 profiled step. This loop runs one layer's kernels at the GPU default's shape (micro-batch 16, seq 2048, n_embd 2304,
 24 heads) without a pause: the MLP's two matmuls forward (tokens x C x 4C and back) and the attention forward +
-backward. The host queues about `--window` seconds of work and waits for it while a thread reads the SM clock, power
-draw, temperature and the active clock-event reasons (nvidia-smi, 4 readings a window, their median kept); per window
+backward. The host queues about `--window` seconds of work and waits for it while nvidia-smi reads the SM clock, power
+draw, temperature and the active clock-event reasons beside it (harness/telemetry.py's loop, 4 readings a window,
+written to `<out>.gpu.csv`; the window's median clock and power kept); per window
 the JSON keeps the attention's and the matmuls' mean time per iteration (CUDA events around each), the matmuls'
 TFLOP/s and those readings. The first window against the last ones shows how much of the kernels' speed a sustained
 load keeps.
@@ -18,72 +19,28 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from harness.telemetry import REASONS, number
+from harness import telemetry
 from shared.model.config import PRESETS
 from shared.train.results import device_info, versions, write_json
 
-SMI_FIELDS = ("clocks.sm", "power.draw", "temperature.gpu")
 
-
-def smi() -> dict:
-    """One nvidia-smi reading of the first visible GPU, or why there is none."""
-    gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
-    errors = []
-    for reasons in (*REASONS, None):
-        fields = ",".join(SMI_FIELDS + ((reasons,) if reasons else ()))
-        try:
-            out = subprocess.run(["nvidia-smi", "-i", gpu, f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
-                                 capture_output=True, text=True, timeout=10, check=True).stdout.strip()
-            return parse_smi(out)
-        except (OSError, subprocess.SubprocessError) as exc:
-            errors.append(f"{type(exc).__name__}: {exc}")
-    return {"error": "; ".join(errors)}
-
-
-def parse_smi(line: str) -> dict:
-    """`clock, power, temperature[, reasons]` as nvidia-smi prints them (csv, noheader, nounits)."""
-    values = [x.strip() for x in line.split(",")]
-    if len(values) not in (3, 4):
-        raise ValueError(f"nvidia-smi printed {line!r}; expected clock, power, temperature[, reasons]")
-    reading = {"sm_mhz": number(values[0]), "power_w": number(values[1]), "temp_c": number(values[2])}
-    if len(values) == 4:
-        reading["event_reasons"] = values[3]
-    return reading
-
-
-class Poller(threading.Thread):
-    """nvidia-smi readings every `every_s` seconds, in the background, each with its time."""
-
-    def __init__(self, every_s: float, t0: float):
-        super().__init__(daemon=True)
-        self.every_s, self.t0, self.readings, self.stopped = every_s, t0, [], threading.Event()
-
-    def run(self):
-        while not self.stopped.is_set():
-            t = time.perf_counter() - self.t0
-            self.readings.append((t, smi()))
-            self.stopped.wait(self.every_s)
-
-    def between(self, a: float, b: float) -> dict:
-        """The median of each numeric reading taken between times a and b, and the reasons seen."""
-        got = [r for t, r in self.readings if a <= t <= b and "error" not in r]
-        if not got:
-            return {"readings": 0}
-        out = {"readings": len(got)}
-        for key in ("sm_mhz", "power_w", "temp_c"):
-            vals = [r[key] for r in got if r.get(key) is not None]
-            out[key] = statistics.median(vals) if vals else None
-        out["event_reasons"] = sorted({r["event_reasons"] for r in got if "event_reasons" in r})
-        return out
+def window_reading(csv_path: Path, t0: float, t1: float, gpus: list[str], interval_ms: int) -> dict:
+    """The telemetry readings (harness/telemetry.py) taken between POSIX times t0 and t1: their count, the median SM
+    clock and power, the hottest temperature and the clock-event reasons seen; `readings` 0 (and the error) where
+    there are none."""
+    s = telemetry.summarize(csv_path, [t0, t1], gpus, interval_ms)
+    if "error" in s:
+        return {"readings": 0, "error": s["error"]}
+    median = lambda key: s[key]["median"] if s.get(key) else None
+    return {"readings": s["readings"], "sm_mhz": median("sm_mhz"), "power_w": median("power_w"),
+            "temp_c": s["temp_c_max"], "event_reasons": s["clock_event_reasons"]}
 
 
 def main(args) -> dict:
@@ -115,28 +72,35 @@ def main(args) -> dict:
     torch.cuda.synchronize()
     per_iter_s = time.perf_counter() - t
     n = max(1, round(args.window / per_iter_s))
-    windows, started = [], time.perf_counter()
-    poller = Poller(args.window / 4, started)
-    poller.start()
+    gpus = [(os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]]
+    interval_ms = max(100, round(args.window * 1000 / 4))  # 4 readings a window
+    csv_path = Path(args.out or "sustained_clock.json").with_suffix(".gpu.csv")
+    tele = telemetry.Telemetry(gpus, csv_path, interval_ms).start()
+    if tele.error:
+        print(f"no clock readings: {tele.error}", flush=True)
+    windows, started = [], time.time()
     try:
-        while time.perf_counter() - started < args.seconds:
+        while time.time() - started < args.seconds:
             events = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(n)]
-            t0 = time.perf_counter() - started
+            t0 = time.time()
             for ev in events:
                 iteration(ev)
             torch.cuda.synchronize()
-            t1 = time.perf_counter() - started
+            t1 = time.time()
             mm = [a.elapsed_time(b) for a, b, _ in events]
             at = [b.elapsed_time(c) for _, b, c in events]
-            windows.append({"t_s": round(t0, 2), "iterations": n, "matmul_ms": statistics.mean(mm),
+            windows.append({"t_s": round(t0 - started, 2), "iterations": n, "matmul_ms": statistics.mean(mm),
                             "matmul_tflops": mm_flops / (statistics.mean(mm) * 1e-3) / 1e12,
-                            "attention_ms": statistics.mean(at), **poller.between(t0 + 0.1 * (t1 - t0), t1)})
-            w = windows[-1]
-            print(f"[{w['t_s']:6.1f}s] attention {w['attention_ms']:.3f} ms, matmuls {w['matmul_ms']:.3f} ms "
-                  f"({w['matmul_tflops']:.0f} TFLOP/s), SM {w.get('sm_mhz')} MHz, {w.get('power_w')} W, "
-                  f"{w.get('temp_c')} C, reasons {w.get('event_reasons')}", flush=True)
+                            "attention_ms": statistics.mean(at), "wall": [t0, t1]})
     finally:
-        poller.stopped.set()
+        time.sleep(interval_ms / 1000)  # nvidia-smi writes a reading after it takes it: let the last one land
+        tele.stop()
+    for w in windows:  # the readings of each window, once the load has ended (no pause between windows)
+        t0, t1 = w.pop("wall")
+        w.update(window_reading(csv_path, t0 + 0.1 * (t1 - t0), t1, gpus, interval_ms))
+        print(f"[{w['t_s']:6.1f}s] attention {w['attention_ms']:.3f} ms, matmuls {w['matmul_ms']:.3f} ms "
+              f"({w['matmul_tflops']:.0f} TFLOP/s), SM {w.get('sm_mhz')} MHz, {w.get('power_w')} W, "
+              f"{w.get('temp_c')} C, reasons {w.get('event_reasons')}", flush=True)
     if len(windows) < 2:
         raise SystemExit(f"only {len(windows)} window in --seconds {args.seconds}: give it more seconds")
     first, last = windows[0], windows[-min(3, len(windows) - 1):]
@@ -151,7 +115,8 @@ def main(args) -> dict:
         "settings": {"preset": args.preset, "batch": B, "seq": T, "n_embd": C, "heads": H, "head_dim": D,
                      "dropout": args.dropout, "seconds": args.seconds, "window_s": args.window,
                      "iteration": "mm(mm(x[B*T, C], w1[C, 4C]), w2[4C, C]), then SDPA causal forward + backward",
-                     "nvidia_smi_fields": [*SMI_FIELDS, "clock event reasons"]},
+                     "telemetry": {"csv": csv_path.name, "interval_ms": interval_ms, "error": tele.error,
+                                   "fields": "SM clock, power, temperature, clock-event reasons (harness/telemetry)"}},
         "summary_last_3_windows_vs_first": summary,
         "windows": windows,
     }

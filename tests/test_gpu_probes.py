@@ -48,22 +48,24 @@ def test_without_a_gpu_it_says_so():
         al.main(al.parse_args([]))
 
 
-def test_sustained_clock_reads_nvidia_smi_lines_and_refuses_bad_arguments():
+def test_sustained_clock_takes_each_windows_telemetry_readings_and_refuses_bad_arguments(tmp_path):
+    import datetime as dt
+
     from benchmarks import sustained_clock as sc
 
-    assert sc.parse_smi("1755, 612.40, 61, 0x0000000000000004") == {
-        "sm_mhz": 1755.0, "power_w": 612.4, "temp_c": 61.0, "event_reasons": "0x0000000000000004"}
-    assert sc.parse_smi("1980, [N/A], 40") == {"sm_mhz": 1980.0, "power_w": None, "temp_c": 40.0}
-    with pytest.raises(ValueError, match="expected clock, power, temperature"):
-        sc.parse_smi("1980")
-    poller = sc.Poller(1.0, 0.0)
-    poller.readings = [(0.5, {"sm_mhz": 1980.0, "power_w": 300.0, "temp_c": 40.0, "event_reasons": "0x0"}),
-                       (1.5, {"sm_mhz": 1700.0, "power_w": 690.0, "temp_c": 60.0, "event_reasons": "0x4"}),
-                       (1.7, {"sm_mhz": 1600.0, "power_w": 700.0, "temp_c": 62.0, "event_reasons": "0x4"}),
-                       (1.8, {"error": "nvidia-smi gone"})]
-    assert poller.between(1.0, 2.0) == {"readings": 2, "sm_mhz": 1650.0, "power_w": 695.0, "temp_c": 61.0,
-                                        "event_reasons": ["0x4"]}
-    assert poller.between(3.0, 4.0) == {"readings": 0}
+    stamp = lambda t: dt.datetime.fromtimestamp(t).strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
+    t = 1_800_000_000.0
+    csv = tmp_path / "s.gpu.csv"
+    csv.write_text("# timestamp,index,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active\n"
+                   f"{stamp(t + 0.5)}, 0, 1980, 300.00, 40, 0x0000000000000000\n"
+                   f"{stamp(t + 1.5)}, 0, 1700, 690.00, 60, 0x0000000000000004\n"
+                   f"{stamp(t + 1.7)}, 0, 1600, 700.00, 62, 0x0000000000000004\n"
+                   f"{stamp(t + 1.8)}, 0, [N/A], [N/A], 63, 0x0000000000000004\n")
+    assert sc.window_reading(csv, t + 1.0, t + 2.0, ["0"], 250) == {
+        "readings": 3, "sm_mhz": 1650.0, "power_w": 695.0, "temp_c": 63.0, "event_reasons": ["0x0000000000000004"]}
+    assert sc.window_reading(csv, t + 3.0, t + 4.0, ["0"], 250) == {
+        "readings": 0, "error": "none of the 4 readings lies in the timed window"}
+    assert sc.window_reading(tmp_path / "none.gpu.csv", t, t + 1, ["0"], 250)["readings"] == 0
     for argv in (["--dropout", "-0.1"], ["--seconds", "0"], ["--window", "0"], ["--batch", "0"]):
         with pytest.raises(SystemExit):
             sc.parse_args(argv)
