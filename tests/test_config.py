@@ -13,6 +13,7 @@ from shared.train.config import TrainConfig, normalize_precision
         (dict(attention="flash9"), "unknown attention backend 'flash9'"),
         (dict(layout="zigzag"), "unknown layout 'zigzag'"),
         (dict(attn_dropout_mask="bitz"), "unknown attn_dropout_mask 'bitz'"),
+        (dict(attn_dropout_mask="bits"), "attn_dropout_mask 'bits' is the blocksparse kernel's; attention 'sdpa'"),
         (dict(n_layer=0), "n_layer must be a positive integer"),
         (dict(dropout=1.0), "dropout must be in"),
     ],

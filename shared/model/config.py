@@ -132,6 +132,9 @@ class GPTConfig(FusedSwitches):
             raise ValueError(f"unknown attention backend {self.attention!r}; choose one of {ATTENTION_BACKENDS}")
         if self.attn_dropout_mask not in ("philox", "bits"):
             raise ValueError(f"unknown attn_dropout_mask {self.attn_dropout_mask!r}; choose philox or bits")
+        if self.attn_dropout_mask == "bits" and self.attention != "blocksparse":
+            raise ValueError(f"attn_dropout_mask 'bits' is the blocksparse kernel's; attention {self.attention!r} "
+                             "draws its own dropout mask")
         if self.seq_len % self.sparse_block != 0:
             raise ValueError(
                 f"seq_len ({self.seq_len}) must be a multiple of sparse_block ({self.sparse_block}) "
