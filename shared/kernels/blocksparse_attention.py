@@ -45,6 +45,10 @@ Design (Triton's fused-attention tutorial, tutorials/06-fused-attention.py, FA2 
     q * T / 8 + k // 8 and is kept when it is >= p * 65536, so the rate applied is p rounded to a multiple of
     1/65536 (`applied_dropout`: 0.1 -> 0.100006), and kept probabilities are scaled by 1 / (1 - that rate).
     Forward, dq and dk/dv therefore regenerate the same keep mask element by element whatever their tile shapes.
+    With `dropout_mask="bits"` the mask is drawn once per call instead (`_dropout_bits_kernel`: one Philox call per
+    byte of eight scores, in the layout's blocks only) and the three kernels read it (DROPOUT_BITS): the same mask,
+    T * T / 8 bytes a head kept from the forward to the backward, 1.19x the three kernels' own draws at the 1.5b
+    model's shape (benchmarks/attention_dropout.py).
     The per-call seed is drawn from torch's CPU generator (reproducible under torch.manual_seed, restored by
     torch.utils.checkpoint on recompute, and no GPU sync). `dropout_keep_mask` returns the mask of a seed, for
     tests.
@@ -225,8 +229,10 @@ def _dropout_bits_kernel(BITS, COL_CUM, DIAG, dropout_p, seed, T, H, NB, LUT_HEA
     byte0 = tl.program_id(1) * BYTES
     rb = row0 // SPARSE_BLOCK
     cb = byte0 * 8 // SPARSE_BLOCK
-    col = ((off_hz % H) % LUT_HEADS) * NB + cb  # the key block's column of the table: col_cum[col, t] counts its
-    visited = (rb == cb) & (tl.load(DIAG + col - cb + rb) != 0)  # query blocks <= t; the diagonal block from DIAG
+    # Is block (rb, cb) in the layout? The diagonal one says DIAG; below it, col_cum[col, t] counts the key block
+    # cb's query blocks <= t, so it grows at t = rb exactly when (rb, cb) is one.
+    col = ((off_hz % H) % LUT_HEADS) * NB + cb
+    visited = (rb == cb) & (tl.load(DIAG + col - cb + rb) != 0)
     if cb < rb:
         visited = tl.load(COL_CUM + col * NB + rb) != tl.load(COL_CUM + col * NB + rb - 1)
     if visited:
