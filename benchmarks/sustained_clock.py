@@ -17,7 +17,6 @@ load keeps.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -27,15 +26,16 @@ import torch
 import torch.nn.functional as F
 
 from harness import telemetry
+from harness.launch import visible_gpu
 from shared.model.config import PRESETS
 from shared.train.results import device_info, versions, write_json
 
 
-def window_reading(csv_path: Path, t0: float, t1: float, gpus: list[str], interval_ms: int) -> dict:
-    """The telemetry readings (harness/telemetry.py) taken between POSIX times t0 and t1: their count, the median SM
-    clock and power, the hottest temperature and the clock-event reasons seen; `readings` 0 (and the error) where
-    there are none."""
-    s = telemetry.summarize(csv_path, [t0, t1], gpus, interval_ms)
+def window_reading(readings: list[dict], t0: float, t1: float) -> dict:
+    """Of the telemetry readings (harness/telemetry.parse) those taken between POSIX times t0 and t1: their count,
+    the median SM clock and power, the hottest temperature and the clock-event reasons seen; `readings` 0 (and the
+    error) where there are none."""
+    s = telemetry.in_window(readings, [t0, t1])
     if "error" in s:
         return {"readings": 0, "error": s["error"]}
     median = lambda key: s[key]["median"] if s.get(key) else None
@@ -72,7 +72,7 @@ def main(args) -> dict:
     torch.cuda.synchronize()
     per_iter_s = time.perf_counter() - t
     n = max(1, round(args.window / per_iter_s))
-    gpus = [(os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]]
+    gpus = [visible_gpu(0)]
     interval_ms = max(100, round(args.window * 1000 / 4))  # 4 readings a window
     csv_path = Path(args.out or "sustained_clock.json").with_suffix(".gpu.csv")
     tele = telemetry.Telemetry(gpus, csv_path, interval_ms).start()
@@ -95,9 +95,10 @@ def main(args) -> dict:
     finally:
         time.sleep(interval_ms / 1000)  # nvidia-smi writes a reading after it takes it: let the last one land
         tele.stop()
+    readings = telemetry.parse(csv_path)[0] if csv_path.is_file() else []
     for w in windows:  # the readings of each window, once the load has ended (no pause between windows)
         t0, t1 = w.pop("wall")
-        w.update(window_reading(csv_path, t0 + 0.1 * (t1 - t0), t1, gpus, interval_ms))
+        w.update(window_reading(readings, t0 + 0.1 * (t1 - t0), t1))
         print(f"[{w['t_s']:6.1f}s] attention {w['attention_ms']:.3f} ms, matmuls {w['matmul_ms']:.3f} ms "
               f"({w['matmul_tflops']:.0f} TFLOP/s), SM {w.get('sm_mhz')} MHz, {w.get('power_w')} W, "
               f"{w.get('temp_c')} C, reasons {w.get('event_reasons')}", flush=True)

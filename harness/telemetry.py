@@ -119,10 +119,16 @@ def summarize(csv_path: Path, window: list[float] | None, gpus: list[str], inter
     if not Path(csv_path).is_file():
         return {**out, "error": f"no {Path(csv_path).name}"}
     readings, other = parse(csv_path)
-    inside = [r for r in readings if window[0] <= r["t"] <= window[1]]
-    out.update(readings=len(inside), readings_in_file=len(readings))
     if other:
         out["unparsed_lines"] = other[:5]
+    return {**out, **in_window(readings, window)}
+
+
+def in_window(readings: list[dict], window: list[float]) -> dict:
+    """Of `parse`d readings, those taken inside `window` ([start, end], POSIX seconds): their count, the median and
+    range of the SM clock and power, the hottest temperature and the clock-event reasons seen; an error if none."""
+    inside = [r for r in readings if window[0] <= r["t"] <= window[1]]
+    out = {"readings": len(inside), "readings_in_file": len(readings)}
     if not inside:
         return {**out, "error": f"none of the {len(readings)} readings lies in the timed window"}
     out["sm_mhz"] = _spread([r["sm_mhz"] for r in inside if r["sm_mhz"] is not None])

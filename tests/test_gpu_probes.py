@@ -52,6 +52,7 @@ def test_sustained_clock_takes_each_windows_telemetry_readings_and_refuses_bad_a
     import datetime as dt
 
     from benchmarks import sustained_clock as sc
+    from harness import telemetry
 
     stamp = lambda t: dt.datetime.fromtimestamp(t).strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
     t = 1_800_000_000.0
@@ -61,11 +62,13 @@ def test_sustained_clock_takes_each_windows_telemetry_readings_and_refuses_bad_a
                    f"{stamp(t + 1.5)}, 0, 1700, 690.00, 60, 0x0000000000000004\n"
                    f"{stamp(t + 1.7)}, 0, 1600, 700.00, 62, 0x0000000000000004\n"
                    f"{stamp(t + 1.8)}, 0, [N/A], [N/A], 63, 0x0000000000000004\n")
-    assert sc.window_reading(csv, t + 1.0, t + 2.0, ["0"], 250) == {
+    readings = telemetry.parse(csv)[0]
+    assert sc.window_reading(readings, t + 1.0, t + 2.0) == {
         "readings": 3, "sm_mhz": 1650.0, "power_w": 695.0, "temp_c": 63.0, "event_reasons": ["0x0000000000000004"]}
-    assert sc.window_reading(csv, t + 3.0, t + 4.0, ["0"], 250) == {
+    assert sc.window_reading(readings, t + 3.0, t + 4.0) == {
         "readings": 0, "error": "none of the 4 readings lies in the timed window"}
-    assert sc.window_reading(tmp_path / "none.gpu.csv", t, t + 1, ["0"], 250)["readings"] == 0
+    assert sc.window_reading([], t, t + 1) == {"readings": 0,
+                                               "error": "none of the 0 readings lies in the timed window"}
     for argv in (["--dropout", "-0.1"], ["--seconds", "0"], ["--window", "0"], ["--batch", "0"]):
         with pytest.raises(SystemExit):
             sc.parse_args(argv)
