@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import triton
 
+from benchmarks.attention_tiles import make_inputs
 from shared.kernels import blocksparse_attention as bsa
 from shared.model import layouts
 from shared.train.results import device_info, versions, write_json
@@ -31,17 +32,11 @@ from shared.train.results import device_info, versions, write_json
 MODES = ("none", "philox", "bits")
 
 
-def model_inputs(args):
-    B, H, T, D = args.batch, args.heads, args.seq, args.head_dim
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(B, T, 3 * H * D, device="cuda", dtype=torch.bfloat16, generator=g)
-    q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in x.split(H * D, dim=2))
-    do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
-    return q, k, v, do
-
-
 def kernel_calls(args, q, k, v, do) -> dict:
-    """name -> a no-argument call of one kernel launch (its inputs made once, by the kernels before it)."""
+    """name -> a no-argument call of one kernel launch (its inputs made once, by the kernels before it). q, k, v
+    require gradients (SDPA's backward); the block-sparse kernels are launched on detached views of them."""
+    qg, kg, vg = q, k, v
+    q, k, v = (t.detach() for t in (q, k, v))
     lut = bsa.BlockLUT.from_layout(layouts.causal(args.seq // args.block), args.block).to("cuda")
     p, seed = bsa.applied_dropout(args.dropout), 1234
     calls = {}
@@ -60,7 +55,6 @@ def kernel_calls(args, q, k, v, do) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     f = torch.nn.functional.scaled_dot_product_attention
-    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
     for mode, rate in (("sdpa_none", 0.0), ("sdpa_dropout", args.dropout)):
         def fwd(r=rate):
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -93,7 +87,7 @@ def main(args) -> dict:
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/attention_dropout.py needs a CUDA GPU")
     started = time.time()
-    q, k, v, do = model_inputs(args)
+    q, k, v, do = make_inputs(argparse.Namespace(**vars(args), inputs="model"))
     calls = kernel_calls(args, q, k, v, do)
     for call in calls.values():  # the autotuner's trials and the compiles, before any timing
         call()
