@@ -65,6 +65,9 @@ GPU_DEFAULTS = {"preset": "1.5b", "micro_batch": 8, "steps": 30, "warmup_steps":
 GPU_DEEPCOMPILE_DEFAULTS = {"compile": "deepcompile", "deepcompile_schedule": "once", "micro_batch": 16,
                             "coordinate_descent_tuning": True, "triton_gelu_grad": True, "zero3_step": "fused",
                             "deepcompile_backward_wait": "device", "grad_norm_check": "device"}
+# Attention backends DeepCompile runs (no graph break) but that no GPU measurement under it backs: asked for, they
+# keep compare.py's eager default; `--compile deepcompile` runs them.
+UNMEASURED_UNDER_DEEPCOMPILE = ("blocksparse",)
 DEEPCOMPILE_DEFAULT_HELP = ("(default on GPUs: deepcompile, with --deepcompile_schedule once, --micro_batch 16, "
                             "--coordinate_descent_tuning, --triton_gelu_grad (without --matmul_bias_grad), "
                             "--zero3_step fused (AdamW, ZeRO-3) and, on one GPU, --deepcompile_backward_wait device "
@@ -75,10 +78,12 @@ DEEPCOMPILE_DEFAULT_HELP = ("(default on GPUs: deepcompile, with --deepcompile_s
 
 def deepcompile_by_default(ns: argparse.Namespace) -> bool:
     """Whether a GPU compare gets GPU_DEEPCOMPILE_DEFAULTS: no compile mode asked for, and nothing asked for that
-    DeepCompile refuses (TrainConfig) or that measures something else (--explain, --autotune)."""
+    DeepCompile refuses (TrainConfig), that no GPU run under it backs (UNMEASURED_UNDER_DEEPCOMPILE) or that
+    measures something else (--explain, --autotune)."""
+    not_default = (*GRAPH_BREAKING_BACKENDS, *UNMEASURED_UNDER_DEEPCOMPILE)
     return (ns.compile is None and ns.ds_config is None and not (ns.explain or ns.autotune)
             and (ns.stage is None or ns.stage >= 1) and not ns.val_every and not ns.save_every
-            and not ns.fused_layernorm and ns.attention not in GRAPH_BREAKING_BACKENDS)
+            and not ns.fused_layernorm and ns.attention not in not_default)
 
 
 def _fill_unset(ns: argparse.Namespace, defaults: dict) -> None:

@@ -33,8 +33,8 @@ per element (`+triton_dropout`, shared/kernels/dropout_mask.py), DeepSpeed's own
 the backward's end, instead of the one whose compute stream waits for it (`-device_backward_wait`,
 shared/train/deepcompile_op.py), DeepSpeed's read of the gradient norm's inf/NaN check on the host instead of the flag
 left on the device, each update skipping itself there (`-device_norm_check`, shared/train/zero3_step.py).
-The block-sparse kernel is not a lever here: it runs between compiled graphs, which DeepCompile's ZeRO-3 pass refuses
-(shared/train/config.py); benchmarks/attention.py compares it with SDPA at the model's shape.
+The block-sparse kernel is not a lever here: on the causal layout SDPA (cuDNN) is faster, with and without dropout;
+benchmarks/attention.py and attention_dropout.py compare them at the model's shape.
 `baseline` runs first and again last (`baseline_again`): each configuration's ratio is against the
 mean of the baseline runs, whose two values give the noise. Raw path only by default (`--paths`): a lever changes
 the shared model or step, which both paths run alike (compare.py measures their ratio). A DeepCompile run of the

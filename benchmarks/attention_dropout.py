@@ -38,7 +38,7 @@ def kernel_calls(args, q, k, v, do) -> dict:
     qg, kg, vg = q, k, v
     q, k, v = (t.detach() for t in (q, k, v))
     lut = bsa.BlockLUT.from_layout(layouts.causal(args.seq // args.block), args.block).to("cuda")
-    p, seed = bsa.applied_dropout(args.dropout), 1234
+    p, seed = bsa.applied_dropout(args.dropout), torch.tensor(1234, device="cuda")  # on the device, as the model's
     calls = {}
     for mode in MODES:
         rate = 0.0 if mode == "none" else p

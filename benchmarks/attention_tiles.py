@@ -87,7 +87,7 @@ def grid(args, kind: str, dropout: bool) -> list[bsa.Tile]:
                      args.grid == "wide", loads)
 
 
-def time_kernels(args, lut, q, k, v, do, p: float, seed: int, path: str) -> list[dict]:
+def time_kernels(args, lut, q, k, v, do, p: float, seed: torch.Tensor, path: str) -> list[dict]:
     rows = []
     o, lse = bsa._forward(q, k, v, lut, p, seed, {"fwd": bsa.candidate_tiles("fwd", args.block, args.head_dim,
                                                                                 q.dtype, p > 0)[0]})
@@ -195,6 +195,7 @@ def main(args) -> dict:
     paths = {"affine": lut, "lookup": dataclasses.replace(lut, contiguous=False)} if lut.contiguous \
         else {"lookup": lut}
     q, k, v, do = make_inputs(args)
+    seed = torch.tensor(1234, device=q.device)  # the dropout seed on the device, where the kernels read it
     rows, sdpa = [], {}
     for p in args.dropouts:
         sdpa[str(p)] = sdpa_ms(args, q, k, v, do, p)
@@ -202,7 +203,7 @@ def main(args) -> dict:
         for path, table in paths.items():
             if path == "lookup" and lut.contiguous and not args.lookup:
                 continue
-            rows += time_kernels(args, table, q.detach(), k.detach(), v.detach(), do, p, 1234, path)
+            rows += time_kernels(args, table, q.detach(), k.detach(), v.detach(), do, p, seed, path)
     summary = summarize(rows, sdpa, tuple(args.kernels))
     result = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),

@@ -465,6 +465,93 @@ def test_bad_configs_and_layouts_raise():
                       BlockSparseAttention)
 
 
+# ------------------------------------------------------------------------------------------------ the custom op
+
+
+def test_the_op_passes_torch_library_opcheck():
+    """The forward op's schema, fake (shape-only) version, autograd formula and AOT dispatch agree with what it
+    computes (torch.library.opcheck): what torch.compile relies on to keep it in a graph. With "bits" the mask's
+    bytes outside the layout's blocks are left unwritten (only the backward op reads that output, in the blocks),
+    so that output differs from call to call and opcheck's comparison of two calls' outputs cannot hold; the
+    compiled call's output and gradients are compared here instead."""
+    lut = BlockLUT.from_layout(random_layout(2, 2, seed=4), 64).to(DEVICE)
+    q, k, v, do = inputs(1, 2, 128, 64, torch.float32, seed=3)
+    tensors, meta = bsa._lut_args(lut)
+    tiles = bsa.interpreter_tiles(64)
+    args = (q, k, v, torch.tensor(5, device=DEVICE), tensors, meta, 0.25, bsa._tile_ints(tiles))
+    torch.library.opcheck(bsa._attention_fwd_op, (*args, "philox"))
+    torch.library.opcheck(bsa._attention_fwd_op, (*args, "bits"),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    call = lambda q, k, v: blocksparse_attention(q, k, v, lut, 0.25, 5, tiles, dropout_mask="bits")
+    results = []
+    for fn in (call, torch.compile(call, backend="aot_eager", dynamic=True)):
+        out = fn(q, k, v)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), do)))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_fixed_tiles_cross_the_op_as_ints_and_come_back_equal():
+    tables = (bsa._SMALL_D, bsa._D96, bsa._D128, bsa._FP32)
+    for table in tables:
+        for fwd, dq, dkdv in zip(table["fwd"], table["dq"], table["dkdv"]):
+            tiles = {"fwd": fwd, "dq": dq, "dkdv": dkdv}
+            back = bsa._tiles_of(bsa._tile_ints(tiles))
+            assert back == tiles
+            assert all(type(getattr(t, f)) is bool for t in back.values() for f in ("pad_d", "dropout", "tma"))
+    assert bsa._tiles_of(bsa._tile_ints(None)) is None
+
+
+def test_a_seed_tensor_applies_the_mask_of_its_value_and_bad_seeds_are_named():
+    lut = BlockLUT.from_layout(layouts.causal(2), 64).to(DEVICE)
+    q, k, v, _ = inputs(1, 2, 128, 64, torch.float32, seed=2)
+    by_int = blocksparse_attention(q, k, v, lut, 0.3, 1234)
+    assert torch.equal(blocksparse_attention(q, k, v, lut, 0.3, torch.tensor(1234, device=DEVICE)), by_int)
+    assert not torch.equal(blocksparse_attention(q, k, v, lut, 0.3, 1235), by_int)
+    for bad in (-1, 2**31):
+        with pytest.raises(ValueError, match=rf"seed must be in \[0, 2\^31\).*got {bad}"):
+            blocksparse_attention(q, k, v, lut, 0.3, bad)
+    with pytest.raises(ValueError, match="one int64 on q's device.*torch.int32"):
+        blocksparse_attention(q, k, v, lut, 0.3, torch.tensor(5, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="one int64 on q's device.*shape \\(2,\\)"):
+        blocksparse_attention(q, k, v, lut, 0.3, torch.tensor([5, 6], device=DEVICE))
+
+
+def test_the_whole_gpt_compiles_to_one_graph_with_the_kernel_and_trains_like_eager():
+    """torch.compile of the whole model (what DeepCompile compiles), activation checkpointing and attention dropout
+    on: one graph, no break, and the loss and every gradient of eager code. The seeds are random ops of the graph;
+    with inductor's fallback_random they draw what eager code draws, and the recompute of a checkpointed block
+    replays them (a recompute with another mask would give other gradients). A second call draws other masks."""
+    import torch._inductor.config as inductor_config
+
+    from shared.train.results import dynamo_stats
+
+    cfg = preset("tiny", attention="blocksparse", dropout=0.0, attn_dropout=0.2, seq_len=64,
+                 activation_checkpointing=True)
+    torch.manual_seed(0)
+    model = GPT(cfg).to(DEVICE)
+    idx = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    torch.manual_seed(5)
+    eager = model(idx, idx)
+    eager.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    with inductor_config.patch(fallback_random=True):
+        compiled = torch.compile(model)
+        torch.manual_seed(5)
+        loss = compiled(idx, idx)
+        loss.backward()
+        stats = dynamo_stats()
+        assert stats["dynamo_graphs"] == 1 and stats["dynamo_graph_breaks"] == 0, stats
+        torch.testing.assert_close(loss, eager, rtol=1e-5, atol=1e-6)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, grads[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        torch.manual_seed(6)
+        assert compiled(idx, idx).item() != loss.item()
+
+
 # ------------------------------------------------------------------------------------------------ the model
 
 
@@ -629,6 +716,11 @@ def test_lookup_table_is_built_on_the_cpu_under_a_default_device_context():
         model = GPT(preset("tiny", attention="blocksparse"))
     lut = model.blocks[0].attn.attn.lut
     assert lut.row_idx.device.type == "cpu" and lut.col_cum.device.type == "cpu"
+    # its device copies, the module's buffers, are made where the model's other buffers are (zero.Init's device on a
+    # GPU: ZeRO-3's engine moves no model that zero.Init built)
+    attn = model.blocks[0].attn.attn
+    assert model.pos.device.type == "meta" and attn.lut_row_idx.device.type == "meta"
+    assert attn.lut_row_idx.dtype == torch.int32 and attn.lut_row_idx.shape == lut.row_idx.shape
 
 
 @pytest.mark.parametrize("sweep,files,dropouts", [

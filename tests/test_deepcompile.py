@@ -62,7 +62,6 @@ def test_deepcompile_turns_the_pass_on_in_the_one_ds_dict(pretend_cuda):
     (dict(fused_layernorm=True), "liger"),
     (dict(steps=20, val_every=10), "--val_every 10 .< --steps 20.*DoubleBufferedReduceBucket"),
     (dict(steps=20, save_every=10, ckpt_dir="ck"), "--save_every 10 .< --steps 20"),
-    (dict(attention="blocksparse"), "--attention blocksparse does not combine with --compile deepcompile"),
     (dict(attention="xformers"), "--attention xformers does not combine with --compile deepcompile"),
 ])
 def test_what_deepcompile_cannot_run_is_refused(pretend_cuda, kwargs, match):
@@ -71,8 +70,14 @@ def test_what_deepcompile_cannot_run_is_refused(pretend_cuda, kwargs, match):
 
 
 def test_graph_breaking_attention_is_refused_under_zero3_only(pretend_cuda):
-    TrainConfig(compile="deepcompile", warmup_steps=6, stage=2, attention="blocksparse")  # nothing partitioned
-    TrainConfig(compile="blocks", attention="blocksparse")  # runs between the compiled blocks
+    TrainConfig(compile="deepcompile", warmup_steps=6, stage=2, attention="xformers")  # nothing partitioned
+    TrainConfig(compile="blocks", attention="xformers")  # runs between the compiled blocks
+
+
+def test_the_blocksparse_kernel_runs_under_deepcompile(pretend_cuda):
+    """A custom op, one node of the compiled graph (tests/test_blocksparse.py): nothing for ZeRO-3's pass to miss."""
+    train = TrainConfig(compile="deepcompile", warmup_steps=6, stage=3, attention="blocksparse")
+    assert train.model().attention == "blocksparse"
 
 
 def test_the_once_schedule_compiles_once_and_needs_only_step_0_excluded(pretend_cuda):
@@ -446,6 +451,21 @@ def test_the_triton_dropout_trains_like_inductors_dropout_under_deepcompile(tmp_
     assert heavy["fused"]["dropout_triton_mask"] is True
     print("tails: base, kernel, kernel at 0.5, no dropout:", *(tail(r) for r in (base, kernel, heavy, no_dropout)))
     assert tail(no_dropout) < tail(heavy) - 0.05
+
+
+@pytest.mark.gpu
+def test_the_blocksparse_kernel_trains_like_sdpa_under_deepcompile(tmp_path, kjv):
+    """--attention blocksparse under DeepCompile's ZeRO-3 pass: the kernel is one custom op of the compiled graph (no
+    break, no recompile; a kernel outside the graph once left the embedding's weight ungathered), its dropout seed
+    a random op of the graph, and the run trains as the SDPA run does. The masks are other draws at the same rate,
+    so the bound is the one of other draws (the Triton dropout test's)."""
+    sdpa = _train(RAW, tmp_path, "sdpa", kjv, "--compile", "deepcompile")
+    kernel = _train(RAW, tmp_path, "kernel", kjv, "--compile", "deepcompile", "--attention", "blocksparse")
+    assert kernel["attention"] == "blocksparse" and sdpa["attention"] == "sdpa"
+    assert kernel["fused"]["dynamo_graph_breaks"] == 0 and kernel["fused"]["dynamo_recompile_limit_hits"] == 0
+    tail = lambda r: sum(r["losses"][-10:]) / 10
+    print("tails: sdpa, blocksparse:", tail(sdpa), tail(kernel))
+    assert abs(tail(kernel) - tail(sdpa)) <= 0.066 and kernel["losses"][-1] < kernel["losses"][0] - 1.0
 
 
 @pytest.mark.gpu

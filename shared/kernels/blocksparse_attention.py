@@ -49,9 +49,11 @@ Design (Triton's fused-attention tutorial, tutorials/06-fused-attention.py, FA2 
     byte of eight scores, in the layout's blocks only) and the three kernels read it (DROPOUT_BITS): the same mask,
     T * T / 8 bytes a head kept from the forward to the backward, 1.19x the three kernels' own draws at the 1.5b
     model's shape (benchmarks/attention_dropout.py).
-    The per-call seed is drawn from torch's CPU generator (reproducible under torch.manual_seed, restored by
-    torch.utils.checkpoint on recompute, and no GPU sync). `dropout_keep_mask` returns the mask of a seed, for
-    tests.
+    The per-call seed is drawn on the device by torch.randint (`draw_seed`: reproducible under torch.manual_seed,
+    replayed by torch.utils.checkpoint on recompute, no host sync) and read by the kernels from device memory.
+    `dropout_keep_mask` returns the mask of a seed, for tests.
+  - torch.compile: the operation is a pair of torch custom ops (forward, backward) with its autograd formula
+    registered, so a compiled graph holds it as one node, with no break (see `_attention_fwd_op`).
 
 Limits (each raises ValueError naming the value): head dims SUPPORTED_HEAD_DIMS, sparse blocks SUPPORTED_BLOCKS,
 dtypes fp16/bf16/fp32 (fp32 uses exact fp32 dots: correct but slow), T a multiple of the sparse block and at most
@@ -63,6 +65,7 @@ counter q * T / 8 + k / 8 stays below 2^27). On a CPU the kernels run only under
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -191,6 +194,17 @@ def _philox_key(seed, off_hz):
 
 
 @triton.jit
+def _seed_key(SEED, off_hz, DROPOUT: tl.constexpr):
+    """The Philox key of this (batch, head) from the per-call seed, which the kernels read from device memory (a
+    one-element int64 tensor: drawn on the device, no host sync); without dropout nothing is read."""
+    if DROPOUT:
+        key = _philox_key(tl.load(SEED), off_hz)
+    else:
+        key = off_hz.to(tl.int64)
+    return key
+
+
+@triton.jit
 def _keep(key, rows, col0, N: tl.constexpr, T, dropout_p):
     """Dropout keep mask (len(rows), N) of the scores (rows, col0 .. col0 + N - 1), col0 a multiple of 8: the same
     bits in every kernel whatever its tile shape. One Philox call gives four 32-bit numbers, eight 16-bit halves:
@@ -215,8 +229,8 @@ def _keep_tile(key, bits, rows, col0, N: tl.constexpr, T, dropout_p, FROM_BITS: 
     return keep
 
 
-@triton.jit(do_not_specialize=["seed"])
-def _dropout_bits_kernel(BITS, COL_CUM, DIAG, dropout_p, seed, T, H, NB, LUT_HEADS, SPARSE_BLOCK: tl.constexpr,
+@triton.jit
+def _dropout_bits_kernel(BITS, COL_CUM, DIAG, dropout_p, SEED, T, H, NB, LUT_HEADS, SPARSE_BLOCK: tl.constexpr,
                          ROWS: tl.constexpr, BYTES: tl.constexpr):
     """The keep mask packed for DROPOUT_BITS: score (q, k) of head bh is bit k % 8 of byte
     (bh * T + q) * T / 8 + k // 8. That byte's index within the head, q * T / 8 + k // 8, is the Philox counter
@@ -237,7 +251,7 @@ def _dropout_bits_kernel(BITS, COL_CUM, DIAG, dropout_p, seed, T, H, NB, LUT_HEA
         visited = tl.load(COL_CUM + col * NB + rb) != tl.load(COL_CUM + col * NB + rb - 1)
     if visited:
         counters = (row0 + tl.arange(0, ROWS))[:, None] * (T // 8) + (byte0 + tl.arange(0, BYTES))[None, :]
-        r0, r1, r2, r3 = tl.randint4x(_philox_key(seed, off_hz), counters)
+        r0, r1, r2, r3 = tl.randint4x(_philox_key(tl.load(SEED), off_hz), counters)
         t = tl.cast(dropout_p * 65536.0 + 0.5, tl.uint32) << 16
         # number i's low half is score 2 i of the eight, its high half score 2 i + 1 (`keep_halves`' order)
         packed = (((r0 << 16) >= t).to(tl.int32) | ((r0 >= t).to(tl.int32) << 1)
@@ -331,9 +345,9 @@ def _fwd_tile(acc_a, acc_b, l_i, m_i, q_a, q_b, K_a, K_b, V_a, V_b, start_n, off
     return acc_a, acc_b, l_i, m_ij
 
 
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit
 def _attn_fwd(Q, K, V, Out, LSE, ROW_IDX, ROW_OFF, DIAG,
-              sm_scale, dropout_p, seed, BITS,
+              sm_scale, dropout_p, SEED, BITS,
               stride_qz, stride_qh, stride_qt, stride_kz, stride_kh, stride_kt,
               stride_vz, stride_vh, stride_vt, stride_oz, stride_oh, stride_ot,
               H, T, NB, LUT_HEADS, ROW_WIDTH,
@@ -375,7 +389,7 @@ def _attn_fwd(Q, K, V, Out, LSE, ROW_IDX, ROW_OFF, DIAG,
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     qk_scale = sm_scale * 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
-    key = _philox_key(seed, off_hz)
+    key = _seed_key(SEED, off_hz, DROPOUT)
     bits = BITS + off_hz.to(tl.int64) * T * (T // 8)  # read only with DROPOUT_BITS
 
     row = (off_h % LUT_HEADS) * NB + start_m // SPARSE_BLOCK
@@ -442,9 +456,9 @@ def _dq_tile(dq_a, dq_b, q_a, q_b, do_a, do_b, lse, delta, K_a, K_b, V_a, V_b, s
     return dq_a, dq_b
 
 
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit
 def _attn_bwd_dq(Q, K, V, Out, DO, DQ, LSE, DELTA, ROW_IDX, ROW_OFF, DIAG,
-                 sm_scale, dropout_p, seed, BITS,
+                 sm_scale, dropout_p, SEED, BITS,
                  stride_qz, stride_qh, stride_qt, stride_kz, stride_kh, stride_kt,
                  stride_vz, stride_vh, stride_vt, stride_oz, stride_oh, stride_ot,
                  stride_doz, stride_doh, stride_dot,
@@ -494,7 +508,7 @@ def _attn_bwd_dq(Q, K, V, Out, DO, DQ, LSE, DELTA, ROW_IDX, ROW_OFF, DIAG,
     tl.store(DELTA + offs_m, delta)
     lse = tl.load(LSE + offs_m)
     qk_scale = sm_scale * 1.4426950408889634
-    key = _philox_key(seed, off_hz)
+    key = _seed_key(SEED, off_hz, DROPOUT)
     bits = BITS + off_hz.to(tl.int64) * T * (T // 8)  # read only with DROPOUT_BITS
 
     row = (off_h % LUT_HEADS) * NB + start_m // SPARSE_BLOCK
@@ -597,9 +611,9 @@ def _attn_bwd_delta(Out, DO, DELTA, stride_oz, stride_oh, stride_ot, stride_doz,
     tl.store(DELTA + off_hz.to(tl.int64) * T + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1))
 
 
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit
 def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, DQ, LSE, DELTA, COL_IDX, COL_CUM, DIAG,
-                   sm_scale, dropout_p, seed, BITS,
+                   sm_scale, dropout_p, SEED, BITS,
                    stride_qz, stride_qh, stride_qt, stride_kz, stride_kh, stride_kt,
                    stride_vz, stride_vh, stride_vt, stride_doz, stride_doh, stride_dot,
                    stride_gz, stride_gh, stride_gt,
@@ -651,7 +665,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, DQ, LSE, DELTA, COL_IDX, COL_CUM, DIAG,
         Q_a, Q_b = _descriptors(Q, T, stride_qt, BLOCK_M, HEAD_DIM, DA, DB)
         DO_a, DO_b = _descriptors(DO, T, stride_dot, BLOCK_M, HEAD_DIM, DA, DB)
     qk_scale = sm_scale * 1.4426950408889634
-    key = _philox_key(seed, off_hz)
+    key = _seed_key(SEED, off_hz, DROPOUT)
     bits = BITS + off_hz.to(tl.int64) * T * (T // 8)  # read only with DROPOUT_BITS
 
     kb = start_n // SPARSE_BLOCK
@@ -950,24 +964,30 @@ def _constexprs(q: torch.Tensor, lut: BlockLUT, dropout_p: float, bits: torch.Te
                 DROPOUT_BITS=dropout_p > 0 and bits is not None)
 
 
-def _dropout_bits(q: torch.Tensor, lut: BlockLUT, dropout_p: float, seed: int) -> torch.Tensor:
+def _seed_tensor(seed: int | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The seed as the kernels read it: a one-element int64 tensor on `like`'s device (an int is copied there)."""
+    return seed if isinstance(seed, torch.Tensor) else torch.tensor(int(seed), dtype=torch.int64, device=like.device)
+
+
+def _dropout_bits(q: torch.Tensor, lut: BlockLUT, dropout_p: float, seed: int | torch.Tensor) -> torch.Tensor:
     """The packed keep mask (B * H, T, T / 8) uint8 of `_dropout_bits_kernel` for q's shape: T * T / 8 bytes a
     head (0.5 MB at T = 2048), drawn before the forward and kept for the backward."""
     B, H, T, _ = q.shape
     bits = torch.empty(B * H, T, T // 8, dtype=torch.uint8, device=q.device)
     rows, nbytes = min(64, lut.block), lut.block // 8
     _dropout_bits_kernel[(T // rows, T // 8 // nbytes, B * H)](bits, lut.col_cum, lut.diag, float(dropout_p),
-                                                               int(seed), T, H, lut.n_blocks, lut.n_heads,
+                                                               _seed_tensor(seed, q), T, H, lut.n_blocks, lut.n_heads,
                                                                SPARSE_BLOCK=lut.block, ROWS=rows, BYTES=nbytes,
                                                                num_warps=4 if rows * nbytes >= 512 else 1)
     return bits
 
 
-def _forward(q, k, v, lut: BlockLUT, dropout_p: float, seed: int, tiles, bits=None):
+def _forward(q, k, v, lut: BlockLUT, dropout_p: float, seed: int | torch.Tensor, tiles, bits=None):
     B, H, T, D = q.shape
     o = _empty_bthd(q)
     lse = torch.empty(B * H, T, dtype=torch.float32, device=q.device)
-    args = (q, k, v, o, lse, lut.row_idx, lut.row_off, lut.diag, 1.0 / math.sqrt(D), float(dropout_p), int(seed),
+    seed = _seed_tensor(seed, q) if dropout_p > 0 else lse  # without dropout the kernel reads no seed
+    args = (q, k, v, o, lse, lut.row_idx, lut.row_off, lut.diag, 1.0 / math.sqrt(D), float(dropout_p), seed,
             lse if bits is None else bits, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
             H, T, lut.n_blocks, lut.n_heads, lut.row_idx.shape[1])
     consts = _constexprs(q, lut, dropout_p, bits)
@@ -975,19 +995,20 @@ def _forward(q, k, v, lut: BlockLUT, dropout_p: float, seed: int, tiles, bits=No
     return o, lse
 
 
-def _backward_dq(do, q, k, v, o, lse, lut: BlockLUT, dropout_p: float, seed: int, tiles, bits=None):
+def _backward_dq(do, q, k, v, o, lse, lut: BlockLUT, dropout_p: float, seed: int | torch.Tensor, tiles, bits=None):
     """dq, and delta = rowsum(o * do) for the dk/dv kernel."""
     B, H, T, D = q.shape
     dq, delta = _empty_bthd(q), torch.empty_like(lse)
     consts = _constexprs(q, lut, dropout_p, bits)
+    seed = _seed_tensor(seed, q) if dropout_p > 0 else lse
     args = (q, k, v, o, do, dq, lse, delta, lut.row_idx, lut.row_off, lut.diag, 1.0 / math.sqrt(D), float(dropout_p),
-            int(seed), lse if bits is None else bits, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+            seed, lse if bits is None else bits, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
             *o.stride()[:3], *do.stride()[:3], H, T, lut.n_blocks, lut.n_heads, lut.row_idx.shape[1])
     _launch(_attn_bwd_dq, "dq", T, B * H, tiles, lut.block, D, q.dtype, args, consts)
     return dq, delta
 
 
-def _backward_dkdv(do, q, k, v, lse, delta, lut: BlockLUT, dropout_p: float, seed: int, tiles, dq32=None,
+def _backward_dkdv(do, q, k, v, lse, delta, lut: BlockLUT, dropout_p: float, seed: int | torch.Tensor, tiles, dq32=None,
                    bits=None):
     """dk, dv; with `dq32` (fp32 zeros in dk's layout) the kernel also adds dq into it atomically."""
     B, H, T, D = q.shape
@@ -996,7 +1017,8 @@ def _backward_dkdv(do, q, k, v, lse, delta, lut: BlockLUT, dropout_p: float, see
     if dq32 is not None:
         consts["DQ_ATOMIC"] = True
     args = (q, k, v, do, dk, dv, dk if dq32 is None else dq32, lse, delta, lut.col_idx, lut.col_cum, lut.diag,
-            1.0 / math.sqrt(D), float(dropout_p), int(seed), lse if bits is None else bits, *q.stride()[:3],
+            1.0 / math.sqrt(D), float(dropout_p), _seed_tensor(seed, q) if dropout_p > 0 else lse,
+            lse if bits is None else bits, *q.stride()[:3],
             *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], H, T, lut.n_blocks, lut.n_heads,
             lut.col_idx.shape[1])
     kind = "dkdv" if dq32 is None else "dkdv_dq"
@@ -1004,7 +1026,8 @@ def _backward_dkdv(do, q, k, v, lse, delta, lut: BlockLUT, dropout_p: float, see
     return dk, dv
 
 
-def _backward_atomic_dq(do, q, k, v, o, lse, lut: BlockLUT, dropout_p: float, seed: int, tiles, bits=None):
+def _backward_atomic_dq(do, q, k, v, o, lse, lut: BlockLUT, dropout_p: float, seed: int | torch.Tensor, tiles,
+                        bits=None):
     """The backward in one pass over the keys: delta from its own small kernel, then dk, dv and dq from the dk/dv
     kernel (dq added atomically in fp32, so in an order that varies from run to run), then dq cast."""
     do = _unit_last(do)
@@ -1018,49 +1041,129 @@ def _backward_atomic_dq(do, q, k, v, o, lse, lut: BlockLUT, dropout_p: float, se
     return dq32.to(q.dtype), dk, dv
 
 
-def _backward(do, q, k, v, o, lse, lut: BlockLUT, dropout_p: float, seed: int, tiles, bits=None):
+def _backward(do, q, k, v, o, lse, lut: BlockLUT, dropout_p: float, seed: int | torch.Tensor, tiles, bits=None):
     do = _unit_last(do)
     dq, delta = _backward_dq(do, q, k, v, o, lse, lut, dropout_p, seed, tiles, bits)
     dk, dv = _backward_dkdv(do, q, k, v, lse, delta, lut, dropout_p, seed, tiles, bits=bits)
     return dq, dk, dv
 
 
-class _BlockSparseAttentionFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, lut, dropout_p, seed, tiles, dropout_mask):
-        q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
-        bits = _dropout_bits(q, lut, dropout_p, seed) if dropout_p > 0 and dropout_mask == "bits" else None
-        o, lse = _forward(q, k, v, lut, dropout_p, seed, tiles, bits)
-        ctx.save_for_backward(q, k, v, o, lse, bits)
-        ctx.lut, ctx.dropout_p, ctx.seed, ctx.tiles = lut, dropout_p, seed, tiles
-        return o
+# The operation as two torch custom ops (forward, backward) with the forward's autograd formula registered, so that
+# torch.compile and DeepSpeed's DeepCompile keep it inside their graphs: dynamo sees one opaque node per call and
+# its fake (shape-only) version, AOT autograd puts the backward op in the backward graph, and nothing of the Triton
+# launcher is traced. The op is a pure function of its inputs: the dropout seed comes in as a one-element int64
+# tensor on the device, which the kernels read (`draw_seed` draws it with torch.randint, a random op that torch's
+# compiler and checkpointing know how to replay, with no host sync), the lookup table as its five tensors and an int
+# list (`_lut_args`), fixed tiles as an int list (`_tile_ints`: empty = autotuned).
+_FWD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor seed, Tensor[] lut, int[] lut_meta, float dropout_p, "
+               "int[] tiles, str dropout_mask) -> (Tensor, Tensor, Tensor)")
+_BWD_SCHEMA = ("(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor bits, Tensor seed, "
+               "Tensor[] lut, int[] lut_meta, float dropout_p, int[] tiles) -> (Tensor, Tensor, Tensor)")
+_TILE_KINDS = ("fwd", "dq", "dkdv")
 
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse, bits = ctx.saved_tensors
-        dq, dk, dv = _backward(do, q, k, v, o, lse, ctx.lut, ctx.dropout_p, ctx.seed, ctx.tiles, bits)
-        return dq, dk, dv, None, None, None, None, None
+
+def _lut_args(lut: BlockLUT) -> tuple[list[torch.Tensor], list[int]]:
+    return ([lut.row_idx, lut.row_off, lut.diag, lut.col_idx, lut.col_cum],
+            [lut.block, lut.n_blocks, lut.n_heads, lut.nnz, int(lut.contiguous)])
+
+
+def _lut_of(tensors: list[torch.Tensor], meta: list[int]) -> BlockLUT:
+    block, n_blocks, n_heads, nnz, contiguous = meta
+    return BlockLUT(block, n_blocks, n_heads, nnz, *tensors, contiguous=bool(contiguous))
+
+
+def _tile_ints(tiles: dict[str, Tile] | None) -> list[int]:
+    """fwd, dq, dkdv tiles as Tile's fields in order (4 sizes, then the 3 flags) for the op's int list; None: []."""
+    return [] if tiles is None else [int(x) for kind in _TILE_KINDS for x in dataclasses.astuple(tiles[kind])]
+
+
+def _tiles_of(ints: list[int]) -> dict[str, Tile] | None:
+    n = len(dataclasses.fields(Tile))
+    chunks = [ints[i:i + n] for i in range(0, len(ints), n)]
+    return {kind: Tile(*c[:4], *map(bool, c[4:])) for kind, c in zip(_TILE_KINDS, chunks)} if ints else None
+
+
+@torch.library.custom_op("zero3bench::blocksparse_attention_fwd", mutates_args=(), schema=_FWD_SCHEMA)
+def _attention_fwd_op(q, k, v, seed, lut, lut_meta, dropout_p, tiles, dropout_mask):
+    """-> o (B, H, T, D), lse (B * H, T) fp32, the packed keep mask (empty unless dropout_mask is "bits"; its bytes
+    outside the layout's blocks are left unwritten: only the backward op reads it, inside them)."""
+    table = _lut_of(lut, lut_meta)
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    bits = _dropout_bits(q, table, dropout_p, seed) if dropout_p > 0 and dropout_mask == "bits" else None
+    o, lse = _forward(q, k, v, table, dropout_p, seed, _tiles_of(tiles), bits)
+    return o, lse, torch.empty(0, dtype=torch.uint8, device=q.device) if bits is None else bits
+
+
+@_attention_fwd_op.register_fake
+def _(q, k, v, seed, lut, lut_meta, dropout_p, tiles, dropout_mask):
+    B, H, T, _ = q.shape
+    bits = dropout_p > 0 and dropout_mask == "bits"
+    return (_empty_bthd(q), q.new_empty(B * H, T, dtype=torch.float32),
+            q.new_empty((B * H, T, T // 8) if bits else (0,), dtype=torch.uint8))
+
+
+@torch.library.custom_op("zero3bench::blocksparse_attention_bwd", mutates_args=(), schema=_BWD_SCHEMA)
+def _attention_bwd_op(do, q, k, v, o, lse, bits, seed, lut, lut_meta, dropout_p, tiles):
+    """-> dq, dk, dv of `_attention_fwd_op`'s output o."""
+    return _backward(do, q, k, v, o, lse, _lut_of(lut, lut_meta), dropout_p, seed, _tiles_of(tiles),
+                     bits if bits.numel() else None)
+
+
+@_attention_bwd_op.register_fake
+def _(do, q, k, v, o, lse, bits, seed, lut, lut_meta, dropout_p, tiles):
+    return _empty_bthd(q), _empty_bthd(q), _empty_bthd(q)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, seed, lut, lut_meta, dropout_p, tiles, _ = inputs
+    o, lse, bits = output
+    ctx.save_for_backward(q, k, v, o, lse, bits, seed, *lut)
+    ctx.lut_meta, ctx.dropout_p, ctx.tiles = lut_meta, dropout_p, tiles
+
+
+def _backward_formula(ctx, do, *_):
+    q, k, v, o, lse, bits, seed, *lut = ctx.saved_tensors
+    dq, dk, dv = _attention_bwd_op(do, q, k, v, o, lse, bits, seed, lut, ctx.lut_meta, ctx.dropout_p, ctx.tiles)
+    return dq, dk, dv, None, [None] * len(lut), None, None, None, None
+
+
+_attention_fwd_op.register_autograd(_backward_formula, setup_context=_setup_context)
 
 
 def blocksparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lut: BlockLUT,
-                          dropout_p: float = 0.0, seed: int = 0, tiles: dict[str, Tile] | None = None,
+                          dropout_p: float = 0.0, seed: int | torch.Tensor = 0, tiles: dict[str, Tile] | None = None,
                           dropout_mask: str = "philox") -> torch.Tensor:
-    """Block-sparse causal attention of q, k, v (B, H, T, D) -> (B, H, T, D), differentiable.
+    """Block-sparse causal attention of q, k, v (B, H, T, D) -> (B, H, T, D), differentiable, and one custom op
+    under torch.compile (no graph break).
 
-    `lut` must live on q's device (BlockLUT.to). `seed` keys the dropout mask (ignored when dropout_p == 0).
-    `tiles` fixes the launch shapes ({"fwd"|"dq"|"dkdv": Tile}); by default the autotuner picks them on a GPU and
-    `interpreter_tiles` is used under the interpreter. `dropout_mask` (DROPOUT_MASKS): "philox" draws the mask
+    `lut` must live on q's device (BlockLUT.to). `seed` keys the dropout mask (ignored when dropout_p == 0): an int
+    in [0, 2^31), or a one-element int64 tensor of such a value on q's device (`draw_seed`), which the kernels read
+    there. `tiles` fixes the launch shapes ({"fwd"|"dq"|"dkdv": Tile}); by default the autotuner picks them on a GPU
+    and `interpreter_tiles` is used under the interpreter. `dropout_mask` (DROPOUT_MASKS): "philox" draws the mask
     inside each of the three kernels, "bits" draws it once per call into T * T / 8 bytes a head (kept for the
     backward), which the three kernels read; both apply the same mask.
     """
     _check_inputs(q, k, v, lut, dropout_p)
     if dropout_mask not in DROPOUT_MASKS:
         raise ValueError(f"dropout_mask must be one of {DROPOUT_MASKS}, got {dropout_mask!r}")
+    if isinstance(seed, torch.Tensor):
+        if seed.numel() != 1 or seed.dtype != torch.int64 or seed.device != q.device:
+            raise ValueError(f"a seed tensor must be one int64 on q's device {q.device} (draw_seed), got "
+                             f"{seed.dtype} of shape {tuple(seed.shape)} on {seed.device}")
+    elif not 0 <= seed < 2**31:
+        raise ValueError(f"seed must be in [0, 2^31) (the low word of the kernels' Philox key), got {seed}")
+    elif dropout_p > 0:
+        seed = _seed_tensor(seed, q)
+    else:
+        seed = lut.row_off  # read by no kernel without dropout: any tensor of the device, no copy
     if tiles is not None and (missing := {"fwd", "dq", "dkdv"} - set(tiles)):
         raise ValueError(f"tiles must give a Tile for each of fwd, dq and dkdv; missing {sorted(missing)}")
     if tiles is None and _interpreted():
         tiles = interpreter_tiles(lut.block)
-    return _BlockSparseAttentionFn.apply(q, k, v, lut, applied_dropout(dropout_p), int(seed), tiles, dropout_mask)
+    tensors, meta = _lut_args(lut)
+    o, _, _ = _attention_fwd_op(q, k, v, seed, tensors, meta, applied_dropout(dropout_p), _tile_ints(tiles),
+                                dropout_mask)
+    return o
 
 
 # The rate the kernels apply for dropout_p: the nearest multiple of 1/65536 below 1 (a 16-bit random number per score
@@ -1078,6 +1181,8 @@ def dropout_keep_mask(batch: int, heads: int, seq_len: int, dropout_p: float, se
     return mask.view(batch, heads, seq_len, seq_len).bool()
 
 
-def draw_seed() -> int:
-    """A dropout seed from torch's default CPU generator: reproducible under torch.manual_seed, no GPU sync."""
-    return int(torch.randint(0, 2**31 - 1, (1,)).item())
+def draw_seed(device: torch.device | str) -> torch.Tensor:
+    """A dropout seed in [0, 2^31): an int64 scalar drawn on `device` by torch.randint from that device's default
+    generator. Reproducible under torch.manual_seed, no host sync, replayed by torch.utils.checkpoint on recompute,
+    and traceable: a compiled graph draws it as one random op, which torch's checkpointing also replays."""
+    return torch.randint(0, 2**31 - 1, (), dtype=torch.int64, device=device)

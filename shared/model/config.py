@@ -11,9 +11,10 @@ import dataclasses
 from dataclasses import dataclass
 
 ATTENTION_BACKENDS = ("sdpa", "reference", "blocksparse", "flex", "xformers")
-# Backends whose kernels run between compiled graphs (torch.compiler.disable: shared/model/attention/blocksparse.py,
-# xformers.py): a whole-model compile breaks its graph at each of them.
-GRAPH_BREAKING_BACKENDS = ("blocksparse", "xformers")
+# Backends whose kernels run between compiled graphs (torch.compiler.disable: shared/model/attention/xformers.py): a
+# whole-model compile breaks its graph at each of them. The block-sparse kernel is a torch custom op, one node of the
+# graph (shared/kernels/blocksparse_attention.py).
+GRAPH_BREAKING_BACKENDS = ("xformers",)
 LAYOUTS = ("causal", "local", "strided", "dense")  # or a path to a saved bool tensor (see shared/model/layouts.py)
 
 

@@ -359,9 +359,9 @@ class TrainConfig(FusedSwitches):
             raise ValueError(
                 f"--attention {self._model.attention} does not combine with --compile deepcompile under ZeRO-3: its "
                 "kernel runs between compiled graphs (torch.compiler.disable), and DeepCompile's ZeRO-3 pass then "
-                "leaves parameters ungathered outside its graph (seen on the H200 with blocksparse: \"RuntimeError: "
-                "'weight' must be 2-D\" at the token embedding); use --attention sdpa with DeepCompile, or "
-                "--compile blocks (the kernel runs between the compiled blocks)")
+                "leaves parameters ungathered outside its graph (seen on the H200 with a kernel outside the graph: "
+                "\"RuntimeError: 'weight' must be 2-D\" at the token embedding); use --attention sdpa or blocksparse "
+                "with DeepCompile, or --compile blocks (the kernel runs between the compiled blocks)")
 
     def model(self) -> GPTConfig:
         """The GPTConfig this run trains: the preset with this run's overrides (built once, in __post_init__)."""

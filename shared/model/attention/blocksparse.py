@@ -3,15 +3,25 @@ interface. The kernel module is the operation only; the lookup table of this mod
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from shared.kernels.blocksparse_attention import BlockLUT, blocksparse_attention, check_block, draw_seed, split_head_dim
 from shared.model.attention.base import Attention
 from shared.model.config import GPTConfig
 
+_LUT_TENSORS = ("row_idx", "row_off", "diag", "col_idx", "col_cum")
+
 
 class BlockSparseAttention(Attention):
-    """The fused block-sparse kernel behind the Attention interface; the lookup table is built here, once."""
+    """The fused block-sparse kernel behind the Attention interface. The lookup table is built here, once, on the
+    CPU; its tensors are buffers (not saved in the state dict), so they follow the module to its device like the
+    reference backend's mask.
+
+    The kernel is a torch custom op: under torch.compile (--compile blocks, DeepCompile) it is one node of the
+    graph, with no break. Its dropout seed is drawn per call on the device by a random op of the same graph
+    (`draw_seed`)."""
 
     backend = "blocksparse"
 
@@ -20,21 +30,19 @@ class BlockSparseAttention(Attention):
         check_block(cfg.sparse_block)
         split_head_dim(cfg.head_dim)
         self.lut = BlockLUT.from_layout(layout, cfg.sparse_block)
+        # Created as the model's other buffers are (GPT.pos, the reference backend's mask): on the device that
+        # deepspeed.zero.Init (which patches torch.empty) or a default-device context gives, else the CPU; ZeRO-3's
+        # engine does not move a model zero.Init built.
+        for name in _LUT_TENSORS:
+            table = getattr(self.lut, name)
+            self.register_buffer(f"lut_{name}", torch.empty(table.shape, dtype=table.dtype).copy_(table),
+                                 persistent=False)
         self.dropout_mask = cfg.attn_dropout_mask
         if self.dropout_mask != "philox":
             self.backend = f"blocksparse:{self.dropout_mask}"
-        self._device_luts: dict[torch.device, BlockLUT] = {}
 
-    def lut_on(self, device: torch.device) -> BlockLUT:
-        if device not in self._device_luts:
-            self._device_luts[device] = self.lut.to(device)
-        return self._device_luts[device]
-
-    # Inside a compiled block (--compile blocks) the kernel runs as it is, between two compiled graphs: dynamo
-    # would otherwise trace into the Triton launcher and the seed's .item() (under TRITON_INTERPRET it cannot).
-    # The break is counted in the result's dynamo_graph_breaks.
-    @torch.compiler.disable
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         p = self._dropout()
-        seed = draw_seed() if p > 0 else 0
-        return blocksparse_attention(q, k, v, self.lut_on(q.device), p, seed, dropout_mask=self.dropout_mask)
+        lut = dataclasses.replace(self.lut, **{name: getattr(self, f"lut_{name}") for name in _LUT_TENSORS})
+        seed = draw_seed(q.device) if p > 0 else 0
+        return blocksparse_attention(q, k, v, lut, p, seed, dropout_mask=self.dropout_mask)
