@@ -491,6 +491,40 @@ def test_the_op_passes_torch_library_opcheck():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_the_op_without_fixed_tiles_crosses_autograd(monkeypatch):
+    """Without fixed tiles (the autotuned launches of a GPU) the op's tile list is empty, which torch's autograd
+    wrapper reads as a list of no tensors: the backward formula must still hand back one gradient per input in the
+    inputs' structure. The kernels' launches are recorded here, not run."""
+    launched = []
+    monkeypatch.setattr(bsa, "_launch", lambda kernel, kind, T, BH, tiles, *_: launched.append((kind, tiles)))
+    lut = BlockLUT.from_layout(layouts.causal(2), 64)
+    q, k, v, do = inputs(1, 2, 128, 64, torch.float32, device="cpu")
+    tensors, meta = bsa._lut_args(lut)
+    args = (q, k, v, torch.tensor(5), tensors, meta, 0.1, [], "philox")
+    torch.library.opcheck(bsa._attention_fwd_op, args,
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    launched.clear()
+    o, _, _ = bsa._attention_fwd_op(*args)
+    o.backward(do)
+    assert launched == [("fwd", None), ("dq", None), ("dkdv", None)]
+    assert all(t.grad is not None and t.grad.shape == t.shape for t in (q, k, v))
+
+
+def test_eager_calls_take_the_function_and_traced_calls_the_op(monkeypatch):
+    """Eager code runs the autograd.Function (the op's dispatch costs several times its host time); code that
+    torch.compile traces runs the op, the same kernels (tests below compare the two)."""
+    called = []
+    monkeypatch.setattr(bsa._BlockSparseAttentionFn, "apply", lambda *a: called.append("function") or a[0])
+    lut = BlockLUT.from_layout(layouts.causal(2), 64).to(DEVICE)
+    q, k, v, _ = inputs(1, 2, 128, 64, torch.float32)
+    bsa.blocksparse_attention(q, k, v, lut)
+    assert called == ["function"]
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(bsa, "_attention_fwd_op", lambda *a: called.append("op") or (a[0], None, None))
+    bsa.blocksparse_attention(q, k, v, lut)
+    assert called == ["function", "op"]
+
+
 def test_fixed_tiles_cross_the_op_as_ints_and_come_back_equal():
     tables = (bsa._SMALL_D, bsa._D96, bsa._D128, bsa._FP32)
     for table in tables:

@@ -1048,8 +1048,38 @@ def _backward(do, q, k, v, o, lse, lut: BlockLUT, dropout_p: float, seed: int | 
     return dq, dk, dv
 
 
-# The operation as two torch custom ops (forward, backward) with the forward's autograd formula registered, so that
-# torch.compile and DeepSpeed's DeepCompile keep it inside their graphs: dynamo sees one opaque node per call and
+def _attention_forward(q, k, v, seed: torch.Tensor, lut: BlockLUT, dropout_p: float, tiles, dropout_mask: str):
+    """What the forward of both wrappers below runs: -> o, lse, the packed keep mask (None unless "bits"; its bytes
+    outside the layout's blocks are left unwritten: only the backward reads it, inside them)."""
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    bits = _dropout_bits(q, lut, dropout_p, seed) if dropout_p > 0 and dropout_mask == "bits" else None
+    o, lse = _forward(q, k, v, lut, dropout_p, seed, tiles, bits)
+    return o, lse, bits
+
+
+class _BlockSparseAttentionFn(torch.autograd.Function):
+    """The eager wrapper. The custom op's Python dispatch (below: argument checks, pytrees of its inputs and
+    gradients) takes several times this Function's host time per call, which 24 layers pay every step, so eager
+    code calls this and only code that torch.compile traces calls the op. Both run `_attention_forward` and
+    `_backward`."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, seed, lut, dropout_p, tiles, dropout_mask):
+        o, lse, bits = _attention_forward(q, k, v, seed, lut, dropout_p, tiles, dropout_mask)
+        ctx.save_for_backward(q, k, v, o, lse, bits, seed)
+        ctx.lut, ctx.dropout_p, ctx.tiles = lut, dropout_p, tiles
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, bits, seed = ctx.saved_tensors
+        dq, dk, dv = _backward(do, q, k, v, o, lse, ctx.lut, ctx.dropout_p, seed, ctx.tiles, bits)
+        return dq, dk, dv, None, None, None, None, None
+
+
+# The operation as two torch custom ops (forward, backward) with the forward's autograd formula registered, for code
+# that torch.compile traces (eager code takes `_BlockSparseAttentionFn`), so that torch.compile and DeepSpeed's
+# DeepCompile keep it inside their graphs: dynamo sees one opaque node per call and
 # its fake (shape-only) version, AOT autograd puts the backward op in the backward graph, and nothing of the Triton
 # launcher is traced. The op is a pure function of its inputs: the dropout seed comes in as a one-element int64
 # tensor on the device, which the kernels read (`draw_seed` draws it with torch.randint, a random op that torch's
@@ -1085,12 +1115,9 @@ def _tiles_of(ints: list[int]) -> dict[str, Tile] | None:
 
 @torch.library.custom_op("zero3bench::blocksparse_attention_fwd", mutates_args=(), schema=_FWD_SCHEMA)
 def _attention_fwd_op(q, k, v, seed, lut, lut_meta, dropout_p, tiles, dropout_mask):
-    """-> o (B, H, T, D), lse (B * H, T) fp32, the packed keep mask (empty unless dropout_mask is "bits"; its bytes
-    outside the layout's blocks are left unwritten: only the backward op reads it, inside them)."""
-    table = _lut_of(lut, lut_meta)
-    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
-    bits = _dropout_bits(q, table, dropout_p, seed) if dropout_p > 0 and dropout_mask == "bits" else None
-    o, lse = _forward(q, k, v, table, dropout_p, seed, _tiles_of(tiles), bits)
+    """-> o (B, H, T, D), lse (B * H, T) fp32, the packed keep mask (`_attention_forward`; empty unless "bits")."""
+    o, lse, bits = _attention_forward(q, k, v, seed, _lut_of(lut, lut_meta), dropout_p, _tiles_of(tiles),
+                                      dropout_mask)
     return o, lse, torch.empty(0, dtype=torch.uint8, device=q.device) if bits is None else bits
 
 
@@ -1124,7 +1151,9 @@ def _setup_context(ctx, inputs, output):
 def _backward_formula(ctx, do, *_):
     q, k, v, o, lse, bits, seed, *lut = ctx.saved_tensors
     dq, dk, dv = _attention_bwd_op(do, q, k, v, o, lse, bits, seed, lut, ctx.lut_meta, ctx.dropout_p, ctx.tiles)
-    return dq, dk, dv, None, [None] * len(lut), None, None, None, None
+    # One gradient per input in the inputs' structure, where torch takes a list of tensors as a list (the table) and
+    # any other list as one input: an empty list (the autotuned tiles) counts as a list of no tensors.
+    return dq, dk, dv, None, [None] * len(lut), None, None, None if ctx.tiles else [], None
 
 
 _attention_fwd_op.register_autograd(_backward_formula, setup_context=_setup_context)
@@ -1160,6 +1189,8 @@ def blocksparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lut
         raise ValueError(f"tiles must give a Tile for each of fwd, dq and dkdv; missing {sorted(missing)}")
     if tiles is None and _interpreted():
         tiles = interpreter_tiles(lut.block)
+    if not torch.compiler.is_compiling():
+        return _BlockSparseAttentionFn.apply(q, k, v, seed, lut, applied_dropout(dropout_p), tiles, dropout_mask)
     tensors, meta = _lut_args(lut)
     o, _, _ = _attention_fwd_op(q, k, v, seed, tensors, meta, applied_dropout(dropout_p), _tile_ints(tiles),
                                 dropout_mask)
