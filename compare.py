@@ -72,8 +72,9 @@ DEEPCOMPILE_DEFAULT_HELP = ("(default on GPUs: deepcompile, with --deepcompile_s
                             "--coordinate_descent_tuning, --triton_gelu_grad (without --matmul_bias_grad), "
                             "--zero3_step fused (AdamW, ZeRO-3) and, on one GPU, --deepcompile_backward_wait device "
                             "and --grad_norm_check device (ZeRO-3, not fp16), "
-                            "where it can run: ZeRO stage 1-3, no --val_every/--save_every, --ds_config, "
-                            "--fused_layernorm, --attention blocksparse/xformers, --explain or --autotune; else none)")
+                            "where it can run and has been measured: ZeRO stage 1-3, no --val_every/--save_every, "
+                            "--ds_config, --fused_layernorm, --attention blocksparse/xformers, --explain or "
+                            "--autotune; else none)")
 
 
 def deepcompile_by_default(ns: argparse.Namespace) -> bool:
