@@ -525,6 +525,37 @@ def test_eager_calls_take_the_function_and_traced_calls_the_op(monkeypatch):
     assert called == ["function", "op"]
 
 
+def test_traced_as_on_a_gpu_the_call_is_one_graph_around_the_op():
+    """Without Triton's interpreter the kernels are JITFunction objects, as on a GPU, which dynamo wraps as kernels
+    of its own: tracing the call must still give one graph whose only node of ours is the op (nothing of the
+    launcher, no break). Traced only: the backend records the graph and runs nothing (the CPU has no GPU to run the
+    kernels; the device check is skipped for that reason)."""
+    from tests.helpers import python_without_interpreter
+
+    code = """
+import torch
+from torch._dynamo.utils import counters
+from shared.kernels import blocksparse_attention as bsa
+from shared.model import layouts
+assert not bsa._interpreted()
+bsa._check_inputs = lambda *a: None
+lut = bsa.BlockLUT.from_layout(layouts.causal(2), 64)
+graphs = []
+def record(gm, example_inputs):
+    graphs.append(gm)
+    return lambda *args: [torch.zeros(1, 2, 128, 64)]
+fn = torch.compile(lambda q, k, v, seed: bsa.blocksparse_attention(q, k, v, lut, 0.1, seed) * 2, backend=record)
+q = torch.randn(1, 2, 128, 64)
+fn(q, q, q, torch.tensor(3))
+calls = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+print(len(graphs), sum(counters["graph_break"].values()), calls)
+"""
+    proc = python_without_interpreter(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    graphs, breaks, calls = proc.stdout.strip().splitlines()[-1].split(" ", 2)
+    assert (graphs, breaks) == ("1", "0") and "zero3bench.blocksparse_attention_fwd.default" in calls, proc.stdout
+
+
 def test_fixed_tiles_cross_the_op_as_ints_and_come_back_equal():
     tables = (bsa._SMALL_D, bsa._D96, bsa._D128, bsa._FP32)
     for table in tables:

@@ -915,8 +915,13 @@ def check_block(block: int) -> None:
         raise ValueError(f"blocksparse attention supports sparse_block in {SUPPORTED_BLOCKS}, got {block}")
 
 
+# Taken once, at import: code that torch.compile traces (`blocksparse_attention`) then reads a bool, not a Triton
+# kernel object (which dynamo wraps as a kernel of its own on a GPU).
+_INTERPRETED = isinstance(_attn_fwd, InterpretedFunction)
+
+
 def _interpreted() -> bool:
-    return isinstance(_attn_fwd, InterpretedFunction)
+    return _INTERPRETED
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lut: BlockLUT, dropout_p: float) -> None:
