@@ -474,8 +474,8 @@ def test_kernel_resources_first_candidates_compile_for_hopper_without_spilling(t
     # and strides, T = 2048 divisible by 16, 24 heads and the causal layout's 15-block rows not
     dkdv = result["specialized"]["dkdv dropout=1"]
     assert dkdv["constants"]["LUT_HEADS"] == 1 and dkdv["constants"]["DROPOUT"] is True
-    assert {"Q", "K", "DK", "LSE", "stride_qt", "stride_kt", "T"} <= set(dkdv["divisible_by_16"])
-    assert not {"H", "COL_WIDTH", "seed"} & set(dkdv["divisible_by_16"])
+    assert {"Q", "K", "DK", "LSE", "SEED", "stride_qt", "stride_kt", "T"} <= set(dkdv["divisible_by_16"])
+    assert not {"H", "COL_WIDTH"} & set(dkdv["divisible_by_16"])
     for r in rows:
         assert "error" not in r and r["spill_bytes"] == 0 and 0 < r["registers"] <= 255, r
 

@@ -235,13 +235,35 @@ def test_module_strided_input_views_like_the_model():
     """q/k/v as the model makes them: views of one (B, T, 3C) projection, transposed to (B, H, T, D)."""
     cfg = GPTConfig(n_head=2, n_embd=128, seq_len=256, sparse_block=64, layout="local", local_blocks=2,
                     attn_dropout=0.0, attention="blocksparse")
-    attn = build_attention(cfg).eval()
+    attn = build_attention(cfg).eval().to(DEVICE)
     B, T, C = 2, 256, 128
-    x = torch.randn(B, T, 3 * C)
+    x = torch.randn(B, T, 3 * C, device=DEVICE)
     q, k, v = (t.view(B, T, 2, 64).transpose(1, 2) for t in x.split(C, dim=2))
     assert not q.is_contiguous()
     torch.testing.assert_close(attn(q, k, v).double(), masked_reference(q, k, v, attn.layout_cpu, 64), atol=1e-4,
                                rtol=0)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_head_dim_that_is_not_contiguous_gives_the_reference_gradients(compiled):
+    """q, k, v whose last stride is not 1 run on unit-stride copies, in the forward and in the backward, which
+    receives the caller's tensors: eagerly (the autograd.Function) and traced (the custom ops)."""
+    layout = make_layout("random", 2, 2)
+    q, k, v = (torch.randn(1, 2, 128, 128, device=DEVICE)[..., ::2].detach().requires_grad_() for _ in range(3))
+    assert q.stride(-1) == 2
+    do = torch.randn(1, 2, 128, 64, device=DEVICE)
+    if not compiled:
+        check_against_reference(layout, 64, q, k, v, do, dropout_p=0.25, seed=3)
+        return
+    lut = BlockLUT.from_layout(layout, 64).to(DEVICE)
+    call = lambda q, k, v: blocksparse_attention(q, k, v, lut, 0.25, 3)
+    results = []  # eager on contiguous copies, then traced on the strided tensors: the same numbers
+    for fn, inputs_ in ((call, [t.detach().contiguous().requires_grad_() for t in (q, k, v)]),
+                        (torch.compile(call, backend="aot_eager"), (q, k, v))):
+        out = fn(*inputs_)
+        results.append((out, *torch.autograd.grad(out, inputs_, do)))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("head_dim,pad_d,dropout_p", [(96, False, 0.0), (96, True, 0.1), (64, False, 0.1)])
@@ -404,7 +426,7 @@ def test_dropout_bits_pack_the_keep_mask_of_every_visited_block(kind, block):
 
 def test_module_dropout_follows_torch_seed_and_eval_turns_it_off():
     cfg = GPTConfig(n_head=2, n_embd=128, seq_len=128, sparse_block=64, attn_dropout=0.2, attention="blocksparse")
-    attn = build_attention(cfg)
+    attn = build_attention(cfg).to(DEVICE)  # the lookup table's buffers follow the module
     q, k, v, _ = inputs(1, 2, 128, 64, torch.float32, seed=14)
     torch.manual_seed(0)
     a = attn(q, k, v)

@@ -1035,7 +1035,7 @@ def _backward_atomic_dq(do, q, k, v, o, lse, lut: BlockLUT, dropout_p: float, se
                         bits=None):
     """The backward in one pass over the keys: delta from its own small kernel, then dk, dv and dq from the dk/dv
     kernel (dq added atomically in fp32, so in an order that varies from run to run), then dq cast."""
-    do = _unit_last(do)
+    do, q, k, v = _unit_last(do), _unit_last(q), _unit_last(k), _unit_last(v)
     B, H, T, D = q.shape
     delta = torch.empty_like(lse)
     block_m = 64 if T % 64 == 0 else 16
@@ -1047,7 +1047,8 @@ def _backward_atomic_dq(do, q, k, v, o, lse, lut: BlockLUT, dropout_p: float, se
 
 
 def _backward(do, q, k, v, o, lse, lut: BlockLUT, dropout_p: float, seed: int | torch.Tensor, tiles, bits=None):
-    do = _unit_last(do)
+    """dq, dk, dv. The caller's q, k, v as given (the forward ran on unit-stride copies of any that were not)."""
+    do, q, k, v = _unit_last(do), _unit_last(q), _unit_last(k), _unit_last(v)
     dq, delta = _backward_dq(do, q, k, v, o, lse, lut, dropout_p, seed, tiles, bits)
     dk, dv = _backward_dkdv(do, q, k, v, lse, delta, lut, dropout_p, seed, tiles, bits=bits)
     return dq, dk, dv
