@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import triton
 
-from benchmarks.attention_tiles import make_inputs
+from benchmarks.attention_tiles import add_shape_args, check_shape_args, make_inputs
 from shared.kernels import blocksparse_attention as bsa
 from shared.model import layouts
 from shared.train.results import device_info, versions, write_json
@@ -125,20 +125,13 @@ def main(args) -> dict:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="benchmarks/results/attention_dropout.json")
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--heads", type=int, default=24)
-    p.add_argument("--head-dim", "--head_dim", dest="head_dim", type=int, default=96)
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--block", type=int, default=128)
+    add_shape_args(p)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
     args = p.parse_args(argv)
-    if args.head_dim not in bsa.SUPPORTED_HEAD_DIMS:
-        p.error(f"--head_dim {args.head_dim}: the kernels support {bsa.SUPPORTED_HEAD_DIMS}")
-    if args.block not in bsa.SUPPORTED_BLOCKS or args.seq % args.block:
-        p.error(f"--block {args.block} must be one of {bsa.SUPPORTED_BLOCKS} and divide --seq {args.seq}")
+    check_shape_args(p, args)
     if not 0.0 < args.dropout < 1.0:
         p.error(f"--dropout must be in (0, 1), got {args.dropout}")
     if args.rounds < 1:

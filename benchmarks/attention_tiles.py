@@ -232,15 +232,30 @@ def main(args) -> dict:
     return result
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="benchmarks/results/attention_tiles.json")
-    p.add_argument("--grid", choices=("candidates", "wide"), default="wide")
+def add_shape_args(p: argparse.ArgumentParser) -> None:
+    """The attention's shape that make_inputs and block_lut read: by default the 1.5b model's."""
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--heads", type=int, default=24)
     p.add_argument("--head-dim", "--head_dim", dest="head_dim", type=int, default=96)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--block", type=int, default=128)
+
+
+def check_shape_args(p: argparse.ArgumentParser, args) -> None:
+    """p.error for a head dim or sparse block the kernels do not support, or a --seq the block does not divide."""
+    if args.head_dim not in bsa.SUPPORTED_HEAD_DIMS:
+        p.error(f"--head_dim {args.head_dim}: the kernels support {bsa.SUPPORTED_HEAD_DIMS}")
+    if args.block not in bsa.SUPPORTED_BLOCKS:
+        p.error(f"--block {args.block}: the kernels support {bsa.SUPPORTED_BLOCKS}")
+    if args.seq % args.block:
+        p.error(f"--seq {args.seq} must be a multiple of --block {args.block}")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="benchmarks/results/attention_tiles.json")
+    p.add_argument("--grid", choices=("candidates", "wide"), default="wide")
+    add_shape_args(p)
     p.add_argument("--layout", default="causal", choices=("causal", "local", "strided"))
     p.add_argument("--dropouts", type=float, nargs="+", default=[0.0])
     p.add_argument("--inputs", choices=("model", "bhtd"), default="model",
@@ -255,12 +270,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
     args = p.parse_args(argv)
-    if args.head_dim not in bsa.SUPPORTED_HEAD_DIMS:
-        p.error(f"--head_dim {args.head_dim}: the kernels support {bsa.SUPPORTED_HEAD_DIMS}")
-    if args.block not in bsa.SUPPORTED_BLOCKS:
-        p.error(f"--block {args.block}: the kernels support {bsa.SUPPORTED_BLOCKS}")
-    if args.seq % args.block:
-        p.error(f"--seq {args.seq} must be a multiple of --block {args.block}")
+    check_shape_args(p, args)
     if bad := [d for d in args.dropouts if not 0.0 <= d < 1.0]:
         p.error(f"every --dropouts value must be in [0, 1), got {bad}")
     return args
