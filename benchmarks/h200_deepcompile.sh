@@ -59,10 +59,17 @@ OUT=${1:?usage: h200_deepcompile.sh OUTDIR}
 STAGE=${STAGE:-one}
 W=${WORK:-/tmp/h200_deepcompile}
 rm -rf "$W"; mkdir -p "$W"
-# Caches shared by every run of the call: DeepSpeed's JIT op (DeepCompile's `dc`), inductor's graphs and kernels.
+# Caches shared by every run of the call: DeepSpeed's JIT op (DeepCompile's `dc`), inductor's graphs and kernels,
+# Triton's binaries. A fresh machine starts from the ones an earlier call saved (benchmarks/compile_cache.py) when
+# .compile_cache/ (the files it wrote into that call's OUTDIR) came with the repo; each call saves its own at the end
+# into OUTDIR (SAVE_CACHE=0: not).
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/zero3bench_extensions}
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/zero3bench_inductor}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/zero3bench_triton}
 T0=$SECONDS
+if [ -d .compile_cache ]; then
+  timeout 120 python3 benchmarks/compile_cache.py restore .compile_cache 2>&1 | tee "$W/compile_cache.log"
+fi
 WARM=/tmp/keep_headline_${GPUS:-1}xh200  # the headline folder the last call left on this machine
 if [ "$STAGE" = headline ] && [ "${KEEP:-}" = warm ]; then
   KEEP=$WARM
@@ -278,3 +285,8 @@ esac
 echo "done at $((SECONDS - T0)) s"
 for f in "$W"/*.log; do echo "== $f"; tail -25 "$f"; done
 tar czf "$OUT/deepcompile_$STAGE.tar.gz" -C "$W" .
+# last, after the results are packed: in what is left of the device's 10 minutes (DEADLINE_S keeps ~35 s of them)
+SAVE_S=$(( DEADLINE + 15 - (SECONDS - T0) ))
+if [ "${SAVE_CACHE:-1}" != 1 ]; then :
+elif [ "$SAVE_S" -ge 10 ]; then timeout "$SAVE_S" python3 benchmarks/compile_cache.py save "$OUT"
+else echo "compile cache: not saved, $SAVE_S s left"; fi

@@ -96,6 +96,8 @@ def summarize_path(runs: list[RunResult]) -> dict:
         "deepcompile_passes_s": [r.extra.get("deepcompile_passes_s") for r in runs],
         # of those, DeepCompile's operator and memory profiling (shared/train/ds_runtime.time_deepcompile_profilers)
         "deepcompile_profiling_s": [_profiling_s(r.extra.get("deepcompile_profilers")) for r in runs],
+        # inductor's compiled graphs found in its on-disk cache / compiled / not cacheable, per run
+        "compile_cache": [r.extra.get("compile_cache") for r in runs],
         # the SM clock and power its GPUs held during the timed steps (harness/telemetry.py), per run; None on CPU
         "gpu_telemetry": [r.extra.get("gpu_telemetry") for r in runs],
         "sdpa_kernel": sorted({r.sdpa_kernel for r in runs}, key=str),  # per kernel seen, one entry
@@ -251,6 +253,13 @@ def build_report(train: TrainConfig, ns: argparse.Namespace, results: dict[str, 
     return report
 
 
+def _cache_cell(counts: dict | None) -> str:
+    """One run's inductor graphs: found in the on-disk cache / compiled / not cacheable (`n/a` where not recorded)."""
+    if not counts:
+        return "n/a"
+    return "/".join(str(counts.get(f"fxgraph_cache_{k}", 0)) for k in ("hit", "miss", "bypass"))
+
+
 def _profiling_s(profilers: dict | None) -> float | None:
     """Seconds of DeepCompile's operator and memory profiling in one run (None: not recorded, or no DeepCompile)."""
     return None if not profilers else profilers["operators_s"] + profilers["memory_s"]
@@ -310,6 +319,9 @@ def format_table(report: dict) -> str:
     if any(any(v is not None for v in p.get("deepcompile_passes_s", [])) for p in report["paths"].values()):
         row("  DeepCompile passes s", lambda p: per_run_s(p, "deepcompile_passes_s"))
         row("    of them profiling s", lambda p: per_run_s(p, "deepcompile_profiling_s") or "n/a")
+    if any(c for p in report["paths"].values() for c in p.get("compile_cache") or []):
+        row("  graphs cached/compiled/uncacheable",
+            lambda p: ", ".join(_cache_cell(c) for c in p.get("compile_cache") or []))
     if any(t for p in P.values() for t in p.get("gpu_telemetry") or []):
         row("SM clock MHz, timed steps (per run)", lambda p: telemetry_cell(p, "sm_mhz", ".0f"))
         row("  power W (per run)", lambda p: telemetry_cell(p, "power_w", ".0f"))

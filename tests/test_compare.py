@@ -196,6 +196,25 @@ def test_deepcompiles_passes_and_their_profiling_are_reported_per_run():
     assert "DeepCompile passes s" not in reports.format_table(eager)
 
 
+def test_the_compile_caches_hits_are_reported_per_run():
+    train = TrainConfig(precision="bf16")
+    runs = {}
+    for path, counts in (("deepspeed", [{"fxgraph_cache_hit": 0, "fxgraph_cache_miss": 4, "fxgraph_cache_bypass": 1},
+                                        {"fxgraph_cache_hit": 4, "fxgraph_cache_miss": 0, "fxgraph_cache_bypass": 1}]),
+                         ("lightning", [None, {"fxgraph_cache_hit": 5}])):  # None: a run JSON written before it
+        runs[path] = []
+        for c in counts:
+            r = dataclasses.replace(_run(2.0))
+            r.extra = {"compile_cache": c}
+            runs[path].append(r)
+    report = reports.build_report(train, SimpleNamespace(world=1, repeats=2), runs, {}, [])
+    rows = {re.split(r"\s{2,}", line.strip())[0]: line.split() for line in reports.format_table(report).splitlines()}
+    assert rows["graphs cached/compiled/uncacheable"][-4:] == ["0/4/1,", "4/0/1", "n/a,", "5/0/0"]
+    eager = reports.build_report(train, SimpleNamespace(world=1, repeats=1),
+                                 {"deepspeed": [_run(2.0)], "lightning": [_run(2.0)]}, {}, [])
+    assert "graphs cached" not in reports.format_table(eager)
+
+
 def test_the_clock_each_run_held_is_reported_per_run():
     train = TrainConfig(precision="bf16")
     clock = lambda mhz, w: {"gpus": ["0"], "readings": 30, "sm_mhz": {"median": mhz, "min": mhz - 15, "max": mhz + 15},

@@ -146,6 +146,11 @@ def test_both_paths_run_the_fused_compiled_model_under_zero3_and_record_it(tmp_p
         assert r["fused"]["dynamo_graph_breaks"] == 0 and r["fused"]["dynamo_recompile_limit_hits"] == 0
         assert r["ds_config"]["zero_optimization"]["leaf_module"]["classes"] == ["shared.model.gpt.Block"]
     assert plain_run["fused"]["compile"] == "none" and plain_run["fused"]["dynamo_graphs"] == 0
+    # inductor's graphs came from its on-disk cache or were compiled (and counted); the eager run compiled none
+    for r in (raw, pl):
+        cache = r["extra"]["compile_cache"]
+        assert cache["fxgraph_cache_hit"] + cache["fxgraph_cache_miss"] >= 1, cache
+    assert not any(plain_run["extra"]["compile_cache"].values())
     assert raw["losses"] == pytest.approx(plain_run["losses"], abs=1e-4)
     assert pl["losses"] == pytest.approx(raw["losses"], abs=1e-6)
 

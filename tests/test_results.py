@@ -113,3 +113,34 @@ def test_every_result_records_the_sdpa_kernel_torch_picked(overrides, kernel):
         report = reports.build_report(train, SimpleNamespace(world=1, repeats=1),
                                       {"deepspeed": [r], "lightning": [r]}, {}, [])
         assert f"sdpa ({kernel})" in reports.format_table(report)
+
+
+def test_the_compile_cache_counts_say_whether_a_graph_came_from_disk(tmp_path, monkeypatch):
+    """A fresh cache folder: the first compile of a function misses and stores it; after dynamo forgets it (as a
+    new process would), the same function is found on disk: what `extra.compile_cache` reports per run."""
+    from torch._dynamo.utils import counters
+    from torch._inductor import config as inductor_config
+
+    from shared.train.results import compile_cache_counts
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", True)
+    monkeypatch.setattr(inductor_config, "fx_graph_remote_cache", False)
+    counters.clear()
+    torch._dynamo.reset()
+
+    def f(x):
+        return torch.nn.functional.gelu(x) * 3 + 1
+
+    x = torch.randn(64)
+    expected = f(x)
+    assert torch.allclose(torch.compile(f)(x), expected)
+    first = compile_cache_counts()
+    torch._dynamo.reset()
+    counters.clear()
+    assert torch.allclose(torch.compile(f)(x), expected)
+    second = compile_cache_counts()
+    torch._dynamo.reset()
+    assert first["fxgraph_cache_miss"] == 1 and first["fxgraph_cache_hit"] == 0, first
+    assert second["fxgraph_cache_hit"] == 1 and second["fxgraph_cache_miss"] == 0, second
+    assert set(first) == {f"{k}_cache_{o}" for k in ("fxgraph", "autograd") for o in ("hit", "miss", "bypass")}

@@ -192,6 +192,7 @@ def build_result(*, path: str, train: TrainConfig, model_cfg: GPTConfig, ds_conf
         extra={**(extra or {}), "allocator_cache_flushes": allocator_cache_flushes(device),
                "warmup_s": timing.get("warmup_s"), "timed_wall": timing.get("timed_wall"),
                "compile_s": compile_seconds(),
+               "compile_cache": compile_cache_counts(),
                "deepcompile_passes_s": _deepcompile_pass_seconds(),
                "deepcompile_persist": getattr(sys.modules.get("shared.train.deepcompile_passes"), "LAST_STATS", None),
                "deepcompile_eager_persist_dropped": getattr(runtime, "EAGER_PERSIST_DROPPED", None),
@@ -243,6 +244,21 @@ def compile_seconds() -> float | None:
     except (ImportError, AttributeError, RuntimeError):
         return None
     return float(spent.get("total_wall_time", sum(spent.values()))) if spent else 0.0
+
+
+# torch.compile's on-disk caches (TORCHINDUCTOR_CACHE_DIR): dynamo's counter names for inductor's compiled graphs and
+# AOT autograd's traced ones
+CACHE_COUNTERS = {"inductor": ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass"),
+                  "aot_autograd": ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass")}
+
+
+def compile_cache_counts() -> dict[str, int]:
+    """How often torch.compile found a graph in its on-disk caches in this process, and how often it compiled one
+    (miss) or could not cache it (bypass): with compile_s, what a warm cache saved at the warm-up."""
+    from torch._dynamo.utils import counters
+
+    return {name: int(counters.get(group, {}).get(name, 0)) for group, names in CACHE_COUNTERS.items()
+            for name in names}
 
 
 def _peak_rss_gib() -> float:

@@ -1,0 +1,174 @@
+"""benchmarks/compile_cache.py: the compile caches packed on one machine and unpacked on the next."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+from benchmarks import compile_cache as cc
+
+IDENT = {"versions": {"python": "3.12.3", "torch": "2.11.0", "cuda": "13.0", "triton": "3.6.0",
+                      "deepspeed": "0.19.8"}, "device": "NVIDIA H200", "capability": "9.0"}
+
+
+def caches(root: Path) -> dict[str, Path]:
+    return {role: root / role for role in cc.ROLES}
+
+
+def fill(dirs: dict[str, Path], size: int = 100) -> dict[str, bytes]:
+    """A few files per cache folder, nested as the libraries nest them, plus the lock files a build leaves."""
+    files = {}
+    for role, d in dirs.items():
+        for rel in ("a.bin", "sub/b.json", "sub/deeper/c.so"):
+            data = os.urandom(size)
+            (d / rel).parent.mkdir(parents=True, exist_ok=True)
+            (d / rel).write_bytes(data)
+            files[f"{role}/{rel}"] = data
+    (dirs["extensions"] / "sub" / "lock").write_text("")
+    (dirs["triton"] / "sub" / "x.lock").write_text("")
+    return files
+
+
+def contents(dirs: dict[str, Path]) -> dict[str, bytes]:
+    return {f"{role}/{p.relative_to(d).as_posix()}": p.read_bytes()
+            for role, d in dirs.items() if d.exists() for p in d.rglob("*") if p.is_file()}
+
+
+def test_the_caches_travel_in_parts_and_unpack_where_this_machine_keeps_them(tmp_path):
+    there, here, out = caches(tmp_path / "there"), caches(tmp_path / "here"), tmp_path / "out"
+    files = fill(there, size=3000)
+    (here["triton"] / "sub").mkdir(parents=True)
+    (here["triton"] / "sub" / "b.json").write_bytes(b"this machine's own")  # already here: left as it is
+    m = cc.save(out, there, max_mib=1, part_mib=0.002, ident=IDENT)  # 2 KiB parts: random bytes, several parts
+    assert len(m["parts"]) >= 4 and sorted(p.name for p in out.iterdir()) == sorted(
+        [cc.MANIFEST] + [p["name"] for p in m["parts"]])
+    assert {r: s["files"] for r, s in m["roles"].items()} == dict.fromkeys(cc.ROLES, 3) and m["left_out"] == []
+    assert json.loads((out / cc.MANIFEST).read_text()) == m
+    old = there["extensions"] / "sub" / "deeper" / "c.so"
+    os.utime(old, (1e9, 1e9))  # built long ago; the sources a new machine installs are newer
+    old.chmod(0o755)
+    cc.save(out, there, max_mib=1, part_mib=0.002, ident=IDENT)
+    started = time.time()
+    res = cc.restore(out, here, IDENT)
+    assert res["restored"] == {"extensions": 3, "triton": 2, "inductor": 3}
+    so = here["extensions"] / "sub" / "deeper" / "c.so"
+    assert so.stat().st_mtime >= started - 1 and so.stat().st_mode & 0o777 == 0o755  # dated now, mode kept
+    got = contents(here)
+    assert got.pop("triton/sub/b.json") == b"this machine's own"
+    assert got == {k: v for k, v in files.items() if k != "triton/sub/b.json"}  # no lock file travelled
+
+
+def test_caches_made_with_other_versions_or_another_gpu_are_not_restored(tmp_path):
+    there, here, out = caches(tmp_path / "there"), caches(tmp_path / "here"), tmp_path / "out"
+    fill(there)
+    cc.save(out, there, max_mib=1, part_mib=1, ident=IDENT)
+    other = {**IDENT, "versions": {**IDENT["versions"], "torch": "2.13.0"}, "device": "NVIDIA A100"}
+    res = cc.restore(out, here, other)
+    assert "torch '2.11.0' there vs '2.13.0' now" in res["skipped"]
+    assert "device 'NVIDIA H200' there vs 'NVIDIA A100' now" in res["skipped"]
+    assert contents(here) == {}
+    assert "no compile_cache.json" in cc.restore(tmp_path / "nothing", here, IDENT)["skipped"]
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "missing"])
+def test_a_broken_part_restores_nothing_and_says_which(tmp_path, damage):
+    there, here, out = caches(tmp_path / "there"), caches(tmp_path / "here"), tmp_path / "out"
+    fill(there, size=3000)
+    m = cc.save(out, there, max_mib=1, part_mib=0.002, ident=IDENT)
+    last = out / m["parts"][-1]["name"]
+    if damage == "corrupt":
+        data = last.read_bytes()
+        last.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    else:
+        last.unlink()
+    with pytest.raises(ValueError, match=last.name):
+        cc.restore(out, here, IDENT)
+    assert contents(here) == {}
+
+
+def test_over_the_limit_the_folders_are_left_out_last_first_and_named(tmp_path):
+    there, out = caches(tmp_path / "there"), tmp_path / "out"
+    fill(there, size=150_000)  # 450 KB of random bytes a folder (they do not compress): two fit in 1 MiB
+    m = cc.save(out, there, max_mib=1.0, part_mib=0.5, ident=IDENT)
+    assert m["left_out"] == ["inductor"] and set(m["roles"]) == {"extensions", "triton"}
+    assert m["archive_bytes"] <= 2**20 and len(m["parts"]) == 2
+    with tarfile.open(fileobj=io.BytesIO(b"".join((out / p["name"]).read_bytes() for p in m["parts"]))) as tar:
+        assert {n.split("/")[0] for n in tar.getnames()} == {"extensions", "triton"}
+    m = cc.save(out, there, max_mib=0.1, part_mib=0.5, ident=IDENT)  # not even the first folder fits
+    assert m["left_out"] == ["inductor", "triton", "extensions"] and m["parts"] == [] and m["archive_bytes"] == 0
+    assert sorted(p.name for p in out.iterdir()) == [cc.MANIFEST]  # the last save's parts are gone
+    assert cc.restore(out, caches(tmp_path / "here"), IDENT) == {"skipped": "the saved archive is empty"}
+    with pytest.raises(ValueError, match="must be positive"):
+        cc.save(out, there, max_mib=1, part_mib=0, ident=IDENT)
+
+
+def test_an_archive_with_paths_outside_the_cache_folders_is_refused(tmp_path):
+    here, out = caches(tmp_path / "here"), tmp_path / "out"
+    out.mkdir()
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name in ("triton/ok.bin", "triton/../../escaped.bin"):
+            info = tarfile.TarInfo(name)
+            info.size = 3
+            tar.addfile(info, io.BytesIO(b"abc"))
+    data = buf.getvalue()
+    (out / f"{cc.ARCHIVE}.000").write_bytes(data)
+    (out / cc.MANIFEST).write_text(json.dumps({**IDENT, "parts": [{"name": f"{cc.ARCHIVE}.000", "bytes": len(data),
+                                                                   "sha256": hashlib.sha256(data).hexdigest()}]}))
+    with pytest.raises(ValueError, match="escaped.bin"):
+        cc.restore(out, here, IDENT)
+    assert contents(here) == {} and not (tmp_path / "escaped.bin").exists()
+
+
+def test_the_command_reads_each_cache_folder_where_its_library_does(tmp_path, monkeypatch, capsys):
+    there = {"extensions": tmp_path / "ext", "triton": tmp_path / "tri", "inductor": tmp_path / "ind"}
+    for role, var in (("extensions", "TORCH_EXTENSIONS_DIR"), ("triton", "TRITON_CACHE_DIR"),
+                      ("inductor", "TORCHINDUCTOR_CACHE_DIR")):
+        monkeypatch.setenv(var, str(there[role]))
+    assert cc.cache_dirs() == there
+    files = fill(there)
+    assert cc.main(["save", str(tmp_path / "out")]) == 0
+    assert "compile cache: saved extensions 3 files, triton 3 files, inductor 3 files" in capsys.readouterr().out
+    here = {role: tmp_path / "new" / role for role in cc.ROLES}
+    for role, var in (("extensions", "TORCH_EXTENSIONS_DIR"), ("triton", "TRITON_CACHE_DIR"),
+                      ("inductor", "TORCHINDUCTOR_CACHE_DIR")):
+        monkeypatch.setenv(var, str(here[role]))
+    assert cc.main(["restore", str(tmp_path / "out")]) == 0
+    assert "compile cache: restored extensions 3 new files" in capsys.readouterr().out
+    assert contents(here) == files
+    (tmp_path / "out" / f"{cc.ARCHIVE}.000").write_bytes(b"broken")
+    assert cc.main(["restore", str(tmp_path / "out")]) == 1
+    assert "compile cache: not restored:" in capsys.readouterr().err
+
+
+def test_the_script_saves_and_restores_as_a_job_runs_it(tmp_path):
+    """`python benchmarks/compile_cache.py save|restore DIR` from the repo's root, in a fresh process each, and
+    the device script calls it at its start and its end."""
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT, env
+
+    def with_caches(root: Path) -> dict:
+        return {**env(), "TORCH_EXTENSIONS_DIR": str(root / "extensions"), "TRITON_CACHE_DIR": str(root / "triton"),
+                "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor")}
+
+    files = fill(caches(tmp_path / "there"))
+    script = str(ROOT / "benchmarks" / "compile_cache.py")
+    for cmd, root in (("save", "there"), ("restore", "here")):
+        proc = subprocess.run([sys.executable, script, cmd, str(tmp_path / "out")], env=with_caches(tmp_path / root),
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.startswith(f"compile cache: {cmd}"), proc.stdout
+    assert contents(caches(tmp_path / "here")) == files
+    sh = (ROOT / "benchmarks" / "h200_deepcompile.sh").read_text()
+    assert "python3 benchmarks/compile_cache.py restore .compile_cache" in sh
+    assert 'python3 benchmarks/compile_cache.py save "$OUT"' in sh
+    assert subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "h200_deepcompile.sh")]).returncode == 0
