@@ -210,8 +210,10 @@ def test_the_compile_caches_hits_are_reported_per_run():
     report = reports.build_report(train, SimpleNamespace(world=1, repeats=2), runs, {}, [])
     rows = {re.split(r"\s{2,}", line.strip())[0]: line.split() for line in reports.format_table(report).splitlines()}
     assert rows["graphs cached/compiled/uncacheable"][-4:] == ["0/4/1,", "4/0/1", "n/a,", "5/0/0"]
+    eager = dataclasses.replace(_run(2.0))
+    eager.extra = {"compile_cache": dict.fromkeys(("fxgraph_cache_hit", "fxgraph_cache_miss"), 0)}  # compiled none
     eager = reports.build_report(train, SimpleNamespace(world=1, repeats=1),
-                                 {"deepspeed": [_run(2.0)], "lightning": [_run(2.0)]}, {}, [])
+                                 {"deepspeed": [eager], "lightning": [_run(2.0)]}, {}, [])
     assert "graphs cached" not in reports.format_table(eager)
 
 
