@@ -45,6 +45,13 @@ report adds each run's profiled step by kind of kernel against the baselines' (a
 clock's drift of the matmuls; with `--profile_sync false` its idle is what a step in flight idles).
 `--time_limit SECONDS` starts a configuration only if the longest one so far still fits in the time left, else stops
 (exit status 3) with the command that runs the rest.
+
+`--gpus N` (CUDA) spreads the runs over N GPUs, one 1-GPU run on each at a time: every GPU runs the reference
+configurations named (the baselines named before the first lever first, those named after it last), each other
+configuration runs once, on the first GPU free, and its ratio is against the reference runs of its own GPU, since
+GPUs of one kind differ in clock (each row records its `gpu`; the table names it). With --keep a reference run is
+reused only on the GPU it ran on. On 8 GPUs the last-mile set (16 levers, a baseline and a baseline again on every
+GPU) takes 4 runs a GPU, against 18 runs one after the other on one GPU.
 """
 
 from __future__ import annotations
@@ -61,7 +68,7 @@ import torch
 
 from compare import GPU_DEEPCOMPILE_DEFAULTS
 from harness.budget import kinds_ms, minus_mean
-from harness.launch import TIME_LIMIT_EXIT, CompareError, TimeLimit, TimeLimitReached, launch
+from harness.launch import TIME_LIMIT_EXIT, CompareError, TimeLimit, TimeLimitReached, launch, visible_gpu
 from harness.report import measured
 from shared.train.config import TrainConfig
 from shared.train.results import device_info, versions
@@ -116,22 +123,62 @@ def configurations(cuda: bool) -> dict[str, dict]:
     return {name: {**NAIVE, **flags} for name, flags in configs.items()}
 
 
-def run_one(base: TrainConfig, name: str, flags: dict, path: str, out: Path, gpu: int | None, timeout: int) -> dict:
+def run_one(base: TrainConfig, name: str, flags: dict, path: str, out: Path, gpu: int | None, timeout: int,
+            suffix: str = "") -> dict:
+    """One run of configuration `name` on `path`, on this process's GPU slot `gpu` (None: wherever the launcher
+    puts it); `suffix` tells apart the files of one configuration run on several GPUs."""
     cfg = dataclasses.replace(base, **flags)
-    slug = name.lstrip("+").replace("/", "_")
-    env = {"CUDA_VISIBLE_DEVICES": str(gpu)} if gpu is not None else None
+    slug = name.lstrip("+").replace("/", "_") + suffix
+    env = {"CUDA_VISIBLE_DEVICES": visible_gpu(gpu)} if gpu is not None else None
     try:
         r = launch(path, cfg, 1, out / "runs" / f"{slug}_{path}.json", out / "logs" / f"{slug}_{path}.log",
                    timeout, env=env)
     except CompareError as e:
-        return {"config": name, "path": path, "flags": flags, "micro_batch": cfg.micro_batch, "ok": False,
+        return {"config": name, "path": path, "flags": flags, "micro_batch": cfg.micro_batch, "gpu": gpu, "ok": False,
                 "oom": e.oom, "error": e.reason[:300]}
-    row = {"config": name, "path": path, "flags": flags, "micro_batch": cfg.micro_batch, "ok": True, **measured(r),
+    row = {"config": name, "path": path, "flags": flags, "micro_batch": cfg.micro_batch, "gpu": gpu, "ok": True,
+           **measured(r),
            "fused": r.fused, "losses": r.losses[:5], "device": r.device["name"]}
     step = (r.extra.get("profile") or {}).get("step")
     if step:  # --profile_step: the profiled step's device time by kind of kernel, and its idle time
         row["profiled_step_ms"] = {**kinds_ms(step["by_kind_ms"]), "idle": step["idle_ms"]}
     return row
+
+
+def spread(before, levers: list, after, gpus: int, run, fits) -> list:
+    """Run tasks on `gpus` GPUs at once, one run per GPU at a time: each GPU runs the tasks `before(gpu)` lists (the
+    reference runs) on itself, then takes the next of `levers` whenever it is free, then runs the tasks
+    `after(gpu)` lists on itself. `run(task, gpu)` makes one run; `fits()`, asked before each start under the
+    workers' lock, says whether a run may still start (--time_limit). Returns the (task, gpu) pairs never started
+    (gpu None: a lever): once a run would not fit, no GPU starts another."""
+    import collections
+    import threading
+
+    queue, lock, skipped, stop = collections.deque(levers), threading.Lock(), [], []
+
+    def tasks(gpu: int):
+        yield from before(gpu)
+        while True:
+            with lock:
+                if not queue or stop:
+                    break
+                task = queue.popleft()
+            yield task
+        yield from after(gpu)
+
+    def worker(gpu: int) -> None:
+        for task in tasks(gpu):
+            with lock:
+                if stop or not fits():
+                    stop.append(gpu)
+                    skipped.append((task, gpu))
+                    continue
+            run(task, gpu)
+
+    with ThreadPoolExecutor(max_workers=gpus) as pool:
+        for job in [pool.submit(worker, g) for g in range(gpus)]:
+            job.result()
+    return skipped + [(task, None) for task in queue]
 
 
 def configs_value_joined(argv: list[str]) -> list[str]:
@@ -180,6 +227,12 @@ def main(argv: list[str] | None = None) -> dict:
                         "the longest configuration made so far in this invocation (the first always starts); else "
                         f"the ablation stops with exit status {TIME_LIMIT_EXIT}, what it measured written, and the "
                         "same command with --keep runs the rest. Not with a micro-batch sweep")
+    p.add_argument("--gpus", type=int, default=1,
+                   help="spread the runs over this many GPUs (CUDA), one 1-GPU run on each at a time: every GPU runs "
+                   "the reference configurations named (baseline, baseline_again; naive), each other configuration "
+                   "runs once, on the first GPU free, and its ratio is against the reference runs of its own GPU "
+                   "(GPUs of one kind still differ in clock). Default 1: one run at a time (the two paths of a "
+                   "configuration side by side on GPUs 0 and 1 where there are two)")
     p.add_argument("--out", default="reports/ablation")
     t_start = time.monotonic()
     ns = p.parse_args(configs_value_joined(sys.argv[1:] if argv is None else argv))
@@ -196,6 +249,12 @@ def main(argv: list[str] | None = None) -> dict:
     if last_mile and ns.mb_sweep:
         p.error("--mb_sweep sweeps the naive and all configurations of --set fusions; with --set last_mile a "
                 "micro-batch is a lever (+fused_loss_mb24) or --micro_batch")
+    if ns.gpus < 1 or (ns.gpus > 1 and (not cuda or ns.gpus > torch.cuda.device_count())):
+        p.error(f"--gpus takes 1 up to the GPUs this machine has ({torch.cuda.device_count() if cuda else 0}), "
+                f"got {ns.gpus}")
+    if ns.gpus > 1 and ns.mb_sweep:
+        p.error("--gpus spreads the configurations; the micro-batch sweep runs on one GPU (leave --mb_sweep out or "
+                "give it '')")
     if last_mile and not cuda:
         p.error("--set last_mile measures levers on top of DeepCompile, which needs a CUDA GPU; on this machine use "
                 "--set fusions (the default)")
@@ -209,7 +268,8 @@ def main(argv: list[str] | None = None) -> dict:
             defaults[key] = getattr(ns, key)
     if ns.profile_sync is not None:
         defaults["profile_sync"] = ns.profile_sync == "true"
-    mb_sweep = ns.mb_sweep if ns.mb_sweep is not None else "12,16,24" if cuda and not last_mile else ""
+    mb_sweep = ns.mb_sweep if ns.mb_sweep is not None else "12,16,24" if cuda and not last_mile and ns.gpus == 1 \
+        else ""
     try:
         sweep = [int(x) for x in mb_sweep.split(",") if x.strip()]
         if ns.time_limit is not None and (ns.time_limit <= 0 or sweep):
@@ -226,7 +286,7 @@ def main(argv: list[str] | None = None) -> dict:
         earlier = earlier_report(out / "ablation.json", base) if ns.keep else {}
     except ValueError as e:
         p.error(str(e))
-    parallel = cuda and torch.cuda.device_count() >= 2 and len(paths) == 2
+    parallel = cuda and torch.cuda.device_count() >= 2 and len(paths) == 2 and ns.gpus == 1
     gpus = {"deepspeed": 0, "lightning": 1} if parallel else dict.fromkeys(PATHS, 0 if cuda else None)
     t0 = time.perf_counter()
     # --keep: the earlier rows of other configurations stay as they are; those of `names` are reused where they ran
@@ -242,6 +302,7 @@ def main(argv: list[str] | None = None) -> dict:
             "set": ns.lever_set,
             "reference": REFERENCE[ns.lever_set],
             "parallel_paths": parallel,
+            "gpus": ns.gpus,
             "base": dataclasses.asdict(base),
             "kept": sorted({r["config"] for r in rows if r.get("kept")}),
             "rows": rows,
@@ -258,6 +319,11 @@ def main(argv: list[str] | None = None) -> dict:
     to_run = [n for n in names if {r["path"] for r in done_ok(n)} != set(paths)]
     command = ["python", "benchmarks/ablation.py", *(argv if argv is not None else sys.argv[1:])]
     clock = TimeLimit(ns.time_limit, t_start, len(to_run) * len(paths), out / "ablation.json", command, ("--keep",))
+    if ns.gpus > 1:
+        run_spread(base, names, all_configs, paths, out, ns, kept, rows, write, clock)
+        report = write()
+        print(table(report))
+        return report
     with ThreadPoolExecutor(max_workers=2 if parallel else 1) as pool:
         for name in names:
             if name not in to_run:
@@ -291,6 +357,55 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
+def run_spread(base: TrainConfig, names: list[str], configs: dict, paths: list[str], out: Path, ns, kept: list,
+               rows: list, write, clock: TimeLimit) -> None:
+    """--gpus N > 1: the named configurations over N GPUs (spread). The rows --keep reuses go into `rows` first, each
+    new one as its run ends, and ablation.json is written then. The reference configurations named before the
+    first lever run first on every GPU, those named after it last; a reference run is kept (--keep) only from the
+    same GPU. Stops (TimeLimitReached) when a run would not fit in --time_limit, once the runs going have ended."""
+    import threading
+
+    ref = {"reference": REFERENCE[ns.lever_set]}
+    refs = [n for n in names if is_reference(ref, {"config": n})]
+    first = next((i for i, n in enumerate(names) if n not in refs), len(names))
+    ok = [r for r in kept if r["path"] in paths and r["ok"]]
+    reused = [r for r in ok if r["config"] in names and (r["config"] not in refs or r.get("gpu") in range(ns.gpus))]
+    done = {(r["config"], r["path"], r.get("gpu") if r["config"] in refs else None) for r in reused}
+
+    def own(part: list[str]):  # a GPU's reference runs, less those kept from it
+        return lambda gpu: [(n, p) for n in part if n in refs for p in paths if (n, p, gpu) not in done]
+
+    levers = [(n, p) for n in names if n not in refs for p in paths if (n, p, None) not in done]
+    for r in reused:
+        print(f"== {r['config']} ({LABEL[r['path']]}, GPU {r.get('gpu')}): kept from {out / 'ablation.json'}")
+    rows += reused
+    lock = threading.Lock()
+
+    def run(task, gpu: int) -> None:
+        name, path = task
+        with lock:  # one line at a time from the GPUs' threads
+            print(f"== {name} {configs[name]} ({LABEL[path]}, GPU {gpu})", flush=True)
+        started = time.monotonic()
+        row = run_one(base, name, configs[name], path, out, gpu, ns.timeout,
+                      suffix=f"_gpu{gpu}" if name in refs else "")
+        with lock:
+            clock.longest = max(clock.longest, time.monotonic() - started)
+            rows.append(row)
+            write()
+
+    def fits() -> bool:
+        left_s = (clock.limit_s or 0) - (time.monotonic() - clock.t0)
+        return clock.limit_s is None or not clock.longest or left_s >= clock.longest
+
+    skipped = spread(own(names[:first]), levers, own(names[first:]), ns.gpus, run, fits)
+    if skipped:
+        write()
+        what = ", ".join(f"{n} ({LABEL[p]}{'' if g is None else f', GPU {g}'})" for (n, p), g in skipped)
+        raise TimeLimitReached(
+            f"--time_limit {clock.limit_s:g}: the longest run so far took {clock.longest:.0f} s, more than was left; "
+            f"not started: {what}. The finished runs are in {clock.where}; to run the rest: {' '.join(clock.command)}")
+
+
 def earlier_report(path: Path, base: TrainConfig) -> dict:
     """The earlier ablation in the same --out, if its rows may stand beside new runs: same base settings, package
     versions and device (else a ValueError names what differs); {} when there is none."""
@@ -308,10 +423,16 @@ def earlier_report(path: Path, base: TrainConfig) -> dict:
     return old
 
 
-def baseline_values(report: dict, path: str) -> list[float]:
-    """TFLOPs/GPU of the set's reference runs on `path` (naive; baseline and baseline_again)."""
-    return [r["tflops_per_gpu"] for r in report["rows"]
-            if r["path"] == path and r.get("ok") and is_reference(report, r)]
+def spread_gpus(report: dict) -> bool:
+    """Whether the report's runs were spread over GPUs (--gpus > 1): each is then rated against its own GPU's."""
+    return report.get("gpus", 1) > 1
+
+
+def baseline_values(report: dict, path: str, gpu: int | None = None) -> list[float]:
+    """TFLOPs/GPU of the set's reference runs on `path` (naive; baseline and baseline_again); with runs spread over
+    GPUs, those of GPU `gpu`."""
+    return [r["tflops_per_gpu"] for r in report["rows"] if r["path"] == path and r.get("ok")
+            and is_reference(report, r) and (not spread_gpus(report) or r.get("gpu") == gpu)]
 
 
 def is_reference(report: dict, row: dict) -> bool:
@@ -321,37 +442,48 @@ def is_reference(report: dict, row: dict) -> bool:
 
 
 def table(report: dict) -> str:
-    by = {(r["config"], r["path"]): r for r in report["rows"]}
+    spread_ = spread_gpus(report)
+    line_of = (lambda r: (r["config"], r.get("gpu"))) if spread_ else (lambda r: (r["config"], None))
+    by = {(*line_of(r), r["path"]): r for r in report["rows"]}
     ref = report.get("reference", "naive")
     paths = [p for p in PATHS if any(r["path"] == p for r in report["rows"])]
-    base = {p: baseline_values(report, p) for p in paths}
-    mean = {p: sum(v) / len(v) if v else None for p, v in base.items()}
-    head = "| configuration | " + " | ".join(f"{LABEL[p]} TFLOPs/GPU [step min-max] | vs {ref} | {LABEL[p]} peak GiB"
+    gpus = sorted({r.get("gpu") for r in report["rows"] if r.get("gpu") is not None}) if spread_ else [None]
+    base = {(p, g): baseline_values(report, p, g) for p in paths for g in gpus}
+    mean = {k: sum(v) / len(v) if v else None for k, v in base.items()}
+    against = f"vs {ref}" + (" of its GPU" if spread_ else "")
+    head = "| configuration | " + " | ".join(f"{LABEL[p]} TFLOPs/GPU [step min-max] | {against} | {LABEL[p]} peak GiB"
                                              for p in paths)
     lines = [head + (" | Lightning/raw |" if len(paths) == 2 else " |"),
              "|---|" + "---|---|---|" * len(paths) + ("---|" if len(paths) == 2 else "")]
-    for name in dict.fromkeys(r["config"] for r in report["rows"]):
+    for name, gpu in dict.fromkeys(line_of(r) for r in report["rows"]):
         cells = []
         for p in paths:
-            r = by.get((name, p), {})
+            r = by.get((name, gpu, p), {})
             mb = f", mb {r['micro_batch']}" if r and r["micro_batch"] != report["base"]["micro_batch"] else ""
+            if not r:
+                cells += ["", "", ""]
+                continue
             if not r.get("ok"):
                 cells += [f"failed{mb}: " + ("out of memory" if r.get("oom") else r.get("error", "?")[:60]), "", ""]
                 continue
-            rel = f"{r['tflops_per_gpu'] / mean[p]:.3f}" if mean[p] else ""
+            m = mean.get((p, gpu if spread_ else None))
+            rel = f"{r['tflops_per_gpu'] / m:.3f}" if m else ""
             spread = f" [{r['step_time_s']['min'] * 1e3:.0f}-{r['step_time_s']['max'] * 1e3:.0f} ms]"
             mem = f"{r['peak_mem_gib']:.1f}" if r.get("peak_mem_gib") is not None else "n/a"
             cells += [f"{_fmt(r['tflops_per_gpu'])}{spread}{mb}", rel, mem]
         ratio = ""
         if len(paths) == 2:
-            ds, pl = by.get((name, "deepspeed"), {}), by.get((name, "lightning"), {})
+            ds, pl = by.get((name, gpu, "deepspeed"), {}), by.get((name, gpu, "lightning"), {})
             ratio = f" {pl['tflops_per_gpu'] / ds['tflops_per_gpu']:.3f} |" if ds.get("ok") and pl.get("ok") else " |"
-        lines.append(f"| {name} | " + " | ".join(cells) + f" |{ratio}")
-    for p in paths:
-        if len(base[p]) > 1:
-            lines.append(f"\n{LABEL[p]} {ref} runs: " + ", ".join(_fmt(v) for v in base[p]) +
-                         f" TFLOPs/GPU (ratios above are against their mean {_fmt(mean[p])}; they differ by "
-                         f"{(max(base[p]) - min(base[p])) / mean[p]:.2%})")
+        label = f"{name} (GPU {gpu})" if spread_ else name
+        lines.append(f"| {label} | " + " | ".join(cells) + f" |{ratio}")
+    for (p, g), values in base.items():
+        on = f" on GPU {g}" if spread_ else ""
+        if len(values) > 1:
+            m = mean[(p, g)]
+            lines.append(f"\n{LABEL[p]} {ref} runs{on}: " + ", ".join(_fmt(v) for v in values) +
+                         f" TFLOPs/GPU (ratios above{on} are against their mean {_fmt(m)}; they differ by "
+                         f"{(max(values) - min(values)) / m:.2%})")
     lines += profiled_table(report)
     for name, mb in report["largest_micro_batch_without_checkpointing"].items():
         tried = ", ".join(f"{r['micro_batch']}: " + (_fmt(r["tflops_per_gpu"]) if r["ok"] else
@@ -369,14 +501,17 @@ def profiled_table(report: dict) -> list[str]:
     if not rows:
         return []
     lines = ["\nProfiled step, device ms by kind of kernel (and idle), each against the mean of its path's baseline "
-             "runs (+ is slower):\n", "| configuration | path | " + " | ".join(rows[0]["profiled_step_ms"]) + " |",
+             "runs" + (" on its GPU" if spread_gpus(report) else "") + " (+ is slower):\n",
+             "| configuration | path | " + " | ".join(rows[0]["profiled_step_ms"]) + " |",
              "|---|---|" + "---|" * len(rows[0]["profiled_step_ms"])]
     for r in rows:
         ms = r["profiled_step_ms"]
-        base = [b["profiled_step_ms"] for b in rows if b["path"] == r["path"] and is_reference(report, b)]
+        base = [b["profiled_step_ms"] for b in rows if b["path"] == r["path"] and is_reference(report, b)
+                and (not spread_gpus(report) or b.get("gpu") == r.get("gpu"))]
         delta = {k: f" ({d:+.1f})" for k, d in minus_mean(ms, base).items()} if base else {}
         cells = [f"{v:.1f}{delta.get(k, '')}" for k, v in ms.items()]
-        lines.append(f"| {r['config']} | {LABEL[r['path']]} | " + " | ".join(cells) + " |")
+        label = f"{r['config']} (GPU {r.get('gpu')})" if spread_gpus(report) else r["config"]
+        lines.append(f"| {label} | {LABEL[r['path']]} | " + " | ".join(cells) + " |")
     return lines
 
 

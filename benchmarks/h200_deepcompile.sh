@@ -34,10 +34,12 @@
 #   STAGE=autotune  compare.py --autotune on GPUS GPUs (default 1) over GRID (default 16,24), each candidate STEPS /
 #               WARMUP steps, its budget what is left of the call; KEEP=<an earlier call's autotune folder, in the repo>
 #               continues that search (--keep_runs): candidates measured there are not run again
-#   STAGE=lever GPU 0: benchmarks/ablation.py --set last_mile over CONFIGS (comma-separated), step PROFILE_STEP
-#               (default 9) profiled as a step in flight runs, as many runs as fit before the TESTS_S seconds kept
-#               for TESTS (pytest node ids, gpu marker), which run after the timed runs; KEEP=warm continues the
-#               ablation from the copy the last call left in /tmp on the same machine (calls back to back)
+#   STAGE=lever benchmarks/ablation.py --set last_mile over CONFIGS (comma-separated) on GPUS GPUs (default 1;
+#               more: --gpus, each GPU running its own baselines), step PROFILE_STEP (default 9) profiled as a step
+#               in flight runs, as many runs as fit before the TESTS_S seconds kept for TESTS (pytest node ids, gpu
+#               marker), which run after the timed runs on GPU 0; KEEP=warm continues the ablation from the copy the
+#               last call left in /tmp on the same machine (calls back to back), KEEP=<an earlier call's ablation
+#               folder, in the repo> from that folder
 #   STAGE=headline  compare.py's GPU default on GPUS GPUs (default 1): both paths, REPEATS rounds (default 2), the
 #               ceiling in round 1, step PROFILE_STEP (default 9) profiled, over as many calls as it takes: each call
 #               runs what fits in it (--time_limit; exit status 3 when it stopped before a run) and KEEP=<the last
@@ -242,8 +244,10 @@ case "$STAGE" in
     if [ "${KEEP:-}" = warm ]; then
       [ -d "$A" ] || { echo "KEEP=warm: no $A on this machine (a fresh one)"; exit 2; }
       cp -r "$A" "$W/ablation"
-    fi
-    CUDA_VISIBLE_DEVICES=0 timeout -k 25 "$(left)" python3 benchmarks/ablation.py --set last_mile \
+    elif [ -n "${KEEP:-}" ]; then cp -r "$KEEP" "$W/ablation"; fi
+    G=${GPUS:-1}  # GPUs the runs are spread over (ablation.py --gpus), from GPU 0
+    CUDA_VISIBLE_DEVICES=$(seq -s, 0 $(( G - 1 ))) timeout -k 25 "$(left)" python3 benchmarks/ablation.py \
+      --set last_mile --gpus "$G" \
       --configs="${CONFIGS:?CONFIGS=<comma-separated configurations>}" --profile_step "${PROFILE_STEP:-9}" \
       --profile_sync false --keep --timeout 400 --time_limit "$(( $(left) - 20 - ${TESTS_S:-0} ))" \
       --out "$W/ablation" > "$W/ablation.log" 2>&1

@@ -588,3 +588,92 @@ def test_residual_dropout_times_both_masks_against_their_inductor_parts_and_chec
 def test_residual_dropout_refuses_a_rate_it_cannot_check():
     r = run([sys.executable, str(ROOT / "benchmarks" / "residual_dropout.py"), "--p", "0"], check=False, timeout=60)
     assert r.returncode == 2 and "--p must be in (0, 1), got 0.0" in r.stderr
+
+
+def test_spread_runs_each_gpus_references_around_the_levers_it_takes():
+    """--gpus: every GPU runs the references named before the levers first and those after last, on itself; each
+    lever runs once, on the first GPU free; once a run would not fit, no GPU starts another."""
+    import threading
+    import time
+
+    ablation = load_module("ablation", ABLATION)
+    ran, lock = [], threading.Lock()
+
+    def run(task, gpu):
+        time.sleep(0.01 * (1 + gpu))  # GPU 1 is slower: it takes fewer levers
+        with lock:
+            ran.append((task, gpu))
+
+    levers = [(f"+l{i}", "deepspeed") for i in range(5)]
+    refs = lambda name: lambda gpu: [(name, "deepspeed")]
+    assert ablation.spread(refs("baseline"), levers, refs("baseline_again"), 2, run, lambda: True) == []
+    for gpu in (0, 1):
+        mine = [t for t, g in ran if g == gpu]
+        assert mine[0] == ("baseline", "deepspeed") and mine[-1] == ("baseline_again", "deepspeed"), mine
+    assert sorted(t for t, g in ran if t[0].startswith("+")) == levers
+    # a time limit: the third start does not fit; what was never started is returned, levers without a GPU
+    ran.clear()
+    starts = []
+    fits = lambda: starts.append(1) or len(starts) <= 2
+    skipped = ablation.spread(refs("baseline"), levers, refs("baseline_again"), 2, run, fits)
+    assert sorted(ran) == [(("baseline", "deepspeed"), 0), (("baseline", "deepspeed"), 1)]
+    assert sorted(t for t, _ in skipped if t[0].startswith("+")) == levers  # each lever once, none started
+    assert sorted((t, g) for t, g in skipped if not t[0].startswith("+")) == [
+        (("baseline_again", "deepspeed"), 0), (("baseline_again", "deepspeed"), 1)]
+
+
+def test_ablation_over_gpus_rates_each_lever_against_its_own_gpus_baselines(tmp_path, monkeypatch):
+    """--gpus 2 (CUDA, faked here): the baselines run on both GPUs, each lever once; GPU 1 runs everything 10%
+    faster, and a lever that changes nothing rates 1.000 on either GPU. A time limit stops it between runs, and
+    --keep runs the rest, reusing a GPU's baselines only on that GPU."""
+    import time
+
+    import torch
+
+    from shared.model import config as model_config
+
+    ablation = load_module("ablation", ABLATION)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(model_config, "cuda_available", lambda: True)
+    monkeypatch.setattr(ablation, "device_info", lambda: {"name": "FakeGPU"})
+    clock, ran = [0.0], []
+
+    def fake_run(base, name, flags, path, out, gpu, timeout, suffix=""):
+        ran.append((name, gpu, suffix))
+        clock[0] += 100.0
+        tflops = 500.0 * (1.1 if gpu == 1 else 1.0) * (1.02 if name == "+vocab128" else 1.0)
+        return {"config": name, "path": path, "flags": flags, "micro_batch": base.micro_batch, "gpu": gpu, "ok": True,
+                "tflops_per_gpu": tflops, "step_time_s": {"min": 0.7, "max": 0.8}, "peak_mem_gib": 90.0,
+                "device": "FakeGPU"}
+
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(ablation, "run_one", fake_run)
+    args = ["--set", "last_mile", "--gpus", "2", "--configs", "baseline,+fused_loss,+vocab128,baseline_again",
+            "--out", str(tmp_path)]
+    with pytest.raises(ablation.TimeLimitReached, match="not started: ") as e:
+        ablation.main([*args, "--time_limit", "350"])
+    assert str(e.value).endswith(" ".join(["python", "benchmarks/ablation.py", *args, "--time_limit", "350",
+                                           "--keep"]))
+    first = load(tmp_path / "ablation.json")
+    assert first["gpus"] == 2 and {(r["config"], r["gpu"]) for r in first["rows"]} >= {("baseline", 0), ("baseline", 1)}
+    assert all(s == (f"_gpu{g}" if n.startswith("baseline") else "") for n, g, s in ran)
+    n_first = len(ran)
+    report = ablation.main([*args, "--keep"])
+    new = ran[n_first:]
+    assert not any(n == "baseline" for n, _, _ in new)  # kept from the GPU it ran on
+    assert sorted((r["config"], r["gpu"]) for r in report["rows"] if r["config"].startswith("baseline")) == [
+        ("baseline", 0), ("baseline", 1), ("baseline_again", 0), ("baseline_again", 1)]
+    assert sorted(r["config"] for r in report["rows"] if not r["config"].startswith("baseline")) == [
+        "+fused_loss", "+vocab128"]
+    text = ablation.table(report)
+    g = {r["config"]: r["gpu"] for r in report["rows"]}
+    assert f"| +fused_loss (GPU {g['+fused_loss']}) | " in text and "| 1.000 |" in text
+    assert f"| +vocab128 (GPU {g['+vocab128']}) | " in text and "| 1.020 |" in text
+    assert "vs baseline of its GPU" in text
+    assert "raw baseline runs on GPU 0: 500.0, 500.0" in text and "raw baseline runs on GPU 1: 550.0, 550.0" in text
+    for bad, match in ((["--gpus", "3"], "--gpus takes 1 up to the GPUs this machine has (2), got 3"),
+                       (["--gpus", "2", "--mb_sweep", "24"], "the micro-batch sweep runs on one GPU")):
+        with pytest.raises(SystemExit):
+            ablation.main(["--set", "fusions", *bad, "--out", str(tmp_path / "x")])
+        assert not (tmp_path / "x" / "ablation.json").exists(), match
