@@ -1,24 +1,26 @@
-"""Carry the compile caches from one GPU machine to the next: DeepSpeed's JIT-built ops, inductor's compiled graphs
-and tuned kernels, Triton's kernel binaries.
+"""Carry the compile caches from one GPU machine to the next: inductor's compiled graphs and tuned kernels, and
+Triton's kernel binaries.
 
     python benchmarks/compile_cache.py save OUTDIR       # end of a job: OUTDIR/compile_cache.json + .tar.gz parts
     python benchmarks/compile_cache.py restore DIR       # start of the next, on a fresh machine: unpack DIR's parts
 
 A machine that keeps its disk pays these once. A lent or preemptible one starts bare every time, and its first
-DeepCompile run of the 1.5b preset builds DeepCompile's op, compiles every kernel and, with
-`--coordinate_descent_tuning`, benchmarks each one's block sizes again. In
-`benchmarks/results/headline_device_checks_1xh200` (one machine, `extra.warmup_s` of its run JSONs), the raw path's
-first run, the machine's first, warmed up for 231 s and its second, the machine's fifth, for 148 s; the ceiling,
-another graph, compiled there once, for 217 s. `save` packs the three cache folders (each where the library reads it:
-TORCH_EXTENSIONS_DIR, TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR, or their defaults) into one gzipped tar split
-into parts of at most --part_mib (a job's outputs may be capped per file), with a manifest of the versions and
-the device they were made with and each part's SHA-256. If the archive exceeds --max_mib, the folders are dropped
-from the last of (extensions, triton, inductor) until it fits, and the manifest says which were left out.
-`restore` unpacks them only where everything that keys a cache is the same (Python, torch, CUDA, Triton,
-DeepSpeed, the GPU's name and compute capability; else it says what differs and does nothing), after checking
-every part's hash, into a scratch folder first; files that the machine already has are left as they are, and the
-restored ones are dated now, so that ninja finds a build newer than the sources installed before it. Lock files are
-never packed: a build killed mid-way leaves one, and a restored lock would stall every later build.
+DeepCompile run of the 1.5b preset compiles every kernel and, with `--coordinate_descent_tuning`, benchmarks each
+one's block sizes again. In `benchmarks/results/headline_device_checks_1xh200` (one machine, `extra.warmup_s` of its
+run JSONs), the raw path's first run, the machine's first, warmed up for 231 s and its second, the machine's fifth,
+for 148 s; the ceiling, another graph, compiled there once, for 217 s. `save` packs the two cache folders (each
+where the library reads it: TRITON_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR, or their defaults) into one gzipped tar
+split into parts of at most --part_mib (a job's outputs may be capped per file), with a manifest of the folders,
+the versions and the device they were made with and each part's SHA-256. If the archive exceeds --max_mib, the
+inductor folder, then the Triton one, is left out until it fits, and the manifest says which. `restore` unpacks them
+only where everything that keys a cache is the same (Python, torch, CUDA, Triton, DeepSpeed, the GPU's name and
+compute capability; else it says what differs and does nothing), each folder only where it is the same path as
+where it was made (Triton's cache names its files by absolute path), after checking every part's hash, into a
+scratch folder first, each file written under a temporary name and renamed; files the machine already has are left
+as they are. Lock and temporary files are never packed.
+
+DeepSpeed's JIT-built ops (TORCH_EXTENSIONS_DIR) are not carried: ninja rebuilds an op whose sources were installed
+after the build or at another path, and a fresh machine installs them anew, so a carried build would save nothing.
 
 Caches change no timed step: the warm-up steps that compile are excluded from every figure (the run JSON's
 `extra.compile_cache` counts inductor's cache hits and misses, `extra.compile_s` the seconds spent compiling).
@@ -39,21 +41,19 @@ from pathlib import Path
 
 MANIFEST = "compile_cache.json"
 ARCHIVE = "compile_cache.tar.gz"
-ROLES = ("extensions", "triton", "inductor")  # the order of keeping: the op builds take the longest to redo
+ROLES = ("triton", "inductor")  # the order of keeping: the inductor folder is left out first
 KEYED_BY = ("python", "torch", "cuda", "triton", "deepspeed")  # versions that key the caches' entries
-SKIPPED_NAMES = ("lock",)  # torch's extension-build lock (a killed build leaves it behind)
+SKIPPED_NAMES = ("lock",)  # a lock a killed process leaves behind would stall every later one
 
 
 def cache_dirs() -> dict[str, Path]:
     """Where this process's libraries keep each cache: the env variable where set, else the library's default."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
-    from torch.utils.cpp_extension import get_default_build_root
 
-    # torch.utils.cpp_extension._get_build_directory's and triton.knobs.cache.dir's rule
-    extensions = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    # triton.knobs.cache.dir's rule; where TRITON_CACHE_DIR is unset, inductor keeps its own kernels' binaries in
+    # its folder (TORCHINDUCTOR_CACHE_DIR/triton) and Triton the hand-written kernels' here
     triton = os.environ.get("TRITON_CACHE_DIR") or str(Path.home() / ".triton" / "cache")
-    return {"extensions": Path(extensions), "triton": Path(triton),
-            "inductor": Path(inductor_cache_dir())}
+    return {"triton": Path(triton), "inductor": Path(inductor_cache_dir())}
 
 
 def identity() -> dict:
@@ -66,7 +66,7 @@ def identity() -> dict:
 
 
 def _skipped(path: Path) -> bool:
-    return path.name in SKIPPED_NAMES or path.name.endswith(".lock") or path.name.endswith(".tmp")
+    return path.name in SKIPPED_NAMES or path.name.endswith(".lock") or ".tmp" in path.suffix
 
 
 def _files(root: Path) -> list[Path]:
@@ -90,8 +90,9 @@ def _archive(dirs: dict[str, Path], roles: list[str]) -> tuple[bytes, dict]:
 
 def save(out: Path, dirs: dict[str, Path], max_mib: float, part_mib: float, ident: dict) -> dict:
     """Write the manifest and the archive's parts into `out`; returns the manifest."""
-    if part_mib <= 0 or max_mib <= 0:
-        raise ValueError(f"--part_mib and --max_mib must be positive, got {part_mib} and {max_mib}")
+    if part_mib * 2**20 < 1024 or max_mib <= 0:
+        raise ValueError(f"--part_mib must be at least 1 KiB (1/1024) and --max_mib positive, got {part_mib} and "
+                         f"{max_mib}")
     roles = [r for r in ROLES if _files(dirs[r])]
     dropped = []
     # gzip does not shrink compiled code 20x: folders past that are left out before compressing anything
@@ -132,17 +133,23 @@ def restore(src: Path, dirs: dict[str, Path], ident: dict) -> dict:
     path = src / MANIFEST
     if not path.is_file():
         return {"skipped": f"no {MANIFEST} in {src}"}
-    manifest = json.loads(path.read_text())
+    try:
+        manifest = json.loads(path.read_text())
+        parts, roles = manifest["parts"], manifest["roles"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is not a manifest this script wrote ({type(e).__name__}: {e})") from e
     diff = differences(manifest, ident)
     if diff:
         return {"skipped": "made elsewhere: " + "; ".join(diff)}
-    if not manifest["parts"]:
+    if not parts:
         return {"skipped": "the saved archive is empty"}
+    moved = {r: f"made in {roles[r]['dir']}, this machine's is {dirs[r]}" for r in roles
+             if r in dirs and Path(roles[r]["dir"]) != dirs[r]}
     data = bytearray()
-    for p in manifest["parts"]:
+    for p in parts:
         f = src / p["name"]
         if not f.is_file():
-            raise ValueError(f"{f} is missing ({len(manifest['parts'])} parts listed in {path})")
+            raise ValueError(f"{f} is missing ({len(parts)} parts listed in {path})")
         chunk = f.read_bytes()
         if hashlib.sha256(chunk).hexdigest() != p["sha256"]:
             raise ValueError(f"{f} does not match its SHA-256 in {path} (a broken or partial copy)")
@@ -159,18 +166,20 @@ def restore(src: Path, dirs: dict[str, Path], ident: dict) -> dict:
         tar.extractall(tmp, members=members, filter="data")
         for role in ROLES:
             root = Path(tmp) / role
+            if not root.is_dir() or role in moved:
+                continue
             n = 0
             for f in _files(root):
                 dest = dirs[role] / f.relative_to(root)
                 if dest.exists():
                     continue
                 dest.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(f, dest)  # dated now, after the sources this call installed: ninja rebuilds nothing
-                shutil.copymode(f, dest)
+                part = dest.with_name(f"{dest.name}.tmp{os.getpid()}")  # never a cut-off file under the real name
+                shutil.copy2(f, part)
+                os.replace(part, dest)
                 n += 1
-            if root.is_dir():
-                restored[role] = n
-    return {"restored": restored, "left_out_when_saved": manifest.get("left_out", [])}
+            restored[role] = n
+    return {"restored": restored, "not_restored": moved, "left_out_when_saved": manifest.get("left_out", [])}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,8 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     if "skipped" in res:
         print(f"compile cache: not restored: {res['skipped']}")
     else:
-        print("compile cache: restored " + ", ".join(f"{k} {n} new files to {dirs[k]}" for k, n in
-                                                  res["restored"].items()))
+        print("compile cache: restored " + (", ".join(f"{k} {n} new files to {dirs[k]}" for k, n in
+                                                   res["restored"].items()) or "nothing")
+              + "".join(f"; {k} not: {why}" for k, why in res["not_restored"].items()))
     return 0
 
 

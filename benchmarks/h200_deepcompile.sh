@@ -62,9 +62,9 @@ STAGE=${STAGE:-one}
 W=${WORK:-/tmp/h200_deepcompile}
 rm -rf "$W"; mkdir -p "$W"
 # Caches shared by every run of the call: DeepSpeed's JIT op (DeepCompile's `dc`), inductor's graphs and kernels,
-# Triton's binaries. A fresh machine starts from the ones an earlier call saved (benchmarks/compile_cache.py) when
-# .compile_cache/ (the files it wrote into that call's OUTDIR) came with the repo; each call saves its own at the end
-# into OUTDIR (SAVE_CACHE=0: not).
+# Triton's binaries. A fresh machine starts from inductor's and Triton's as an earlier call saved them
+# (benchmarks/compile_cache.py) when .compile_cache/ (the files it wrote into that call's OUTDIR) came with the repo;
+# each call saves its own at the end into OUTDIR (SAVE_CACHE=0: not).
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/zero3bench_extensions}
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/zero3bench_inductor}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/zero3bench_triton}

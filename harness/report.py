@@ -319,7 +319,8 @@ def format_table(report: dict) -> str:
     if any(any(v is not None for v in p.get("deepcompile_passes_s", [])) for p in report["paths"].values()):
         row("  DeepCompile passes s", lambda p: per_run_s(p, "deepcompile_passes_s"))
         row("    of them profiling s", lambda p: per_run_s(p, "deepcompile_profiling_s") or "n/a")
-    if any(c and any(c.values()) for p in report["paths"].values() for c in p.get("compile_cache") or []):
+    if any(_cache_cell(c).strip("0/") not in ("", "n/a") for p in report["paths"].values()
+           for c in p.get("compile_cache") or []):  # a run that compiled a graph
         row("  graphs cached/compiled/uncacheable",
             lambda p: ", ".join(_cache_cell(c) for c in p.get("compile_cache") or []))
     if any(t for p in P.values() for t in p.get("gpu_telemetry") or []):

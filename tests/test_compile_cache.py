@@ -6,8 +6,8 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import tarfile
-import time
 from pathlib import Path
 
 import pytest
@@ -31,8 +31,9 @@ def fill(dirs: dict[str, Path], size: int = 100) -> dict[str, bytes]:
             (d / rel).parent.mkdir(parents=True, exist_ok=True)
             (d / rel).write_bytes(data)
             files[f"{role}/{rel}"] = data
-    (dirs["extensions"] / "sub" / "lock").write_text("")
+    (dirs["inductor"] / "sub" / "lock").write_text("")
     (dirs["triton"] / "sub" / "x.lock").write_text("")
+    (dirs["triton"] / "sub" / "y.json.tmp42").write_text("")  # a write cut off
     return files
 
 
@@ -42,33 +43,44 @@ def contents(dirs: dict[str, Path]) -> dict[str, bytes]:
 
 
 def test_the_caches_travel_in_parts_and_unpack_where_this_machine_keeps_them(tmp_path):
-    there, here, out = caches(tmp_path / "there"), caches(tmp_path / "here"), tmp_path / "out"
-    files = fill(there, size=3000)
-    (here["triton"] / "sub").mkdir(parents=True)
-    (here["triton"] / "sub" / "b.json").write_bytes(b"this machine's own")  # already here: left as it is
-    m = cc.save(out, there, max_mib=1, part_mib=0.002, ident=IDENT)  # 2 KiB parts: random bytes, several parts
-    assert len(m["parts"]) >= 4 and sorted(p.name for p in out.iterdir()) == sorted(
+    dirs, out = caches(tmp_path / "cache"), tmp_path / "out"
+    files = fill(dirs, size=3000)
+    so = dirs["triton"] / "sub" / "deeper" / "c.so"
+    so.chmod(0o755)
+    m = cc.save(out, dirs, max_mib=1, part_mib=0.002, ident=IDENT)  # 2 KiB parts: random bytes, several parts
+    assert len(m["parts"]) >= 3 and sorted(p.name for p in out.iterdir()) == sorted(
         [cc.MANIFEST] + [p["name"] for p in m["parts"]])
     assert {r: s["files"] for r, s in m["roles"].items()} == dict.fromkeys(cc.ROLES, 3) and m["left_out"] == []
     assert json.loads((out / cc.MANIFEST).read_text()) == m
-    old = there["extensions"] / "sub" / "deeper" / "c.so"
-    os.utime(old, (1e9, 1e9))  # built long ago; the sources a new machine installs are newer
-    old.chmod(0o755)
-    cc.save(out, there, max_mib=1, part_mib=0.002, ident=IDENT)
-    started = time.time()
-    res = cc.restore(out, here, IDENT)
-    assert res["restored"] == {"extensions": 3, "triton": 2, "inductor": 3}
-    so = here["extensions"] / "sub" / "deeper" / "c.so"
-    assert so.stat().st_mtime >= started - 1 and so.stat().st_mode & 0o777 == 0o755  # dated now, mode kept
-    got = contents(here)
+    shutil.rmtree(tmp_path / "cache")  # a fresh machine, the same folders
+    (dirs["triton"] / "sub").mkdir(parents=True)
+    (dirs["triton"] / "sub" / "b.json").write_bytes(b"this machine's own")  # already here: left as it is
+    res = cc.restore(out, dirs, IDENT)
+    assert res["restored"] == {"triton": 2, "inductor": 3} and res["not_restored"] == {}
+    got = contents(dirs)
     assert got.pop("triton/sub/b.json") == b"this machine's own"
-    assert got == {k: v for k, v in files.items() if k != "triton/sub/b.json"}  # no lock file travelled
+    assert got == {k: v for k, v in files.items() if k != "triton/sub/b.json"}  # no lock or cut-off file travelled
+    assert so.stat().st_mode & 0o777 == 0o755
+
+
+def test_a_folder_restores_only_where_it_was_made(tmp_path):
+    """Triton's cache names its files by absolute path: a folder elsewhere on this machine is not restored."""
+    dirs, out = caches(tmp_path / "cache"), tmp_path / "out"
+    fill(dirs)
+    cc.save(out, dirs, max_mib=1, part_mib=1, ident=IDENT)
+    here = {**caches(tmp_path / "fresh"), "inductor": dirs["inductor"]}
+    shutil.rmtree(tmp_path / "cache")
+    res = cc.restore(out, here, IDENT)
+    assert res["restored"] == {"inductor": 3}
+    assert res["not_restored"] == {"triton": f"made in {dirs['triton']}, this machine's is {here['triton']}"}
+    assert not here["triton"].exists()
 
 
 def test_caches_made_with_other_versions_or_another_gpu_are_not_restored(tmp_path):
-    there, here, out = caches(tmp_path / "there"), caches(tmp_path / "here"), tmp_path / "out"
-    fill(there)
-    cc.save(out, there, max_mib=1, part_mib=1, ident=IDENT)
+    here, out = caches(tmp_path / "here"), tmp_path / "out"
+    fill(here)
+    cc.save(out, here, max_mib=1, part_mib=1, ident=IDENT)
+    shutil.rmtree(tmp_path / "here")
     other = {**IDENT, "versions": {**IDENT["versions"], "torch": "2.13.0"}, "device": "NVIDIA A100"}
     res = cc.restore(out, here, other)
     assert "torch '2.11.0' there vs '2.13.0' now" in res["skipped"]
@@ -79,9 +91,10 @@ def test_caches_made_with_other_versions_or_another_gpu_are_not_restored(tmp_pat
 
 @pytest.mark.parametrize("damage", ["corrupt", "missing"])
 def test_a_broken_part_restores_nothing_and_says_which(tmp_path, damage):
-    there, here, out = caches(tmp_path / "there"), caches(tmp_path / "here"), tmp_path / "out"
-    fill(there, size=3000)
-    m = cc.save(out, there, max_mib=1, part_mib=0.002, ident=IDENT)
+    here, out = caches(tmp_path / "here"), tmp_path / "out"
+    fill(here, size=3000)
+    m = cc.save(out, here, max_mib=1, part_mib=0.002, ident=IDENT)
+    shutil.rmtree(tmp_path / "here")
     last = out / m["parts"][-1]["name"]
     if damage == "corrupt":
         data = last.read_bytes()
@@ -95,18 +108,21 @@ def test_a_broken_part_restores_nothing_and_says_which(tmp_path, damage):
 
 def test_over_the_limit_the_folders_are_left_out_last_first_and_named(tmp_path):
     there, out = caches(tmp_path / "there"), tmp_path / "out"
-    fill(there, size=150_000)  # 450 KB of random bytes a folder (they do not compress): two fit in 1 MiB
-    m = cc.save(out, there, max_mib=1.0, part_mib=0.5, ident=IDENT)
-    assert m["left_out"] == ["inductor"] and set(m["roles"]) == {"extensions", "triton"}
-    assert m["archive_bytes"] <= 2**20 and len(m["parts"]) == 2
+    fill(there, size=150_000)  # 450 KB of random bytes a folder (they do not compress): one fits in 0.6 MiB
+    m = cc.save(out, there, max_mib=0.6, part_mib=0.25, ident=IDENT)
+    assert m["left_out"] == ["inductor"] and set(m["roles"]) == {"triton"}
+    assert m["archive_bytes"] <= 0.6 * 2**20 and len(m["parts"]) == 2
     with tarfile.open(fileobj=io.BytesIO(b"".join((out / p["name"]).read_bytes() for p in m["parts"]))) as tar:
-        assert {n.split("/")[0] for n in tar.getnames()} == {"extensions", "triton"}
+        assert {n.split("/")[0] for n in tar.getnames()} == {"triton"}
     m = cc.save(out, there, max_mib=0.1, part_mib=0.5, ident=IDENT)  # not even the first folder fits
-    assert m["left_out"] == ["inductor", "triton", "extensions"] and m["parts"] == [] and m["archive_bytes"] == 0
+    assert m["left_out"] == ["inductor", "triton"] and m["parts"] == [] and m["archive_bytes"] == 0
     assert sorted(p.name for p in out.iterdir()) == [cc.MANIFEST]  # the last save's parts are gone
     assert cc.restore(out, caches(tmp_path / "here"), IDENT) == {"skipped": "the saved archive is empty"}
-    with pytest.raises(ValueError, match="must be positive"):
-        cc.save(out, there, max_mib=1, part_mib=0, ident=IDENT)
+    with pytest.raises(ValueError, match="--part_mib must be at least 1 KiB"):
+        cc.save(out, there, max_mib=1, part_mib=1e-7, ident=IDENT)
+    (out / cc.MANIFEST).write_text(json.dumps({**IDENT}))  # not one this script wrote
+    with pytest.raises(ValueError, match="is not a manifest this script wrote"):
+        cc.restore(out, there, IDENT)
 
 
 def test_an_archive_with_paths_outside_the_cache_folders_is_refused(tmp_path):
@@ -120,29 +136,26 @@ def test_an_archive_with_paths_outside_the_cache_folders_is_refused(tmp_path):
             tar.addfile(info, io.BytesIO(b"abc"))
     data = buf.getvalue()
     (out / f"{cc.ARCHIVE}.000").write_bytes(data)
-    (out / cc.MANIFEST).write_text(json.dumps({**IDENT, "parts": [{"name": f"{cc.ARCHIVE}.000", "bytes": len(data),
-                                                                   "sha256": hashlib.sha256(data).hexdigest()}]}))
+    part = {"name": f"{cc.ARCHIVE}.000", "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (out / cc.MANIFEST).write_text(json.dumps({**IDENT, "roles": {}, "parts": [part]}))
     with pytest.raises(ValueError, match="escaped.bin"):
         cc.restore(out, here, IDENT)
     assert contents(here) == {} and not (tmp_path / "escaped.bin").exists()
 
 
 def test_the_command_reads_each_cache_folder_where_its_library_does(tmp_path, monkeypatch, capsys):
-    there = {"extensions": tmp_path / "ext", "triton": tmp_path / "tri", "inductor": tmp_path / "ind"}
-    for role, var in (("extensions", "TORCH_EXTENSIONS_DIR"), ("triton", "TRITON_CACHE_DIR"),
-                      ("inductor", "TORCHINDUCTOR_CACHE_DIR")):
-        monkeypatch.setenv(var, str(there[role]))
-    assert cc.cache_dirs() == there
-    files = fill(there)
+    dirs = {"triton": tmp_path / "tri", "inductor": tmp_path / "ind"}
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(dirs["triton"]))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(dirs["inductor"]))
+    assert cc.cache_dirs() == dirs
+    files = fill(dirs)
     assert cc.main(["save", str(tmp_path / "out")]) == 0
-    assert "compile cache: saved extensions 3 files, triton 3 files, inductor 3 files" in capsys.readouterr().out
-    here = {role: tmp_path / "new" / role for role in cc.ROLES}
-    for role, var in (("extensions", "TORCH_EXTENSIONS_DIR"), ("triton", "TRITON_CACHE_DIR"),
-                      ("inductor", "TORCHINDUCTOR_CACHE_DIR")):
-        monkeypatch.setenv(var, str(here[role]))
+    assert "compile cache: saved triton 3 files, inductor 3 files" in capsys.readouterr().out
+    for d in dirs.values():
+        shutil.rmtree(d)
     assert cc.main(["restore", str(tmp_path / "out")]) == 0
-    assert "compile cache: restored extensions 3 new files" in capsys.readouterr().out
-    assert contents(here) == files
+    assert "compile cache: restored triton 3 new files" in capsys.readouterr().out
+    assert contents(dirs) == files
     (tmp_path / "out" / f"{cc.ARCHIVE}.000").write_bytes(b"broken")
     assert cc.main(["restore", str(tmp_path / "out")]) == 1
     assert "compile cache: not restored:" in capsys.readouterr().err
@@ -156,18 +169,19 @@ def test_the_script_saves_and_restores_as_a_job_runs_it(tmp_path):
 
     from tests.helpers import ROOT, env
 
-    def with_caches(root: Path) -> dict:
-        return {**env(), "TORCH_EXTENSIONS_DIR": str(root / "extensions"), "TRITON_CACHE_DIR": str(root / "triton"),
-                "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor")}
-
-    files = fill(caches(tmp_path / "there"))
+    dirs = caches(tmp_path / "cache")
+    files = fill(dirs)
     script = str(ROOT / "benchmarks" / "compile_cache.py")
-    for cmd, root in (("save", "there"), ("restore", "here")):
-        proc = subprocess.run([sys.executable, script, cmd, str(tmp_path / "out")], env=with_caches(tmp_path / root),
-                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+    run_env = {**env(), "TRITON_CACHE_DIR": str(dirs["triton"]), "TORCHINDUCTOR_CACHE_DIR": str(dirs["inductor"])}
+    for cmd in ("save", "restore"):
+        proc = subprocess.run([sys.executable, script, cmd, str(tmp_path / "out")], env=run_env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.startswith(f"compile cache: {cmd}"), proc.stdout
-    assert contents(caches(tmp_path / "here")) == files
+        if cmd == "save":
+            shutil.rmtree(tmp_path / "cache")  # the next machine starts bare
+    assert "restored triton 3 new files" in proc.stdout
+    assert contents(dirs) == files
     sh = (ROOT / "benchmarks" / "h200_deepcompile.sh").read_text()
     assert "python3 benchmarks/compile_cache.py restore .compile_cache" in sh
     assert 'python3 benchmarks/compile_cache.py save "$OUT"' in sh
