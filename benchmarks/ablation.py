@@ -46,12 +46,14 @@ clock's drift of the matmuls; with `--profile_sync false` its idle is what a ste
 `--time_limit SECONDS` starts a configuration only if the longest one so far still fits in the time left, else stops
 (exit status 3) with the command that runs the rest.
 
-`--gpus N` (CUDA) spreads the runs over N GPUs, one 1-GPU run on each at a time: every GPU runs the reference
-configurations named (the baselines named before the first lever first, those named after it last), each other
-configuration runs once, on the first GPU free, and its ratio is against the reference runs of its own GPU, since
-GPUs of one kind differ in clock (each row records its `gpu`; the table names it). With --keep a reference run is
-reused only on the GPU it ran on. On 8 GPUs the last-mile set (16 levers, a baseline and a baseline again on every
-GPU) takes 4 runs a GPU, against 18 runs one after the other on one GPU.
+`--gpus N` (CUDA) spreads the configurations over N GPUs, one 1-GPU run on each at a time, a configuration's paths
+one after the other on one GPU: every GPU runs the reference configurations named (the baselines named before the
+first lever first, those named after it last), each other configuration runs once, on the first GPU free, and its
+ratio is against the reference runs of its own GPU, since GPUs of one kind differ in clock (each row records its
+GPU's index and UUID; the table names the GPU). With --keep every reference run measured stays, rating the runs of
+its own GPU, and a GPU of this machine without one runs it again. On 8 GPUs the last-mile set (15 levers, a baseline
+and a baseline again on every GPU) takes 4 runs a GPU, against 17 one after the other on one GPU. The runs of a
+round compile at the same time on the host's CPUs, baselines and levers alike.
 """
 
 from __future__ import annotations
@@ -146,11 +148,11 @@ def run_one(base: TrainConfig, name: str, flags: dict, path: str, out: Path, gpu
 
 
 def spread(before, levers: list, after, gpus: int, run, fits) -> list:
-    """Run tasks on `gpus` GPUs at once, one run per GPU at a time: each GPU runs the tasks `before(gpu)` lists (the
+    """Run tasks on `gpus` GPUs at once, one task per GPU at a time: each GPU runs the tasks `before(gpu)` lists (the
     reference runs) on itself, then takes the next of `levers` whenever it is free, then runs the tasks
-    `after(gpu)` lists on itself. `run(task, gpu)` makes one run; `fits()`, asked before each start under the
-    workers' lock, says whether a run may still start (--time_limit). Returns the (task, gpu) pairs never started
-    (gpu None: a lever): once a run would not fit, no GPU starts another."""
+    `after(gpu)` lists on itself. `run(task, gpu)` runs one task; `fits()`, asked before each start under the
+    workers' lock, says whether a task may still start (--time_limit). Returns the (task, gpu) pairs never started,
+    gpu None for the levers no GPU took: once a task would not fit, or a task raised, no GPU starts another."""
     import collections
     import threading
 
@@ -173,12 +175,22 @@ def spread(before, levers: list, after, gpus: int, run, fits) -> list:
                     stop.append(gpu)
                     skipped.append((task, gpu))
                     continue
-            run(task, gpu)
+            try:
+                run(task, gpu)
+            except BaseException:
+                with lock:
+                    stop.append(gpu)
+                raise
 
     with ThreadPoolExecutor(max_workers=gpus) as pool:
         for job in [pool.submit(worker, g) for g in range(gpus)]:
             job.result()
     return skipped + [(task, None) for task in queue]
+
+
+def gpu_uuids(n: int) -> list[str]:
+    """The UUIDs of this process's first n GPUs: which physical GPU a row ran on, across machines and calls."""
+    return [str(torch.cuda.get_device_properties(i).uuid) for i in range(n)]
 
 
 def configs_value_joined(argv: list[str]) -> list[str]:
@@ -359,48 +371,54 @@ def main(argv: list[str] | None = None) -> dict:
 
 def run_spread(base: TrainConfig, names: list[str], configs: dict, paths: list[str], out: Path, ns, kept: list,
                rows: list, write, clock: TimeLimit) -> None:
-    """--gpus N > 1: the named configurations over N GPUs (spread). The rows --keep reuses go into `rows` first, each
-    new one as its run ends, and ablation.json is written then. The reference configurations named before the
-    first lever run first on every GPU, those named after it last; a reference run is kept (--keep) only from the
-    same GPU. Stops (TimeLimitReached) when a run would not fit in --time_limit, once the runs going have ended."""
+    """--gpus N > 1: the named configurations over N GPUs (spread), all paths of a configuration one after the other
+    on one GPU. The rows --keep reuses go into `rows` first, each new one as its run ends, and ablation.json is
+    written then. The reference configurations named before the first lever run first on every GPU, those named
+    after it last. Each row records its GPU's index and UUID; --keep reuses every reference run measured (each rates
+    the runs of its own GPU) and runs a reference again on each GPU of this machine that has none, and reuses a lever
+    that ran on all paths. Stops (TimeLimitReached) when a run would not fit in --time_limit, once the runs going
+    have ended."""
     import threading
 
+    ids = gpu_uuids(ns.gpus)
     ref = {"reference": REFERENCE[ns.lever_set]}
     refs = [n for n in names if is_reference(ref, {"config": n})]
     first = next((i for i, n in enumerate(names) if n not in refs), len(names))
-    ok = [r for r in kept if r["path"] in paths and r["ok"]]
-    reused = [r for r in ok if r["config"] in names and (r["config"] not in refs or r.get("gpu") in range(ns.gpus))]
-    done = {(r["config"], r["path"], r.get("gpu") if r["config"] in refs else None) for r in reused}
-
-    def own(part: list[str]):  # a GPU's reference runs, less those kept from it
-        return lambda gpu: [(n, p) for n in part if n in refs for p in paths if (n, p, gpu) not in done]
-
-    levers = [(n, p) for n in names if n not in refs for p in paths if (n, p, None) not in done]
+    ok = [r for r in kept if r["config"] in names and r["path"] in paths and r["ok"]]
+    complete = lambda rs: {r["path"] for r in rs} == set(paths)
+    reused = [r for r in ok if r["config"] in refs]
+    reused += [r for n in names if n not in refs and complete(rs := [r for r in ok if r["config"] == n]) for r in rs]
+    ran_on = lambda n, g: complete([r for r in reused if r["config"] == n and r.get("gpu_uuid") == ids[g]])
     for r in reused:
         print(f"== {r['config']} ({LABEL[r['path']]}, GPU {r.get('gpu')}): kept from {out / 'ablation.json'}")
     rows += reused
+
+    def own(part: list[str]):  # a GPU's reference runs, less those kept from it
+        return lambda gpu: [n for n in part if n in refs and not ran_on(n, gpu)]
+
+    levers = [n for n in names if n not in refs and not any(r["config"] == n for r in reused)]
     lock = threading.Lock()
 
-    def run(task, gpu: int) -> None:
-        name, path = task
-        with lock:  # one line at a time from the GPUs' threads
-            print(f"== {name} {configs[name]} ({LABEL[path]}, GPU {gpu})", flush=True)
-        started = time.monotonic()
-        row = run_one(base, name, configs[name], path, out, gpu, ns.timeout,
-                      suffix=f"_gpu{gpu}" if name in refs else "")
-        with lock:
-            clock.longest = max(clock.longest, time.monotonic() - started)
-            rows.append(row)
-            write()
+    def run(name: str, gpu: int) -> None:
+        for path in paths:
+            with lock:  # one line at a time from the GPUs' threads
+                print(f"== {name} {configs[name]} ({LABEL[path]}, GPU {gpu})", flush=True)
+            started = time.monotonic()
+            row = run_one(base, name, configs[name], path, out, gpu, ns.timeout,
+                          suffix=f"_gpu{gpu}" if name in refs else "")
+            with lock:
+                clock.longest = max(clock.longest, time.monotonic() - started)
+                rows.append({**row, "gpu_uuid": ids[gpu]})
+                write()
 
-    def fits() -> bool:
+    def fits() -> bool:  # a configuration's paths run one after the other: each takes up to the longest run
         left_s = (clock.limit_s or 0) - (time.monotonic() - clock.t0)
-        return clock.limit_s is None or not clock.longest or left_s >= clock.longest
+        return clock.limit_s is None or not clock.longest or left_s >= clock.longest * len(paths)
 
     skipped = spread(own(names[:first]), levers, own(names[first:]), ns.gpus, run, fits)
     if skipped:
         write()
-        what = ", ".join(f"{n} ({LABEL[p]}{'' if g is None else f', GPU {g}'})" for (n, p), g in skipped)
+        what = ", ".join(n + ("" if g is None else f" (GPU {g})") for n, g in skipped)
         raise TimeLimitReached(
             f"--time_limit {clock.limit_s:g}: the longest run so far took {clock.longest:.0f} s, more than was left; "
             f"not started: {what}. The finished runs are in {clock.where}; to run the rest: {' '.join(clock.command)}")
@@ -428,11 +446,23 @@ def spread_gpus(report: dict) -> bool:
     return report.get("gpus", 1) > 1
 
 
-def baseline_values(report: dict, path: str, gpu: int | None = None) -> list[float]:
+def gpu_key(row: dict):
+    """Which GPU a row ran on: its UUID where recorded (--gpus), else its index on its machine."""
+    return row.get("gpu_uuid") or row.get("gpu")
+
+
+def gpu_labels(report: dict) -> dict:
+    """{gpu_key: "GPU i"} for the table, with the UUID's end where one index names GPUs of several machines."""
+    keys = dict.fromkeys((gpu_key(r), r.get("gpu")) for r in report["rows"])
+    shared = {i for _, i in keys if sum(j == i for _, j in keys) > 1}
+    return {k: f"GPU {i}" + (f" ...{str(k)[-6:]}" if i in shared else "") for k, i in keys}
+
+
+def baseline_values(report: dict, path: str, gpu=None) -> list[float]:
     """TFLOPs/GPU of the set's reference runs on `path` (naive; baseline and baseline_again); with runs spread over
-    GPUs, those of GPU `gpu`."""
+    GPUs, those of the GPU `gpu` names (gpu_key)."""
     return [r["tflops_per_gpu"] for r in report["rows"] if r["path"] == path and r.get("ok")
-            and is_reference(report, r) and (not spread_gpus(report) or r.get("gpu") == gpu)]
+            and is_reference(report, r) and (not spread_gpus(report) or gpu_key(r) == gpu)]
 
 
 def is_reference(report: dict, row: dict) -> bool:
@@ -443,12 +473,12 @@ def is_reference(report: dict, row: dict) -> bool:
 
 def table(report: dict) -> str:
     spread_ = spread_gpus(report)
-    line_of = (lambda r: (r["config"], r.get("gpu"))) if spread_ else (lambda r: (r["config"], None))
+    line_of = (lambda r: (r["config"], gpu_key(r))) if spread_ else (lambda r: (r["config"], None))
     by = {(*line_of(r), r["path"]): r for r in report["rows"]}
     ref = report.get("reference", "naive")
     paths = [p for p in PATHS if any(r["path"] == p for r in report["rows"])]
-    gpus = sorted({r.get("gpu") for r in report["rows"] if r.get("gpu") is not None}) if spread_ else [None]
-    base = {(p, g): baseline_values(report, p, g) for p in paths for g in gpus}
+    labels = gpu_labels(report) if spread_ else {None: ""}
+    base = {(p, g): baseline_values(report, p, g) for p in paths for g in labels}
     mean = {k: sum(v) / len(v) if v else None for k, v in base.items()}
     against = f"vs {ref}" + (" of its GPU" if spread_ else "")
     head = "| configuration | " + " | ".join(f"{LABEL[p]} TFLOPs/GPU [step min-max] | {against} | {LABEL[p]} peak GiB"
@@ -475,10 +505,10 @@ def table(report: dict) -> str:
         if len(paths) == 2:
             ds, pl = by.get((name, gpu, "deepspeed"), {}), by.get((name, gpu, "lightning"), {})
             ratio = f" {pl['tflops_per_gpu'] / ds['tflops_per_gpu']:.3f} |" if ds.get("ok") and pl.get("ok") else " |"
-        label = f"{name} (GPU {gpu})" if spread_ else name
+        label = f"{name} ({labels[gpu]})" if spread_ else name
         lines.append(f"| {label} | " + " | ".join(cells) + f" |{ratio}")
     for (p, g), values in base.items():
-        on = f" on GPU {g}" if spread_ else ""
+        on = f" on {labels[g]}" if spread_ else ""
         if len(values) > 1:
             m = mean[(p, g)]
             lines.append(f"\n{LABEL[p]} {ref} runs{on}: " + ", ".join(_fmt(v) for v in values) +
@@ -507,10 +537,10 @@ def profiled_table(report: dict) -> list[str]:
     for r in rows:
         ms = r["profiled_step_ms"]
         base = [b["profiled_step_ms"] for b in rows if b["path"] == r["path"] and is_reference(report, b)
-                and (not spread_gpus(report) or b.get("gpu") == r.get("gpu"))]
+                and (not spread_gpus(report) or gpu_key(b) == gpu_key(r))]
         delta = {k: f" ({d:+.1f})" for k, d in minus_mean(ms, base).items()} if base else {}
         cells = [f"{v:.1f}{delta.get(k, '')}" for k, v in ms.items()]
-        label = f"{r['config']} (GPU {r.get('gpu')})" if spread_gpus(report) else r["config"]
+        label = f"{r['config']} ({gpu_labels(report)[gpu_key(r)]})" if spread_gpus(report) else r["config"]
         lines.append(f"| {label} | {LABEL[r['path']]} | " + " | ".join(cells) + " |")
     return lines
 

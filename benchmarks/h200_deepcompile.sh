@@ -244,7 +244,9 @@ case "$STAGE" in
     if [ "${KEEP:-}" = warm ]; then
       [ -d "$A" ] || { echo "KEEP=warm: no $A on this machine (a fresh one)"; exit 2; }
       cp -r "$A" "$W/ablation"
-    elif [ -n "${KEEP:-}" ]; then cp -r "$KEEP" "$W/ablation"; fi
+    elif [ -n "${KEEP:-}" ]; then
+      cp -r "$KEEP" "$W/ablation" || { echo "KEEP=$KEEP: no such ablation folder"; exit 2; }
+    fi
     G=${GPUS:-1}  # GPUs the runs are spread over (ablation.py --gpus), from GPU 0
     CUDA_VISIBLE_DEVICES=$(seq -s, 0 $(( G - 1 ))) timeout -k 25 "$(left)" python3 benchmarks/ablation.py \
       --set last_mile --gpus "$G" \

@@ -622,58 +622,114 @@ def test_spread_runs_each_gpus_references_around_the_levers_it_takes():
         (("baseline_again", "deepspeed"), 0), (("baseline_again", "deepspeed"), 1)]
 
 
-def test_ablation_over_gpus_rates_each_lever_against_its_own_gpus_baselines(tmp_path, monkeypatch):
-    """--gpus 2 (CUDA, faked here): the baselines run on both GPUs, each lever once; GPU 1 runs everything 10%
-    faster, and a lever that changes nothing rates 1.000 on either GPU. A time limit stops it between runs, and
-    --keep runs the rest, reusing a GPU's baselines only on that GPU."""
-    import time
-
+def _fake_cuda_ablation(monkeypatch, uuids: list[str]):
+    """ablation.py as on a machine with len(uuids) GPUs (faked: no run starts), and a fake run_one: GPU 1 runs
+    everything 10% faster, +vocab128 is 2% faster, every other configuration changes nothing."""
     import torch
 
     from shared.model import config as model_config
 
     ablation = load_module("ablation", ABLATION)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(uuids))
     monkeypatch.setattr(model_config, "cuda_available", lambda: True)
     monkeypatch.setattr(ablation, "device_info", lambda: {"name": "FakeGPU"})
-    clock, ran = [0.0], []
+    monkeypatch.setattr(ablation, "gpu_uuids", lambda n: uuids[:n])
+    ran = []
 
     def fake_run(base, name, flags, path, out, gpu, timeout, suffix=""):
-        ran.append((name, gpu, suffix))
-        clock[0] += 100.0
+        ran.append((name, path, gpu, suffix))
         tflops = 500.0 * (1.1 if gpu == 1 else 1.0) * (1.02 if name == "+vocab128" else 1.0)
         return {"config": name, "path": path, "flags": flags, "micro_batch": base.micro_batch, "gpu": gpu, "ok": True,
                 "tflops_per_gpu": tflops, "step_time_s": {"min": 0.7, "max": 0.8}, "peak_mem_gib": 90.0,
                 "device": "FakeGPU"}
 
+    return ablation, ran, fake_run
+
+
+def test_ablation_over_gpus_rates_each_lever_against_its_own_gpus_baselines(tmp_path, monkeypatch):
+    """--gpus 2: the baselines run on both GPUs, each lever once, and its ratio is against its own GPU's baselines
+    (GPU 1 is 10% faster: a lever that changes nothing rates 1.000 on either). The GPUs run in step here, so each
+    takes one lever, and both placements are checked row by row."""
+    import threading
+
+    ablation, ran, fake_run = _fake_cuda_ablation(monkeypatch, ["GPU-a0", "GPU-a1"])
+    step = threading.Barrier(2, timeout=10)
+    monkeypatch.setattr(ablation, "run_one", lambda *a, **k: step.wait() * 0 or fake_run(*a, **k))
+    report = ablation.main(["--set", "last_mile", "--gpus", "2", "--configs",
+                            "baseline,+fused_loss,+vocab128,baseline_again", "--out", str(tmp_path)])
+    for gpu in (0, 1):
+        assert [n for n, _, g, _ in ran if g == gpu][::2] == ["baseline", "baseline_again"]
+    assert sorted((n, s) for n, _, _, s in ran) == sorted(
+        [("baseline", "_gpu0"), ("baseline", "_gpu1"), ("baseline_again", "_gpu0"), ("baseline_again", "_gpu1"),
+         ("+fused_loss", ""), ("+vocab128", "")])
+    text = ablation.table(report)
+    where = {r["config"]: r["gpu"] for r in report["rows"] if not r["config"].startswith("baseline")}
+    assert sorted(where.values()) == [0, 1] and {r["gpu_uuid"] for r in report["rows"]} == {"GPU-a0", "GPU-a1"}
+    for name, factor in (("+fused_loss", 1.0), ("+vocab128", 1.02)):
+        g = where[name]
+        assert f"| {name} (GPU {g}) | {500 * (1.1 if g else 1) * factor:.1f} [700-800 ms] | {factor:.3f} | 90.0 |" \
+            in text, text
+    assert "vs baseline of its GPU" in text
+    assert "raw baseline runs on GPU 0: 500.0, 500.0" in text and "raw baseline runs on GPU 1: 550.0, 550.0" in text
+
+
+def test_ablation_over_gpus_stops_in_time_and_keep_runs_a_gpus_baselines_again_only_where_it_has_none(
+        tmp_path, monkeypatch):
+    import time
+
+    ablation, ran, fake_run = _fake_cuda_ablation(monkeypatch, ["GPU-a0", "GPU-a1"])
+    clock = [0.0]
+
+    def timed_run(*a, **k):
+        clock[0] += 100.0
+        return fake_run(*a, **k)
+
     monkeypatch.setattr(time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(ablation, "run_one", fake_run)
+    monkeypatch.setattr(ablation, "run_one", timed_run)
     args = ["--set", "last_mile", "--gpus", "2", "--configs", "baseline,+fused_loss,+vocab128,baseline_again",
             "--out", str(tmp_path)]
     with pytest.raises(ablation.TimeLimitReached, match="not started: ") as e:
-        ablation.main([*args, "--time_limit", "350"])
-    assert str(e.value).endswith(" ".join(["python", "benchmarks/ablation.py", *args, "--time_limit", "350",
+        ablation.main([*args, "--time_limit", "250"])
+    assert str(e.value).endswith(" ".join(["python", "benchmarks/ablation.py", *args, "--time_limit", "250",
                                            "--keep"]))
     first = load(tmp_path / "ablation.json")
-    assert first["gpus"] == 2 and {(r["config"], r["gpu"]) for r in first["rows"]} >= {("baseline", 0), ("baseline", 1)}
-    assert all(s == (f"_gpu{g}" if n.startswith("baseline") else "") for n, g, s in ran)
+    assert first["gpus"] == 2 and {r["config"] for r in first["rows"]} < {"baseline", "+fused_loss", "+vocab128"}
     n_first = len(ran)
-    report = ablation.main([*args, "--keep"])
-    new = ran[n_first:]
-    assert not any(n == "baseline" for n, _, _ in new)  # kept from the GPU it ran on
+    report = ablation.main([*args, "--keep"])  # the same machine: its baselines are not run again
+    done = [(n, g) for n, _, g, _ in ran[:n_first]]
+    assert not set(done) & {(n, g) for n, _, g, _ in ran[n_first:]}
     assert sorted((r["config"], r["gpu"]) for r in report["rows"] if r["config"].startswith("baseline")) == [
         ("baseline", 0), ("baseline", 1), ("baseline_again", 0), ("baseline_again", 1)]
-    assert sorted(r["config"] for r in report["rows"] if not r["config"].startswith("baseline")) == [
-        "+fused_loss", "+vocab128"]
+    # another machine (other UUIDs), one more lever: the baselines run again on both of its GPUs, the rows measured
+    # on the first machine stay, each rated against its own GPU's baselines
+    monkeypatch.setattr(ablation, "gpu_uuids", lambda n: ["GPU-b0", "GPU-b1"][:n])
+    n_second = len(ran)
+    report = ablation.main([*args[:5], "baseline,+fused_loss,+vocab128,+triton_loss,baseline_again",
+                            "--out", str(tmp_path), "--keep"])
+    assert sorted((n, g) for n, _, g, _ in ran[n_second:]) == [
+        ("+triton_loss", 0), ("baseline", 0), ("baseline", 1), ("baseline_again", 0), ("baseline_again", 1)] or \
+        sorted((n, g) for n, _, g, _ in ran[n_second:]) == [
+        ("+triton_loss", 1), ("baseline", 0), ("baseline", 1), ("baseline_again", 0), ("baseline_again", 1)]
+    assert len([r for r in report["rows"] if r["config"] == "baseline"]) == 4
     text = ablation.table(report)
-    g = {r["config"]: r["gpu"] for r in report["rows"]}
-    assert f"| +fused_loss (GPU {g['+fused_loss']}) | " in text and "| 1.000 |" in text
-    assert f"| +vocab128 (GPU {g['+vocab128']}) | " in text and "| 1.020 |" in text
-    assert "vs baseline of its GPU" in text
-    assert "raw baseline runs on GPU 0: 500.0, 500.0" in text and "raw baseline runs on GPU 1: 550.0, 550.0" in text
+    assert "raw baseline runs on GPU 1 ...GPU-b1: 550.0, 550.0" in text and "GPU 0 ...GPU-a0" in text
+    assert text.count("| 1.000 |") == 8 + 2 and "| 1.020 |" in text  # 8 baselines, 2 levers that change nothing
+
+
+def test_ablation_over_gpus_runs_a_configurations_paths_on_one_gpu_and_refuses_bad_counts(tmp_path, monkeypatch,
+                                                                                          capsys):
+    ablation, ran, fake_run = _fake_cuda_ablation(monkeypatch, ["GPU-a0", "GPU-a1"])
+    monkeypatch.setattr(ablation, "run_one", fake_run)
+    report = ablation.main(["--set", "fusions", "--gpus", "2", "--configs", "naive,+bias_gelu,+compile",
+                            "--mb_sweep", "", "--out", str(tmp_path)])
+    for name in ("+bias_gelu", "+compile"):
+        assert len({(g) for n, _, g, _ in ran if n == name}) == 1  # both paths on one GPU
+    assert "| Lightning/raw |" in ablation.table(report) and " 1.000 |\n" in ablation.table(report)
     for bad, match in ((["--gpus", "3"], "--gpus takes 1 up to the GPUs this machine has (2), got 3"),
+                       (["--gpus", "0"], "--gpus takes 1 up to"),
                        (["--gpus", "2", "--mb_sweep", "24"], "the micro-batch sweep runs on one GPU")):
+        capsys.readouterr()
         with pytest.raises(SystemExit):
             ablation.main(["--set", "fusions", *bad, "--out", str(tmp_path / "x")])
-        assert not (tmp_path / "x" / "ablation.json").exists(), match
+        assert match in capsys.readouterr().err and not (tmp_path / "x" / "ablation.json").exists()
