@@ -11,13 +11,14 @@ run JSONs), the raw path's first run, the machine's first, warmed up for 231 s a
 for 148 s; the ceiling, another graph, compiled there once, for 217 s. `save` packs the two cache folders (each
 where the library reads it: TRITON_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR, or their defaults) into one gzipped tar
 split into parts of at most --part_mib (a job's outputs may be capped per file), with a manifest of the folders,
-the versions and the device they were made with and each part's SHA-256. If the archive exceeds --max_mib, the
-inductor folder, then the Triton one, is left out until it fits, and the manifest says which. `restore` unpacks them
-only where everything that keys a cache is the same (Python, torch, CUDA, Triton, DeepSpeed, the GPU's name and
-compute capability; else it says what differs and does nothing), each folder only where it is the same path as
-where it was made (Triton's cache names its files by absolute path), after checking every part's hash, into a
-scratch folder first, each file written under a temporary name and renamed; files the machine already has are left
-as they are. Lock and temporary files are never packed.
+the versions and the device they were made with and each part's SHA-256. If the archive exceeds --max_mib, what is
+packed last is left out first until it fits (inductor's generated code and graphs, then Triton's binaries;
+inductor's tuning results, a few bytes each and minutes of benchmarks to redo, last), and the manifest says what.
+`restore` unpacks them only where everything that keys a cache is the same (Python, torch, CUDA, Triton,
+DeepSpeed, the GPU's name and compute capability; else it says what differs and does nothing), each folder only
+where it is the same path as where it was made (Triton's cache names its files by absolute path), after checking
+every part's hash, into a scratch folder first, each file written under a temporary name and renamed; files the
+machine already has are left as they are. Lock and temporary files are never packed.
 
 DeepSpeed's JIT-built ops (TORCH_EXTENSIONS_DIR) are not carried: ninja rebuilds an op whose sources were installed
 after the build or at another path, and a fresh machine installs them anew, so a carried build would save nothing.
@@ -41,7 +42,13 @@ from pathlib import Path
 
 MANIFEST = "compile_cache.json"
 ARCHIVE = "compile_cache.tar.gz"
-ROLES = ("triton", "inductor")  # the order of keeping: the inductor folder is left out first
+ROLES = ("triton", "inductor")  # the cache folders, as the archive names them
+# What is packed, in the order of keeping (the last left out first): inductor's tuning results (`.best`: the block
+# sizes coordinate-descent tuning and autotuning chose, a few bytes each, minutes of benchmarks), Triton's kernel
+# binaries, then the rest of inductor's folder (generated code, compiled graphs: the bulk).
+PARTS = {"inductor tuning": ("inductor", lambda rel: rel.suffix == ".best"),
+         "triton kernels": ("triton", lambda rel: True),
+         "inductor graphs": ("inductor", lambda rel: rel.suffix != ".best")}
 KEYED_BY = ("python", "torch", "cuda", "triton", "deepspeed")  # versions that key the caches' entries
 SKIPPED_NAMES = ("lock",)  # a lock a killed process leaves behind would stall every later one
 
@@ -76,15 +83,22 @@ def _files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file() and not p.is_symlink() and not _skipped(p))
 
 
-def _archive(dirs: dict[str, Path], roles: list[str]) -> tuple[bytes, dict]:
+def _selected(dirs: dict[str, Path], part: str) -> list[tuple[Path, str]]:
+    """The files of PARTS[part]: (path, name in the archive)."""
+    role, keep = PARTS[part]
+    return [(f, f"{role}/{f.relative_to(dirs[role]).as_posix()}") for f in _files(dirs[role])
+            if keep(f.relative_to(dirs[role]))]
+
+
+def _archive(dirs: dict[str, Path], parts: list[str]) -> tuple[bytes, dict]:
     buf = io.BytesIO()
     summary = {}
     with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
-        for role in roles:
-            files = _files(dirs[role])
-            for f in files:
-                tar.add(f, arcname=f"{role}/{f.relative_to(dirs[role]).as_posix()}", recursive=False)
-            summary[role] = {"dir": str(dirs[role]), "files": len(files), "bytes": sum(f.stat().st_size for f in files)}
+        for part in parts:
+            files = _selected(dirs, part)
+            for f, name in files:
+                tar.add(f, arcname=name, recursive=False)
+            summary[part] = {"files": len(files), "bytes": sum(f.stat().st_size for f, _ in files)}
     return buf.getvalue(), summary
 
 
@@ -93,28 +107,28 @@ def save(out: Path, dirs: dict[str, Path], max_mib: float, part_mib: float, iden
     if part_mib * 2**20 < 1024 or max_mib <= 0:
         raise ValueError(f"--part_mib must be at least 1 KiB (1/1024) and --max_mib positive, got {part_mib} and "
                          f"{max_mib}")
-    roles = [r for r in ROLES if _files(dirs[r])]
+    kept = [k for k in PARTS if _selected(dirs, k)]
     dropped = []
-    # gzip does not shrink compiled code 20x: folders past that are left out before compressing anything
-    while roles and sum(f.stat().st_size for r in roles for f in _files(dirs[r])) > 20 * max_mib * 2**20:
-        dropped.append(roles.pop())
+    # gzip does not shrink compiled code 20x: what is past that is left out before compressing anything
+    while kept and sum(f.stat().st_size for k in kept for f, _ in _selected(dirs, k)) > 20 * max_mib * 2**20:
+        dropped.append(kept.pop())
     while True:
-        data, summary = _archive(dirs, roles)
-        if len(data) <= max_mib * 2**20 or not roles:
+        data, summary = _archive(dirs, kept)
+        if len(data) <= max_mib * 2**20 or not kept:
             break
-        dropped.append(roles.pop())
-    part = int(part_mib * 2**20)
-    parts = [data[i:i + part] for i in range(0, len(data), part)] if roles else []
+        dropped.append(kept.pop())
+    size = int(part_mib * 2**20)
+    chunks = [data[i:i + size] for i in range(0, len(data), size)] if kept else []
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob(f"{ARCHIVE}.*"):
         old.unlink()
     names = []
-    for i, chunk in enumerate(parts):
+    for i, chunk in enumerate(chunks):
         name = f"{ARCHIVE}.{i:03d}"
         (out / name).write_bytes(chunk)
         names.append({"name": name, "bytes": len(chunk), "sha256": hashlib.sha256(chunk).hexdigest()})
-    manifest = {**ident, "roles": summary, "left_out": dropped, "archive_bytes": len(data) if roles else 0,
-                "max_mib": max_mib, "parts": names}
+    manifest = {**ident, "dirs": {r: str(dirs[r]) for r in ROLES}, "packed": summary, "left_out": dropped,
+                "archive_bytes": len(data) if kept else 0, "max_mib": max_mib, "parts": names}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return manifest
 
@@ -135,7 +149,7 @@ def restore(src: Path, dirs: dict[str, Path], ident: dict) -> dict:
         return {"skipped": f"no {MANIFEST} in {src}"}
     try:
         manifest = json.loads(path.read_text())
-        parts, roles = manifest["parts"], manifest["roles"]
+        parts, made_in = manifest["parts"], manifest["dirs"]
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path} is not a manifest this script wrote ({type(e).__name__}: {e})") from e
     diff = differences(manifest, ident)
@@ -143,8 +157,8 @@ def restore(src: Path, dirs: dict[str, Path], ident: dict) -> dict:
         return {"skipped": "made elsewhere: " + "; ".join(diff)}
     if not parts:
         return {"skipped": "the saved archive is empty"}
-    moved = {r: f"made in {roles[r]['dir']}, this machine's is {dirs[r]}" for r in roles
-             if r in dirs and Path(roles[r]["dir"]) != dirs[r]}
+    moved = {r: f"made in {made_in[r]}, this machine's is {dirs[r]}" for r in ROLES
+             if r in made_in and Path(made_in[r]) != dirs[r]}
     data = bytearray()
     for p in parts:
         f = src / p["name"]
@@ -195,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     dirs = cache_dirs()
     if ns.cmd == "save":
         m = save(Path(ns.outdir), dirs, ns.max_mib, ns.part_mib, identity())
-        kept = ", ".join(f"{k} {v['files']} files" for k, v in m["roles"].items()) or "nothing"
+        kept = ", ".join(f"{k} {v['files']} files" for k, v in m["packed"].items()) or "nothing"
         print(f"compile cache: saved {kept}, {m['archive_bytes'] / 2**20:.1f} MiB in {len(m['parts'])} part(s) to "
               f"{ns.outdir}" + (f"; left out {m['left_out']} (over --max_mib {ns.max_mib})" if m["left_out"] else ""))
         return 0

@@ -31,6 +31,8 @@ def fill(dirs: dict[str, Path], size: int = 100) -> dict[str, bytes]:
             (d / rel).parent.mkdir(parents=True, exist_ok=True)
             (d / rel).write_bytes(data)
             files[f"{role}/{rel}"] = data
+    (dirs["inductor"] / "sub" / "k.best").write_text('{"XBLOCK": 128, "num_warps": 4}')  # a tuning result
+    files["inductor/sub/k.best"] = (dirs["inductor"] / "sub" / "k.best").read_bytes()
     (dirs["inductor"] / "sub" / "lock").write_text("")
     (dirs["triton"] / "sub" / "x.lock").write_text("")
     (dirs["triton"] / "sub" / "y.json.tmp42").write_text("")  # a write cut off
@@ -50,13 +52,14 @@ def test_the_caches_travel_in_parts_and_unpack_where_this_machine_keeps_them(tmp
     m = cc.save(out, dirs, max_mib=1, part_mib=0.002, ident=IDENT)  # 2 KiB parts: random bytes, several parts
     assert len(m["parts"]) >= 3 and sorted(p.name for p in out.iterdir()) == sorted(
         [cc.MANIFEST] + [p["name"] for p in m["parts"]])
-    assert {r: s["files"] for r, s in m["roles"].items()} == dict.fromkeys(cc.ROLES, 3) and m["left_out"] == []
+    assert {k: v["files"] for k, v in m["packed"].items()} == {"inductor tuning": 1, "triton kernels": 3,
+                                                                 "inductor graphs": 3} and m["left_out"] == []
     assert json.loads((out / cc.MANIFEST).read_text()) == m
     shutil.rmtree(tmp_path / "cache")  # a fresh machine, the same folders
     (dirs["triton"] / "sub").mkdir(parents=True)
     (dirs["triton"] / "sub" / "b.json").write_bytes(b"this machine's own")  # already here: left as it is
     res = cc.restore(out, dirs, IDENT)
-    assert res["restored"] == {"triton": 2, "inductor": 3} and res["not_restored"] == {}
+    assert res["restored"] == {"triton": 2, "inductor": 4} and res["not_restored"] == {}
     got = contents(dirs)
     assert got.pop("triton/sub/b.json") == b"this machine's own"
     assert got == {k: v for k, v in files.items() if k != "triton/sub/b.json"}  # no lock or cut-off file travelled
@@ -71,7 +74,7 @@ def test_a_folder_restores_only_where_it_was_made(tmp_path):
     here = {**caches(tmp_path / "fresh"), "inductor": dirs["inductor"]}
     shutil.rmtree(tmp_path / "cache")
     res = cc.restore(out, here, IDENT)
-    assert res["restored"] == {"inductor": 3}
+    assert res["restored"] == {"inductor": 4}
     assert res["not_restored"] == {"triton": f"made in {dirs['triton']}, this machine's is {here['triton']}"}
     assert not here["triton"].exists()
 
@@ -106,17 +109,19 @@ def test_a_broken_part_restores_nothing_and_says_which(tmp_path, damage):
     assert contents(here) == {}
 
 
-def test_over_the_limit_the_folders_are_left_out_last_first_and_named(tmp_path):
+def test_over_the_limit_the_bulk_is_left_out_first_and_the_tuning_results_last(tmp_path):
     there, out = caches(tmp_path / "there"), tmp_path / "out"
     fill(there, size=150_000)  # 450 KB of random bytes a folder (they do not compress): one fits in 0.6 MiB
     m = cc.save(out, there, max_mib=0.6, part_mib=0.25, ident=IDENT)
-    assert m["left_out"] == ["inductor"] and set(m["roles"]) == {"triton"}
+    assert m["left_out"] == ["inductor graphs"] and set(m["packed"]) == {"inductor tuning", "triton kernels"}
     assert m["archive_bytes"] <= 0.6 * 2**20 and len(m["parts"]) == 2
     with tarfile.open(fileobj=io.BytesIO(b"".join((out / p["name"]).read_bytes() for p in m["parts"]))) as tar:
-        assert {n.split("/")[0] for n in tar.getnames()} == {"triton"}
-    m = cc.save(out, there, max_mib=0.1, part_mib=0.5, ident=IDENT)  # not even the first folder fits
-    assert m["left_out"] == ["inductor", "triton"] and m["parts"] == [] and m["archive_bytes"] == 0
-    assert sorted(p.name for p in out.iterdir()) == [cc.MANIFEST]  # the last save's parts are gone
+        assert sorted(n for n in tar.getnames() if n.startswith("inductor/")) == ["inductor/sub/k.best"]
+    m = cc.save(out, there, max_mib=0.1, part_mib=0.5, ident=IDENT)  # only the tuning results fit
+    assert m["left_out"] == ["inductor graphs", "triton kernels"] and list(m["packed"]) == ["inductor tuning"]
+    m = cc.save(out, there, max_mib=1e-5, part_mib=0.5, ident=IDENT)  # nothing fits
+    assert m["left_out"] == ["inductor graphs", "triton kernels", "inductor tuning"] and m["parts"] == []
+    assert m["archive_bytes"] == 0 and sorted(p.name for p in out.iterdir()) == [cc.MANIFEST]  # old parts gone
     assert cc.restore(out, caches(tmp_path / "here"), IDENT) == {"skipped": "the saved archive is empty"}
     with pytest.raises(ValueError, match="--part_mib must be at least 1 KiB"):
         cc.save(out, there, max_mib=1, part_mib=1e-7, ident=IDENT)
@@ -137,7 +142,7 @@ def test_an_archive_with_paths_outside_the_cache_folders_is_refused(tmp_path):
     data = buf.getvalue()
     (out / f"{cc.ARCHIVE}.000").write_bytes(data)
     part = {"name": f"{cc.ARCHIVE}.000", "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (out / cc.MANIFEST).write_text(json.dumps({**IDENT, "roles": {}, "parts": [part]}))
+    (out / cc.MANIFEST).write_text(json.dumps({**IDENT, "dirs": {}, "parts": [part]}))
     with pytest.raises(ValueError, match="escaped.bin"):
         cc.restore(out, here, IDENT)
     assert contents(here) == {} and not (tmp_path / "escaped.bin").exists()
@@ -150,7 +155,8 @@ def test_the_command_reads_each_cache_folder_where_its_library_does(tmp_path, mo
     assert cc.cache_dirs() == dirs
     files = fill(dirs)
     assert cc.main(["save", str(tmp_path / "out")]) == 0
-    assert "compile cache: saved triton 3 files, inductor 3 files" in capsys.readouterr().out
+    assert "compile cache: saved inductor tuning 1 files, triton kernels 3 files, inductor graphs 3 files" \
+        in capsys.readouterr().out
     for d in dirs.values():
         shutil.rmtree(d)
     assert cc.main(["restore", str(tmp_path / "out")]) == 0
