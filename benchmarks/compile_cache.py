@@ -43,12 +43,14 @@ from pathlib import Path
 MANIFEST = "compile_cache.json"
 ARCHIVE = "compile_cache.tar.gz"
 ROLES = ("triton", "inductor")  # the cache folders, as the archive names them
-# What is packed, in the order of keeping (the last left out first): inductor's tuning results (`.best`: the block
-# sizes coordinate-descent tuning and autotuning chose, a few bytes each, minutes of benchmarks), Triton's kernel
-# binaries, then the rest of inductor's folder (generated code, compiled graphs: the bulk).
-PARTS = {"inductor tuning": ("inductor", lambda rel: rel.suffix == ".best"),
+# What is packed, in the order of keeping (the last left out first): inductor's tuning results (the block sizes
+# coordinate-descent tuning and autotuning chose, a few bytes each, minutes of benchmarks: `.best_config` files in
+# torch 2.13, `.best` in older ones), Triton's kernel binaries, then the rest of inductor's folder (generated code,
+# compiled graphs: the bulk).
+TUNING = (".best", ".best_config")
+PARTS = {"inductor tuning": ("inductor", lambda rel: rel.suffix in TUNING),
          "triton kernels": ("triton", lambda rel: True),
-         "inductor graphs": ("inductor", lambda rel: rel.suffix != ".best")}
+         "inductor graphs": ("inductor", lambda rel: rel.suffix not in TUNING)}
 KEYED_BY = ("python", "torch", "cuda", "triton", "deepspeed")  # versions that key the caches' entries
 SKIPPED_NAMES = ("lock",)  # a lock a killed process leaves behind would stall every later one
 

@@ -31,8 +31,8 @@ def fill(dirs: dict[str, Path], size: int = 100) -> dict[str, bytes]:
             (d / rel).parent.mkdir(parents=True, exist_ok=True)
             (d / rel).write_bytes(data)
             files[f"{role}/{rel}"] = data
-    (dirs["inductor"] / "sub" / "k.best").write_text('{"XBLOCK": 128, "num_warps": 4}')  # a tuning result
-    files["inductor/sub/k.best"] = (dirs["inductor"] / "sub" / "k.best").read_bytes()
+    (dirs["inductor"] / "sub" / "k.best_config").write_text('{"XBLOCK": 128, "num_warps": 4}')  # a tuning result
+    files["inductor/sub/k.best_config"] = (dirs["inductor"] / "sub" / "k.best_config").read_bytes()
     (dirs["inductor"] / "sub" / "lock").write_text("")
     (dirs["triton"] / "sub" / "x.lock").write_text("")
     (dirs["triton"] / "sub" / "y.json.tmp42").write_text("")  # a write cut off
@@ -116,7 +116,7 @@ def test_over_the_limit_the_bulk_is_left_out_first_and_the_tuning_results_last(t
     assert m["left_out"] == ["inductor graphs"] and set(m["packed"]) == {"inductor tuning", "triton kernels"}
     assert m["archive_bytes"] <= 0.6 * 2**20 and len(m["parts"]) == 2
     with tarfile.open(fileobj=io.BytesIO(b"".join((out / p["name"]).read_bytes() for p in m["parts"]))) as tar:
-        assert sorted(n for n in tar.getnames() if n.startswith("inductor/")) == ["inductor/sub/k.best"]
+        assert sorted(n for n in tar.getnames() if n.startswith("inductor/")) == ["inductor/sub/k.best_config"]
     m = cc.save(out, there, max_mib=0.1, part_mib=0.5, ident=IDENT)  # only the tuning results fit
     assert m["left_out"] == ["inductor graphs", "triton kernels"] and list(m["packed"]) == ["inductor tuning"]
     m = cc.save(out, there, max_mib=1e-5, part_mib=0.5, ident=IDENT)  # nothing fits
