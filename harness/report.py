@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
+import json
 import statistics
 from pathlib import Path
 
@@ -98,6 +100,8 @@ def summarize_path(runs: list[RunResult]) -> dict:
         "deepcompile_profiling_s": [_profiling_s(r.extra.get("deepcompile_profilers")) for r in runs],
         # inductor's compiled graphs found in its on-disk cache / compiled / not cacheable, per run
         "compile_cache": [r.extra.get("compile_cache") for r in runs],
+        # which schedule DeepCompile compiled (shared/train/deepcompile_passes.record_schedule), per run
+        "deepcompile_schedule": [schedule_id(r.extra.get("deepcompile_schedules")) for r in runs],
         # the SM clock and power its GPUs held during the timed steps (harness/telemetry.py), per run; None on CPU
         "gpu_telemetry": [r.extra.get("gpu_telemetry") for r in runs],
         "sdpa_kernel": sorted({r.sdpa_kernel for r in runs}, key=str),  # per kernel seen, one entry
@@ -253,6 +257,17 @@ def build_report(train: TrainConfig, ns: argparse.Namespace, results: dict[str, 
     return report
 
 
+def schedule_id(schedules: list | None) -> str | None:
+    """Six hex digits naming the schedules one run's DeepCompile compiled (every graph's node order and its gathers'
+    and releases' order): equal in two runs when they compiled the same schedules. None: not recorded."""
+    if not schedules:
+        return None
+    if any("error" in s for s in schedules):
+        return "error"
+    key = [(s.get("graph"), s["bwd"], s["order"], s["collectives"]) for s in schedules]
+    return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:6]
+
+
 def _cache_cell(counts: dict | None) -> str:
     """One run's inductor graphs: found in the on-disk cache / compiled / not cacheable (`n/a` where not recorded)."""
     if not counts:
@@ -319,6 +334,9 @@ def format_table(report: dict) -> str:
     if any(any(v is not None for v in p.get("deepcompile_passes_s", [])) for p in report["paths"].values()):
         row("  DeepCompile passes s", lambda p: per_run_s(p, "deepcompile_passes_s"))
         row("    of them profiling s", lambda p: per_run_s(p, "deepcompile_profiling_s") or "n/a")
+    if any(any(p.get("deepcompile_schedule") or []) for p in report["paths"].values()):
+        row("  DeepCompile schedule (per run)",
+            lambda p: ", ".join(s or "n/a" for s in p.get("deepcompile_schedule") or []) or "n/a")
     if any(_cache_cell(c).strip("0/") not in ("", "n/a") for p in report["paths"].values()
            for c in p.get("compile_cache") or []):  # a run that compiled a graph
         row("  graphs cached/compiled/uncacheable",

@@ -217,6 +217,32 @@ def test_the_compile_caches_hits_are_reported_per_run():
     assert "graphs cached" not in reports.format_table(eager)
 
 
+def test_the_schedule_deepcompile_compiled_is_named_per_run():
+    from harness.report import schedule_id
+
+    train = TrainConfig(precision="bf16")
+    graph = lambda order: [{"graph": 0, "bwd": False, "order": order, "collectives": "c", "nodes": 9, "gathers": 1,
+                            "releases": 1}, {"graph": 0, "bwd": True, "order": "b", "collectives": "d", "nodes": 9,
+                                             "gathers": 1, "releases": 1}]
+    runs = {}
+    for path, schedules in (("deepspeed", [graph("a"), graph("a")]), ("lightning", [graph("x"), None])):
+        runs[path] = []
+        for sch in schedules:
+            r = dataclasses.replace(_run(2.0))
+            r.extra = {"deepcompile_passes_s": 70.0, "deepcompile_schedules": sch}
+            runs[path].append(r)
+    report = reports.build_report(train, SimpleNamespace(world=1, repeats=2), runs, {}, [])
+    same, other = schedule_id(graph("a")), schedule_id(graph("x"))
+    assert len(same) == 6 and same != other and report["paths"]["deepspeed"]["deepcompile_schedule"] == [same, same]
+    assert report["paths"]["lightning"]["deepcompile_schedule"] == [other, None]
+    rows = {re.split(r"\s{2,}", line.strip())[0]: line for line in reports.format_table(report).splitlines()}
+    assert rows["DeepCompile schedule (per run)"].split()[-4:] == [f"{same},", same, f"{other},", "n/a"]
+    assert schedule_id([{"graph": 0, "bwd": False, "error": "AttributeError: x"}]) == "error"
+    eager = reports.build_report(train, SimpleNamespace(world=1, repeats=1),
+                                 {"deepspeed": [_run(2.0)], "lightning": [_run(2.0)]}, {}, [])
+    assert "DeepCompile schedule" not in reports.format_table(eager)
+
+
 def test_the_clock_each_run_held_is_reported_per_run():
     train = TrainConfig(precision="bf16")
     clock = lambda mhz, w: {"gpus": ["0"], "readings": 30, "sm_mhz": {"median": mhz, "min": mhz - 15, "max": mhz + 15},

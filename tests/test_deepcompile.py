@@ -86,16 +86,16 @@ def test_the_once_schedule_compiles_once_and_needs_only_step_0_excluded(pretend_
     assert deepcompile_schedule("deepspeed", 3) is None  # DeepSpeed's own: a second compile at step 5
     [(step, passes)] = deepcompile_schedule("once", 3)
     assert step == 0 and [p.__name__ for p in passes] == ["add_z3_gather_release", "schedule_prefetch",
-                                                          "selective_gather"]
+                                                          "selective_gather", "record_schedule_pass"]
     assert deepcompile_schedule("once", 2) is None  # ZeRO 1/2 compile once anyway
     # with the persistence threshold, the same passes and ours after DeepSpeed's, at every compile
     [(step, passes)] = deepcompile_schedule("once", 3, persist_threshold=1000)
     names = [p.__name__ for p in passes]
     assert step == 0
     assert names == ["add_z3_gather_release", "schedule_prefetch", "selective_gather",
-                     "keep_small_params_gathered_pass"]
+                     "keep_small_params_gathered_pass", "record_schedule_pass"]
     (s0, first), (s5, second) = deepcompile_schedule("deepspeed", 3, persist_threshold=1000)
-    assert (s0, s5) == (0, 5) and [p.__name__ for p in first] == ["add_z3_gather_release", names[-1]]
+    assert (s0, s5) == (0, 5) and [p.__name__ for p in first] == ["add_z3_gather_release", *names[-2:]]
     assert [p.__name__ for p in second] == names  # DeepSpeed's own two compiles (init_z3.py), plus ours
     assert deepcompile_schedule("once", 2, persist_threshold=1000) is None
     with pytest.raises(ValueError, match="unknown deepcompile_persist 'all'"):
@@ -155,6 +155,42 @@ def test_the_persistence_pass_drops_only_the_releases_of_small_parameters(monkey
                                                    "releases_dropped": {"0 forward": 1}}
     torch.testing.assert_close(gm(x, ln_w, fc_w), expected)  # recompiled: the module runs the changed graph
     assert gm.code.count("release_param.default(") == 1  # only the large weight's release is called
+
+
+def test_the_compiled_schedule_is_recorded_by_its_order_not_by_process_local_ids(monkeypatch):
+    """record_schedule's pass on graphs shaped like DeepCompile's (gather -> consumer -> release, stand-in ops with
+    the graph id as an argument): the same schedule in another process (another graph id) has the same fingerprint;
+    another order of the gathers has another one; the pass changes nothing and never raises."""
+    import torch.fx
+
+    from shared.train import deepcompile_passes as dp
+
+    for op in ("allgather_param", "release_param2"):
+        if not hasattr(torch.ops.zero3bench_test, op):
+            torch.library.define(f"zero3bench_test::{op}", "(Tensor(a) a, int graph_id, int id) -> Tensor(a)")
+            torch.library.impl(f"zero3bench_test::{op}", "CompositeExplicitAutograd")(lambda a, g, i: a)
+    gather = torch.ops.zero3bench_test.allgather_param.default
+    release = torch.ops.zero3bench_test.release_param2.default
+    monkeypatch.setattr(dp, "GATHER_OP", "zero3bench_test::allgather_param")
+    monkeypatch.setattr(dp, "RELEASE_OP", "zero3bench_test::release_param2")
+
+    def traced(graph_id: int, first: int, second: int):
+        def f(x, w1, w2):
+            a = gather(w1 if first == 7 else w2, graph_id, first)
+            b = gather(w2 if first == 7 else w1, graph_id, second)
+            return release(x @ a, graph_id, first) + release(x @ b, graph_id, second)
+        return torch.fx.symbolic_trace(f)
+
+    one, other_process, reordered = traced(111, 7, 9), traced(222, 7, 9), traced(111, 9, 7)
+    fp = dp.schedule_fingerprint(one.graph)
+    assert fp == dp.schedule_fingerprint(other_process.graph) and fp["gathers"] == fp["releases"] == 2
+    assert dp.schedule_fingerprint(reordered.graph)["collectives"] != fp["collectives"]
+    record = dp.record_schedule()
+    code = one.code
+    assert record(one, 111, [(5, True), (111, True)], {}, None, 0.0, {}, True) is None and one.code == code
+    assert dp.SCHEDULES == [{"graph": 1, "bwd": True, **fp}]
+    assert record(None, 3, None, {}, None, 0.0, {}, False) is None  # a graph it cannot read: recorded
+    assert dp.SCHEDULES[1]["graph"] is None and dp.SCHEDULES[1]["error"].startswith("AttributeError")
 
 
 def test_deepcompiles_two_profilers_are_timed_once_per_process(monkeypatch):

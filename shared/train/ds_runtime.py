@@ -98,7 +98,8 @@ def deepcompile_schedule(name: str, stage: int, persist_threshold: int | None = 
     init_z3.py). `once` puts those three passes at step 0, where they plan from the first step's profile (the
     forward's profile exists when the backward graph is compiled), so the model is compiled once. ZeRO 1/2 compile
     once either way. persist_threshold (TrainConfig.deepcompile_persist = threshold): every compile also runs
-    shared/train/deepcompile_passes.keep_small_params_gathered after DeepSpeed's passes."""
+    shared/train/deepcompile_passes.keep_small_params_gathered after DeepSpeed's passes. Every schedule made here
+    ends with deepcompile_passes.record_schedule's pass, which records the compiled schedule and changes nothing."""
     if stage != 3:
         return None
     if name == "deepspeed" and persist_threshold is None:
@@ -106,9 +107,11 @@ def deepcompile_schedule(name: str, stage: int, persist_threshold: int | None = 
     from deepspeed.compile.passes import prefetch, selective_gather, zero3_compile
 
     from shared.train.config import DEEPCOMPILE_WARMUP
-    from shared.train.deepcompile_passes import keep_small_params_gathered
+    from shared.train.deepcompile_passes import keep_small_params_gathered, record_schedule
 
+    # ours after DeepSpeed's: the persistence pass, then one that records the compiled schedule and changes nothing
     keep = [] if persist_threshold is None else [keep_small_params_gathered(persist_threshold)]
+    keep.append(record_schedule())
     full = [zero3_compile.add_z3_gather_release, prefetch.schedule_prefetch, selective_gather.selective_gather, *keep]
     if name == "once":
         return [(0, full)]

@@ -195,6 +195,7 @@ def build_result(*, path: str, train: TrainConfig, model_cfg: GPTConfig, ds_conf
                "compile_cache": compile_cache_counts(),
                "deepcompile_passes_s": _deepcompile_pass_seconds(),
                "deepcompile_persist": getattr(sys.modules.get("shared.train.deepcompile_passes"), "LAST_STATS", None),
+               "deepcompile_schedules": getattr(sys.modules.get("shared.train.deepcompile_passes"), "SCHEDULES", None),
                "deepcompile_eager_persist_dropped": getattr(runtime, "EAGER_PERSIST_DROPPED", None),
                "deepcompile_cached_walks": getattr(runtime, "CACHED_WALKS", None),
                "deepcompile_profilers": getattr(runtime, "PROFILERS", None),
