@@ -191,6 +191,8 @@ def test_the_compiled_schedule_is_recorded_by_its_order_not_by_process_local_ids
     assert dp.SCHEDULES == [{"graph": 1, "bwd": True, **fp}]
     assert record(None, 3, None, {}, None, 0.0, {}, False) is None  # a graph it cannot read: recorded
     assert dp.SCHEDULES[1]["graph"] is None and dp.SCHEDULES[1]["error"].startswith("AttributeError")
+    assert record(one, 111, [111], {}, None, 0.0, {}, True) is None  # a graph order of another shape: recorded
+    assert dp.SCHEDULES[2]["graph"] is None and dp.SCHEDULES[2]["error"].startswith("TypeError")
 
 
 def test_deepcompiles_two_profilers_are_timed_once_per_process(monkeypatch):

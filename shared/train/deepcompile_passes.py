@@ -112,10 +112,12 @@ def record_schedule():
 
     def record_schedule_pass(gm, graph_id, graph_order, profiling_results, create_inputs_fn, mem_budget,
                              param_manager, bwd):
-        index = next((i for i, entry in enumerate(graph_order or []) if entry and entry[0] == graph_id), None)
-        try:
+        index = None
+        try:  # a diagnostic: never the reason a compile fails
+            # DeepSpeed's graph order: (graph id, needs backward) per graph, in the order the graphs were compiled
+            index = next((i for i, entry in enumerate(graph_order or []) if entry[0] == graph_id), None)
             schedules.append({"graph": index, "bwd": bool(bwd), **schedule_fingerprint(gm.graph)})
-        except Exception as e:  # a diagnostic: never the reason a compile fails
+        except Exception as e:
             schedules.append({"graph": index, "bwd": bool(bwd), "error": f"{type(e).__name__}: {e}"[:200]})
         return None
 
