@@ -259,7 +259,8 @@ def build_report(train: TrainConfig, ns: argparse.Namespace, results: dict[str, 
 
 def schedule_id(schedules: list | None) -> str | None:
     """Six hex digits naming the schedules one run's DeepCompile compiled (every graph's node order and its gathers'
-    and releases' order): equal in two runs when they compiled the same schedules. None: not recorded."""
+    and releases' order): equal in two runs when they compiled the same schedules. None: not recorded; "error":
+    a graph's schedule could not be read (the run JSON's extra.deepcompile_schedules says why)."""
     if not schedules:
         return None
     if any("error" in s for s in schedules):

@@ -105,7 +105,9 @@ def schedule_fingerprint(graph) -> dict:
 def record_schedule():
     """A pass for the end of DeepCompile's schedule that changes nothing (returns None: no re-profiling) and records
     each graph's schedule_fingerprint in SCHEDULES: whether two runs (the two paths, or repeats) compiled the same
-    schedule, which DeepCompile plans from profiled operator times. It never raises: a failure is recorded."""
+    schedule, which DeepCompile plans from profiled operator times. It never raises: a failure is recorded. What it
+    cannot see: the parameters selective_gather keeps gathered, which DeepCompile holds in its C++ registry
+    (set_persistent) without a change to the graph, and which it plans from profiled memory."""
     global SCHEDULES
     SCHEDULES = []
     schedules = SCHEDULES

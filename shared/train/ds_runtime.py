@@ -99,7 +99,8 @@ def deepcompile_schedule(name: str, stage: int, persist_threshold: int | None = 
     forward's profile exists when the backward graph is compiled), so the model is compiled once. ZeRO 1/2 compile
     once either way. persist_threshold (TrainConfig.deepcompile_persist = threshold): every compile also runs
     shared/train/deepcompile_passes.keep_small_params_gathered after DeepSpeed's passes. Every schedule made here
-    ends with deepcompile_passes.record_schedule's pass, which records the compiled schedule and changes nothing."""
+    ends with deepcompile_passes.record_schedule's pass, which records the compiled schedule and changes nothing;
+    DeepSpeed's own schedule (None) records none."""
     if stage != 3:
         return None
     if name == "deepspeed" and persist_threshold is None:
