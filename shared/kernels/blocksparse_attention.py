@@ -176,9 +176,12 @@ class BlockLUT:
         )
 
     def to(self, device: torch.device | str) -> BlockLUT:
-        move = lambda t: t.to(device, non_blocking=False)
-        return BlockLUT(self.block, self.n_blocks, self.n_heads, self.nnz, move(self.row_idx), move(self.row_off),
-                        move(self.diag), move(self.col_idx), move(self.col_cum), self.contiguous)
+        return dataclasses.replace(self, **{name: getattr(self, name).to(device) for name in LUT_TENSORS})
+
+
+# BlockLUT's tensor fields (the rest are ints and a flag): what moves between devices, the custom op's tensor list,
+# the attention module's buffers
+LUT_TENSORS = ("row_idx", "row_off", "diag", "col_idx", "col_cum")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -969,8 +972,12 @@ def _constexprs(q: torch.Tensor, lut: BlockLUT, dropout_p: float, bits: torch.Te
                 DROPOUT_BITS=dropout_p > 0 and bits is not None)
 
 
-def _seed_tensor(seed: int | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """The seed as the kernels read it: a one-element int64 tensor on `like`'s device (an int is copied there)."""
+def _seed_arg(seed: int | torch.Tensor, dropout_p: float, like: torch.Tensor, unused: torch.Tensor) -> torch.Tensor:
+    """The seed as a launch takes it. With dropout: a one-element int64 tensor on `like`'s device, which the kernels
+    read (an int is copied there). Without: the kernels read no seed, and `unused`, any tensor of the device, stands
+    in with no copy."""
+    if dropout_p <= 0:
+        return unused
     return seed if isinstance(seed, torch.Tensor) else torch.tensor(int(seed), dtype=torch.int64, device=like.device)
 
 
@@ -981,7 +988,8 @@ def _dropout_bits(q: torch.Tensor, lut: BlockLUT, dropout_p: float, seed: int | 
     bits = torch.empty(B * H, T, T // 8, dtype=torch.uint8, device=q.device)
     rows, nbytes = min(64, lut.block), lut.block // 8
     _dropout_bits_kernel[(T // rows, T // 8 // nbytes, B * H)](bits, lut.col_cum, lut.diag, float(dropout_p),
-                                                               _seed_tensor(seed, q), T, H, lut.n_blocks, lut.n_heads,
+                                                               _seed_arg(seed, dropout_p, q, bits), T, H, lut.n_blocks,
+                                                               lut.n_heads,
                                                                SPARSE_BLOCK=lut.block, ROWS=rows, BYTES=nbytes,
                                                                num_warps=4 if rows * nbytes >= 512 else 1)
     return bits
@@ -991,7 +999,7 @@ def _forward(q, k, v, lut: BlockLUT, dropout_p: float, seed: int | torch.Tensor,
     B, H, T, D = q.shape
     o = _empty_bthd(q)
     lse = torch.empty(B * H, T, dtype=torch.float32, device=q.device)
-    seed = _seed_tensor(seed, q) if dropout_p > 0 else lse  # without dropout the kernel reads no seed
+    seed = _seed_arg(seed, dropout_p, q, lse)
     args = (q, k, v, o, lse, lut.row_idx, lut.row_off, lut.diag, 1.0 / math.sqrt(D), float(dropout_p), seed,
             lse if bits is None else bits, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
             H, T, lut.n_blocks, lut.n_heads, lut.row_idx.shape[1])
@@ -1005,7 +1013,7 @@ def _backward_dq(do, q, k, v, o, lse, lut: BlockLUT, dropout_p: float, seed: int
     B, H, T, D = q.shape
     dq, delta = _empty_bthd(q), torch.empty_like(lse)
     consts = _constexprs(q, lut, dropout_p, bits)
-    seed = _seed_tensor(seed, q) if dropout_p > 0 else lse
+    seed = _seed_arg(seed, dropout_p, q, lse)
     args = (q, k, v, o, do, dq, lse, delta, lut.row_idx, lut.row_off, lut.diag, 1.0 / math.sqrt(D), float(dropout_p),
             seed, lse if bits is None else bits, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
             *o.stride()[:3], *do.stride()[:3], H, T, lut.n_blocks, lut.n_heads, lut.row_idx.shape[1])
@@ -1022,7 +1030,7 @@ def _backward_dkdv(do, q, k, v, lse, delta, lut: BlockLUT, dropout_p: float, see
     if dq32 is not None:
         consts["DQ_ATOMIC"] = True
     args = (q, k, v, do, dk, dv, dk if dq32 is None else dq32, lse, delta, lut.col_idx, lut.col_cum, lut.diag,
-            1.0 / math.sqrt(D), float(dropout_p), _seed_tensor(seed, q) if dropout_p > 0 else lse,
+            1.0 / math.sqrt(D), float(dropout_p), _seed_arg(seed, dropout_p, q, lse),
             lse if bits is None else bits, *q.stride()[:3],
             *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], H, T, lut.n_blocks, lut.n_heads,
             lut.col_idx.shape[1])
@@ -1099,13 +1107,13 @@ _TILE_KINDS = ("fwd", "dq", "dkdv")
 
 
 def _lut_args(lut: BlockLUT) -> tuple[list[torch.Tensor], list[int]]:
-    return ([lut.row_idx, lut.row_off, lut.diag, lut.col_idx, lut.col_cum],
+    return ([getattr(lut, name) for name in LUT_TENSORS],
             [lut.block, lut.n_blocks, lut.n_heads, lut.nnz, int(lut.contiguous)])
 
 
 def _lut_of(tensors: list[torch.Tensor], meta: list[int]) -> BlockLUT:
     block, n_blocks, n_heads, nnz, contiguous = meta
-    return BlockLUT(block, n_blocks, n_heads, nnz, *tensors, contiguous=bool(contiguous))
+    return BlockLUT(block, n_blocks, n_heads, nnz, **dict(zip(LUT_TENSORS, tensors)), contiguous=bool(contiguous))
 
 
 def _tile_ints(tiles: dict[str, Tile] | None) -> list[int]:
@@ -1187,10 +1195,8 @@ def blocksparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lut
                              f"{seed.dtype} of shape {tuple(seed.shape)} on {seed.device}")
     elif not 0 <= seed < 2**31:
         raise ValueError(f"seed must be in [0, 2^31) (the low word of the kernels' Philox key), got {seed}")
-    elif dropout_p > 0:
-        seed = _seed_tensor(seed, q)
     else:
-        seed = lut.row_off  # read by no kernel without dropout: any tensor of the device, no copy
+        seed = _seed_arg(seed, dropout_p, q, lut.row_off)
     if tiles is not None and (missing := {"fwd", "dq", "dkdv"} - set(tiles)):
         raise ValueError(f"tiles must give a Tile for each of fwd, dq and dkdv; missing {sorted(missing)}")
     if tiles is None and _interpreted():

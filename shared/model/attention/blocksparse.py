@@ -7,11 +7,10 @@ import dataclasses
 
 import torch
 
+from shared.kernels import blocksparse_attention as bsa
 from shared.kernels.blocksparse_attention import BlockLUT, blocksparse_attention, check_block, draw_seed, split_head_dim
 from shared.model.attention.base import Attention
 from shared.model.config import GPTConfig
-
-_LUT_TENSORS = ("row_idx", "row_off", "diag", "col_idx", "col_cum")
 
 
 class BlockSparseAttention(Attention):
@@ -33,7 +32,7 @@ class BlockSparseAttention(Attention):
         # Created as the model's other buffers are (GPT.pos, the reference backend's mask): on the device that
         # deepspeed.zero.Init (which patches torch.empty) or a default-device context gives, else the CPU; ZeRO-3's
         # engine does not move a model zero.Init built.
-        for name in _LUT_TENSORS:
+        for name in bsa.LUT_TENSORS:
             table = getattr(self.lut, name)
             self.register_buffer(f"lut_{name}", torch.empty(table.shape, dtype=table.dtype).copy_(table),
                                  persistent=False)
@@ -43,6 +42,6 @@ class BlockSparseAttention(Attention):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         p = self._dropout()
-        lut = dataclasses.replace(self.lut, **{name: getattr(self, f"lut_{name}") for name in _LUT_TENSORS})
+        lut = dataclasses.replace(self.lut, **{name: getattr(self, f"lut_{name}") for name in bsa.LUT_TENSORS})
         seed = draw_seed(q.device) if p > 0 else 0
         return blocksparse_attention(q, k, v, lut, p, seed, dropout_mask=self.dropout_mask)
