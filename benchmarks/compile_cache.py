@@ -92,12 +92,12 @@ def _selected(dirs: dict[str, Path], part: str) -> list[tuple[Path, str]]:
             if keep(f.relative_to(dirs[role]))]
 
 
-def _archive(dirs: dict[str, Path], parts: list[str]) -> tuple[bytes, dict]:
+def _archive(selected: dict[str, list[tuple[Path, str]]], parts: list[str]) -> tuple[bytes, dict]:
     buf = io.BytesIO()
     summary = {}
     with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
         for part in parts:
-            files = _selected(dirs, part)
+            files = selected[part]
             for f, name in files:
                 tar.add(f, arcname=name, recursive=False)
             summary[part] = {"files": len(files), "bytes": sum(f.stat().st_size for f, _ in files)}
@@ -109,13 +109,15 @@ def save(out: Path, dirs: dict[str, Path], max_mib: float, part_mib: float, iden
     if part_mib * 2**20 < 1024 or max_mib <= 0:
         raise ValueError(f"--part_mib must be at least 1 KiB (1/1024) and --max_mib positive, got {part_mib} and "
                          f"{max_mib}")
-    kept = [k for k in PARTS if _selected(dirs, k)]
+    selected = {k: _selected(dirs, k) for k in PARTS}  # each folder walked once
+    size_of = {k: sum(f.stat().st_size for f, _ in files) for k, files in selected.items()}
+    kept = [k for k in PARTS if selected[k]]
     dropped = []
     # gzip does not shrink compiled code 20x: what is past that is left out before compressing anything
-    while kept and sum(f.stat().st_size for k in kept for f, _ in _selected(dirs, k)) > 20 * max_mib * 2**20:
+    while kept and sum(size_of[k] for k in kept) > 20 * max_mib * 2**20:
         dropped.append(kept.pop())
     while True:
-        data, summary = _archive(dirs, kept)
+        data, summary = _archive(selected, kept)
         if len(data) <= max_mib * 2**20 or not kept:
             break
         dropped.append(kept.pop())

@@ -16,7 +16,7 @@ from pathlib import Path
 from harness import budget
 from harness.launch import PATHS, REFERENCES
 from shared.train.config import TrainConfig
-from shared.train.results import RunResult, tflops_convention, versions
+from shared.train.results import CACHE_COUNTERS, RunResult, tflops_convention, versions
 from shared.train.sync_check import format_syncs
 from shared.train.timing import PHASES
 
@@ -273,7 +273,7 @@ def _cache_cell(counts: dict | None) -> str:
     """One run's inductor graphs: found in the on-disk cache / compiled / not cacheable (`n/a` where not recorded)."""
     if not counts:
         return "n/a"
-    return "/".join(str(counts.get(f"fxgraph_cache_{k}", 0)) for k in ("hit", "miss", "bypass"))
+    return "/".join(str(counts.get(n, 0)) for n in CACHE_COUNTERS["inductor"])  # hit, miss, bypass
 
 
 def _profiling_s(profilers: dict | None) -> float | None:
@@ -338,7 +338,7 @@ def format_table(report: dict) -> str:
     if any(any(p.get("deepcompile_schedule") or []) for p in report["paths"].values()):
         row("  DeepCompile schedule (per run)",
             lambda p: ", ".join(s or "n/a" for s in p.get("deepcompile_schedule") or []) or "n/a")
-    if any(_cache_cell(c).strip("0/") not in ("", "n/a") for p in report["paths"].values()
+    if any(any((c or {}).get(n) for n in CACHE_COUNTERS["inductor"]) for p in report["paths"].values()
            for c in p.get("compile_cache") or []):  # a run that compiled a graph
         row("  graphs cached/compiled/uncacheable",
             lambda p: ", ".join(_cache_cell(c) for c in p.get("compile_cache") or []))
