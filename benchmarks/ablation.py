@@ -411,11 +411,8 @@ def run_spread(base: TrainConfig, names: list[str], configs: dict, paths: list[s
                 rows.append({**row, "gpu_uuid": ids[gpu]})
                 write()
 
-    def fits() -> bool:  # a configuration's paths run one after the other: each takes up to the longest run
-        left_s = (clock.limit_s or 0) - (time.monotonic() - clock.t0)
-        return clock.limit_s is None or not clock.longest or left_s >= clock.longest * len(paths)
-
-    skipped = spread(own(names[:first]), levers, own(names[first:]), ns.gpus, run, fits)
+    # a configuration's paths run one after the other: each may take as long as the longest run
+    skipped = spread(own(names[:first]), levers, own(names[first:]), ns.gpus, run, lambda: clock.fits(len(paths)))
     if skipped:
         write()
         what = ", ".join(n + ("" if g is None else f" (GPU {g})") for n, g in skipped)

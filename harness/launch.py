@@ -84,10 +84,15 @@ class TimeLimit:
             self.command.append(keep_flags[0])
         self.started, self.longest = t0, 0.0
 
+    def fits(self, runs: int = 1) -> bool:
+        """Whether `runs` runs as long as the longest so far still fit in the time left (always before the first)."""
+        left_s = (self.limit_s or 0) - (time.monotonic() - self.t0)
+        return self.limit_s is None or not self.longest or left_s >= self.longest * runs
+
     def before(self, what: str) -> None:
         self.started = time.monotonic()
         left_s = (self.limit_s or 0) - (self.started - self.t0)
-        if self.limit_s is not None and self.longest and left_s < self.longest:
+        if not self.fits():
             raise TimeLimitReached(
                 f"--time_limit {self.limit_s:g}: {max(left_s, 0):.0f} s left, and the longest so far took "
                 f"{self.longest:.0f} s; stopped before {what}, {self.left} run(s) left. The finished runs are in "
