@@ -32,7 +32,9 @@ the residual branches' dropout masks drawn by a Triton kernel with eight draws p
 per element (`+triton_dropout`, shared/kernels/dropout_mask.py), DeepSpeed's own DeepCompile op, whose host waits for
 the backward's end, instead of the one whose compute stream waits for it (`-device_backward_wait`,
 shared/train/deepcompile_op.py), DeepSpeed's read of the gradient norm's inf/NaN check on the host instead of the flag
-left on the device, each update skipping itself there (`-device_norm_check`, shared/train/zero3_step.py).
+left on the device, each update skipping itself there (`-device_norm_check`, shared/train/zero3_step.py), and the
+three levers that measured at or above their baselines alone, together (`+together`: `+vocab128`, `+triton_loss`,
+`+triton_dropout`).
 The block-sparse kernel is not a lever here: on the causal layout SDPA (cuDNN) is faster, with and without dropout;
 benchmarks/attention.py and attention_dropout.py compare them at the model's shape.
 `baseline` runs first and again last (`baseline_again`): each configuration's ratio is against the
@@ -51,7 +53,7 @@ one after the other on one GPU: every GPU runs the reference configurations name
 first lever first, those named after it last), each other configuration runs once, on the first GPU free, and its
 ratio is against the reference runs of its own GPU, since GPUs of one kind differ in clock (each row records its
 GPU's index and UUID; the table names the GPU). With --keep every reference run measured stays, rating the runs of
-its own GPU, and a GPU of this machine without one runs it again. On 8 GPUs the last-mile set (15 levers, a baseline
+its own GPU, and a GPU of this machine without one runs it again. On 8 GPUs the last-mile set (16 levers, a baseline
 and a baseline again on every GPU) takes 4 runs a GPU, against 17 one after the other on one GPU. The runs of a
 round compile at the same time on the host's CPUs, baselines and levers alike.
 """
@@ -109,6 +111,8 @@ LAST_MILE = {
     "+triton_dropout": {"triton_dropout": True},
     "-device_backward_wait": {"deepcompile_backward_wait": "host"},
     "-device_norm_check": {"grad_norm_check": "host"},
+    # the levers that measured at or above their baselines alone (+vocab128, +triton_loss, +triton_dropout), together
+    "+together": {"vocab_multiple": 128, "triton_loss": True, "triton_dropout": True},
     "baseline_again": {},
 }
 REFERENCE = {"fusions": "naive", "last_mile": "baseline"}  # each set's ratios are against these runs

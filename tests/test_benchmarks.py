@@ -99,6 +99,9 @@ def test_every_last_mile_lever_is_a_valid_change_of_compare_gpu_default(monkeypa
     assert ablation.LAST_MILE["-device_backward_wait"] == {"deepcompile_backward_wait": "host"}
     assert GPU_DEEPCOMPILE_DEFAULTS["grad_norm_check"] == "device"
     assert ablation.LAST_MILE["-device_norm_check"] == {"grad_norm_check": "host"}
+    # +together is exactly the three single levers it names, each as measured alone
+    assert ablation.LAST_MILE["+together"] == {**ablation.LAST_MILE["+vocab128"], **ablation.LAST_MILE["+triton_loss"],
+                                               **ablation.LAST_MILE["+triton_dropout"]}
 
 
 def test_ablation_table_rates_each_lever_against_the_mean_of_the_baseline_runs():
