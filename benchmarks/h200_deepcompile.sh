@@ -49,7 +49,7 @@
 #               (pytest node ids, gpu marker) run after compare.py, in the TESTS_S seconds kept for them
 #   STAGE=dropout  the dropout-mask kernel's GPU tests and benchmarks/residual_dropout.py at the 1.5b shape (without
 #               coordinate-descent tuning, which takes minutes to compile there), then benchmarks/ablation.py --set
-#               last_mile over CONFIGS (default baseline,+triton_dropout,baseline_again), step PROFILE_STEP (default 9)
+#               last_mile over CONFIGS (default baseline,-triton_dropout,baseline_again), step PROFILE_STEP (default 9)
 #               profiled, as many runs as fit (--time_limit); KEEP=warm continues that ablation from the copy the last
 #               call left in /tmp on the same machine (calls back to back) and skips the tests and the benchmark
 # SCHED picks --deepcompile_schedule (deepspeed | once); EXTRA adds flags to every training run (e.g. "--profile_step
@@ -235,7 +235,7 @@ case "$STAGE" in
         --out "$W/residual_dropout.json" > "$W/residual_dropout.log" 2>&1
     fi
     CUDA_VISIBLE_DEVICES=0 timeout -k 25 "$(left)" python3 benchmarks/ablation.py --set last_mile \
-      --configs "${CONFIGS:-baseline,+triton_dropout,baseline_again}" --profile_step "${PROFILE_STEP:-9}" --keep \
+      --configs "${CONFIGS:-baseline,-triton_dropout,baseline_again}" --profile_step "${PROFILE_STEP:-9}" --keep \
       --timeout 400 --time_limit "$(( $(left) - 20 ))" --out "$W/ablation" > "$W/ablation.log" 2>&1
     echo "ablation exit $? (3: stopped before a run that would not fit; KEEP=warm continues it)"
     rm -rf "$A" && cp -r "$W/ablation" "$A" ;;

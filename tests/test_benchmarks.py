@@ -89,9 +89,12 @@ def test_every_last_mile_lever_is_a_valid_change_of_compare_gpu_default(monkeypa
 
     ablation = load_module("ablation", ABLATION)
     monkeypatch.setattr(model_config, "cuda_available", lambda: True)  # DeepCompile and the fusions' defaults
+    base = TrainConfig(preset="1.5b", stage=3, precision="bf16", **GPU_DEEPCOMPILE_DEFAULTS)
     for name, flags in ablation.LAST_MILE.items():
         cfg = TrainConfig(preset="1.5b", stage=3, precision="bf16", **{**GPU_DEEPCOMPILE_DEFAULTS, **flags})
         assert all(getattr(cfg, k) == v for k, v in flags.items()), name
+        # every lever changes the default (one that repeats it would rate the baseline against itself)
+        assert name.startswith("baseline") or cfg != base, name
     assert GPU_DEEPCOMPILE_DEFAULTS["triton_gelu_grad"] and ablation.LAST_MILE["-triton_gelu_grad"] == {
         "triton_gelu_grad": False}
     # the ablation's runs are one-GPU runs, whose default waits for the backward's end on the device
@@ -99,9 +102,13 @@ def test_every_last_mile_lever_is_a_valid_change_of_compare_gpu_default(monkeypa
     assert ablation.LAST_MILE["-device_backward_wait"] == {"deepcompile_backward_wait": "host"}
     assert GPU_DEEPCOMPILE_DEFAULTS["grad_norm_check"] == "device"
     assert ablation.LAST_MILE["-device_norm_check"] == {"grad_norm_check": "host"}
-    # +together is exactly the three single levers it names, each as measured alone
-    assert ablation.LAST_MILE["+together"] == {**ablation.LAST_MILE["+vocab128"], **ablation.LAST_MILE["+triton_loss"],
-                                               **ablation.LAST_MILE["+triton_dropout"]}
+    # the padded vocabulary, the Triton loss and the Triton dropout are in the default; -together is exactly the
+    # three single levers that turn them off
+    assert (GPU_DEEPCOMPILE_DEFAULTS["vocab_multiple"], GPU_DEEPCOMPILE_DEFAULTS["triton_loss"],
+            GPU_DEEPCOMPILE_DEFAULTS["triton_dropout"]) == (128, True, True)
+    assert ablation.LAST_MILE["-together"] == {**ablation.LAST_MILE["-vocab128"], **ablation.LAST_MILE["-triton_loss"],
+                                               **ablation.LAST_MILE["-triton_dropout"]}
+    assert ablation.LAST_MILE["+fused_loss"] == {"fused_loss": True, "triton_loss": False}  # one loss of the two
 
 
 def test_ablation_table_rates_each_lever_against_the_mean_of_the_baseline_runs():
@@ -627,7 +634,7 @@ def test_spread_runs_each_gpus_references_around_the_levers_it_takes():
 
 def _fake_cuda_ablation(monkeypatch, uuids: list[str]):
     """ablation.py as on a machine with len(uuids) GPUs (faked: no run starts), and a fake run_one: GPU 1 runs
-    everything 10% faster, +vocab128 is 2% faster, every other configuration changes nothing."""
+    everything 10% faster, -vocab128 is 2% faster, every other configuration changes nothing."""
     import torch
 
     from shared.model import config as model_config
@@ -642,7 +649,7 @@ def _fake_cuda_ablation(monkeypatch, uuids: list[str]):
 
     def fake_run(base, name, flags, path, out, gpu, timeout, suffix=""):
         ran.append((name, path, gpu, suffix))
-        tflops = 500.0 * (1.1 if gpu == 1 else 1.0) * (1.02 if name == "+vocab128" else 1.0)
+        tflops = 500.0 * (1.1 if gpu == 1 else 1.0) * (1.02 if name == "-vocab128" else 1.0)
         return {"config": name, "path": path, "flags": flags, "micro_batch": base.micro_batch, "gpu": gpu, "ok": True,
                 "tflops_per_gpu": tflops, "step_time_s": {"min": 0.7, "max": 0.8}, "peak_mem_gib": 90.0,
                 "device": "FakeGPU"}
@@ -660,16 +667,16 @@ def test_ablation_over_gpus_rates_each_lever_against_its_own_gpus_baselines(tmp_
     step = threading.Barrier(2, timeout=10)
     monkeypatch.setattr(ablation, "run_one", lambda *a, **k: step.wait() * 0 or fake_run(*a, **k))
     report = ablation.main(["--set", "last_mile", "--gpus", "2", "--configs",
-                            "baseline,+fused_loss,+vocab128,baseline_again", "--out", str(tmp_path)])
+                            "baseline,+fused_loss,-vocab128,baseline_again", "--out", str(tmp_path)])
     for gpu in (0, 1):
         assert [n for n, _, g, _ in ran if g == gpu][::2] == ["baseline", "baseline_again"]
     assert sorted((n, s) for n, _, _, s in ran) == sorted(
         [("baseline", "_gpu0"), ("baseline", "_gpu1"), ("baseline_again", "_gpu0"), ("baseline_again", "_gpu1"),
-         ("+fused_loss", ""), ("+vocab128", "")])
+         ("+fused_loss", ""), ("-vocab128", "")])
     text = ablation.table(report)
     where = {r["config"]: r["gpu"] for r in report["rows"] if not r["config"].startswith("baseline")}
     assert sorted(where.values()) == [0, 1] and {r["gpu_uuid"] for r in report["rows"]} == {"GPU-a0", "GPU-a1"}
-    for name, factor in (("+fused_loss", 1.0), ("+vocab128", 1.02)):
+    for name, factor in (("+fused_loss", 1.0), ("-vocab128", 1.02)):
         g = where[name]
         assert f"| {name} (GPU {g}) | {500 * (1.1 if g else 1) * factor:.1f} [700-800 ms] | {factor:.3f} | 90.0 |" \
             in text, text
@@ -690,14 +697,14 @@ def test_ablation_over_gpus_stops_in_time_and_keep_runs_a_gpus_baselines_again_o
 
     monkeypatch.setattr(time, "monotonic", lambda: clock[0])
     monkeypatch.setattr(ablation, "run_one", timed_run)
-    args = ["--set", "last_mile", "--gpus", "2", "--configs", "baseline,+fused_loss,+vocab128,baseline_again",
+    args = ["--set", "last_mile", "--gpus", "2", "--configs", "baseline,+fused_loss,-vocab128,baseline_again",
             "--out", str(tmp_path)]
     with pytest.raises(ablation.TimeLimitReached, match="not started: ") as e:
         ablation.main([*args, "--time_limit", "250"])
     assert str(e.value).endswith(" ".join(["python", "benchmarks/ablation.py", *args, "--time_limit", "250",
                                            "--keep"]))
     first = load(tmp_path / "ablation.json")
-    assert first["gpus"] == 2 and {r["config"] for r in first["rows"]} < {"baseline", "+fused_loss", "+vocab128"}
+    assert first["gpus"] == 2 and {r["config"] for r in first["rows"]} < {"baseline", "+fused_loss", "-vocab128"}
     n_first = len(ran)
     report = ablation.main([*args, "--keep"])  # the same machine: its baselines are not run again
     done = [(n, g) for n, _, g, _ in ran[:n_first]]
@@ -708,12 +715,12 @@ def test_ablation_over_gpus_stops_in_time_and_keep_runs_a_gpus_baselines_again_o
     # on the first machine stay, each rated against its own GPU's baselines
     monkeypatch.setattr(ablation, "gpu_uuids", lambda n: ["GPU-b0", "GPU-b1"][:n])
     n_second = len(ran)
-    report = ablation.main([*args[:5], "baseline,+fused_loss,+vocab128,+triton_loss,baseline_again",
+    report = ablation.main([*args[:5], "baseline,+fused_loss,-vocab128,-triton_loss,baseline_again",
                             "--out", str(tmp_path), "--keep"])
     assert sorted((n, g) for n, _, g, _ in ran[n_second:]) == [
-        ("+triton_loss", 0), ("baseline", 0), ("baseline", 1), ("baseline_again", 0), ("baseline_again", 1)] or \
+        ("-triton_loss", 0), ("baseline", 0), ("baseline", 1), ("baseline_again", 0), ("baseline_again", 1)] or \
         sorted((n, g) for n, _, g, _ in ran[n_second:]) == [
-        ("+triton_loss", 1), ("baseline", 0), ("baseline", 1), ("baseline_again", 0), ("baseline_again", 1)]
+        ("-triton_loss", 1), ("baseline", 0), ("baseline", 1), ("baseline_again", 0), ("baseline_again", 1)]
     assert len([r for r in report["rows"] if r["config"] == "baseline"]) == 4
     text = ablation.table(report)
     assert "raw baseline runs on GPU 1 ...GPU-b1: 550.0, 550.0" in text and "GPU 0 ...GPU-a0" in text

@@ -390,6 +390,26 @@ def test_parity_catches_a_missing_clip_double_scaled_gradients_and_a_doubled_lr_
 
 
 @pytest.mark.slow
+def test_the_gpu_defaults_kernels_train_alike_on_every_row(tmp_path):
+    """The padded vocabulary, the Triton loss and the Triton dropout masks (compare.py's GPU default; here on a CPU,
+    the kernels in Triton's interpreter, fp32, a vocabulary of 300 padded to 384): both paths and both reference rows
+    record them, keep the real vocabulary and train to the same losses, bit for bit."""
+    out = tmp_path / "report"
+    flags = ["--vocab_size", "300", "--vocab_multiple", "128", "--triton_loss", "true", "--triton_dropout", "true",
+             "--fused_bias_dropout_add", "true"]
+    run([sys.executable, COMPARE, "--steps", "3", "--warmup_steps", "1", "--precision", "fp32", "--reference",
+         *flags, "--out", out], timeout=400)
+    report = json.loads((out / "report.json").read_text())
+    runs = {name: json.loads((out / "runs" / f"{name}_0.json").read_text())
+            for name in ("deepspeed", "lightning", "ceiling", "fsdp2")}
+    for name, r in runs.items():
+        assert r["fused"]["triton_linear_cross_entropy"] and r["fused"]["dropout_triton_mask"], name
+        assert (r["model"]["vocab_size"], r["model"]["vocab_multiple"]) == (300, 128), name
+        assert r["losses"] == runs["deepspeed"]["losses"], name
+    assert report["loss_parity"]["ok"] and set(report["reference"]) == {"ceiling", "fsdp2"}
+
+
+@pytest.mark.slow
 def test_reference_rows_train_the_same_model_on_the_same_batches(tmp_path):
     """--reference: the ceiling (plain PyTorch, unsharded) and FSDP2 rows train the very model, seed, batches and
     dropout stream of the DeepSpeed paths: in fp32 on a CPU their losses equal the raw loop's bit for bit.

@@ -561,9 +561,21 @@ def test_compare_on_gpus_defaults_to_deepcompile_where_it_can_run(pretend_gpus, 
     assert train.coordinate_descent_tuning is True and train.zero3_step == "fused" and train.triton_gelu_grad is True
     assert (train.preset, train.warmup_steps) == ("1.5b", 10)
     printed = capsys.readouterr().out
-    assert ("--compile deepcompile --deepcompile_schedule once --micro_batch 16 --coordinate_descent_tuning true "
-            "--triton_gelu_grad true --zero3_step fused --grad_norm_check host --deepcompile_backward_wait host "
-            "(the GPU default") in printed
+    assert ("--compile deepcompile --deepcompile_schedule once --micro_batch 16 --vocab_multiple 128 "
+            "--triton_loss true --triton_dropout true --coordinate_descent_tuning true --triton_gelu_grad true "
+            "--zero3_step fused --grad_norm_check host --deepcompile_backward_wait host (the GPU default") in printed
+    assert (train.vocab_multiple, train.triton_loss, train.triton_dropout) == (128, True, True)
+    # the Triton loss is the other loss than --fused_loss and was measured in bf16 only; the Triton dropout draws the
+    # fused bias + dropout + add's mask: where they cannot run the default leaves them off instead of refusing
+    for args in (["--fused_loss"], ["--precision", "fp16"], ["--precision", "32"]):
+        train = pretend_gpus.parse(args)[0]
+        assert train.compile == "deepcompile" and train.triton_loss is False and train.triton_dropout is True, args
+        assert "--vocab_multiple 128 --triton_loss false --triton_dropout true" in capsys.readouterr().out, args
+    train = pretend_gpus.parse(["--fused_bias_dropout_add", "false"])[0]
+    assert train.triton_dropout is False and train.triton_loss is True and train.fused_bias_dropout_add is False
+    train = pretend_gpus.parse(["--vocab_multiple", "64", "--triton_loss", "false", "--triton_dropout", "false"])[0]
+    assert (train.vocab_multiple, train.triton_loss, train.triton_dropout) == (64, False, False)  # asked for: kept
+    capsys.readouterr()
     # the bias + GELU kernel is a backward of the fused bias + GELU: without it, or with the other backward (the
     # bias gradient as a matmul), the default leaves the kernel off instead of refusing the flags
     for args in (["--fused_bias_gelu", "false"], ["--matmul_bias_grad"]):
@@ -611,3 +623,4 @@ def test_compare_on_gpus_defaults_to_deepcompile_where_it_can_run(pretend_gpus, 
         assert train.compile != "deepcompile" and train.micro_batch == 8 and train.zero3_step == "fast", args
         assert train.coordinate_descent_tuning is False and train.triton_gelu_grad is False, args
         assert train.deepcompile_backward_wait == "host" and train.grad_norm_check == "host", args
+        assert train.vocab_multiple is None and train.triton_loss is False and train.triton_dropout is False, args
