@@ -13,7 +13,8 @@ where the library reads it: TRITON_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR, or their 
 split into parts of at most --part_mib (a job's outputs may be capped per file), with a manifest of the folders,
 the versions and the device they were made with and each part's SHA-256. If the archive exceeds --max_mib, what is
 packed last is left out first until it fits (inductor's generated code and graphs, then Triton's binaries;
-inductor's tuning results, a few bytes each and minutes of benchmarks to redo, last), and the manifest says what.
+inductor's tuning results, a few bytes each and minutes of benchmarks to redo, last); of the last part that fits in
+part, its newest folders (a Triton kernel each) are packed, and the manifest says what was left out and trimmed.
 `restore` unpacks them only where everything that keys a cache is the same (Python, torch, CUDA, Triton,
 DeepSpeed, the GPU's name and compute capability; else it says what differs and does nothing), each folder only
 where it is the same path as where it was made (Triton's cache names its files by absolute path), after checking
@@ -92,6 +93,15 @@ def _selected(dirs: dict[str, Path], part: str) -> list[tuple[Path, str]]:
             if keep(f.relative_to(dirs[role]))]
 
 
+def _newest_first(files: list[tuple[Path, str]]) -> list[list[tuple[Path, str]]]:
+    """The files grouped by folder (one Triton kernel's binaries and metadata are one folder), the folder written
+    last first: what a size limit keeps of a part that does not fit whole."""
+    groups: dict[Path, list[tuple[Path, str]]] = {}
+    for f, name in files:
+        groups.setdefault(f.parent, []).append((f, name))
+    return sorted(groups.values(), key=lambda g: (-max(f.stat().st_mtime for f, _ in g), g[0][1]))
+
+
 def _archive(selected: dict[str, list[tuple[Path, str]]], parts: list[str]) -> tuple[bytes, dict]:
     buf = io.BytesIO()
     summary = {}
@@ -112,15 +122,35 @@ def save(out: Path, dirs: dict[str, Path], max_mib: float, part_mib: float, iden
     selected = {k: _selected(dirs, k) for k in PARTS}  # each folder walked once
     size_of = {k: sum(f.stat().st_size for f, _ in files) for k, files in selected.items()}
     kept = [k for k in PARTS if selected[k]]
-    dropped = []
+    dropped, trimmed = [], {}
+    limit = max_mib * 2**20
     # gzip does not shrink compiled code 20x: what is past that is left out before compressing anything
-    while kept and sum(size_of[k] for k in kept) > 20 * max_mib * 2**20:
+    while kept and sum(size_of[k] for k in kept) > 20 * limit:
         dropped.append(kept.pop())
-    while True:
+    for _ in range(4 * len(PARTS)):  # each pass drops or trims the last part kept; a few more if gzip's ratio moved
         data, summary = _archive(selected, kept)
-        if len(data) <= max_mib * 2**20 or not kept:
+        if len(data) <= limit or not kept:
             break
-        dropped.append(kept.pop())
+        last = kept[-1]
+        # the folders of the last part, newest first, that fit in what the archive must shed (at its compression)
+        raw = sum(sum(f.stat().st_size for f, _ in selected[k]) for k in kept)
+        room = sum(f.stat().st_size for f, _ in selected[last]) - (len(data) - 0.95 * limit) * raw / len(data)
+        keep, groups = [], _newest_first(selected[last])
+        for group in groups:
+            room -= sum(f.stat().st_size for f, _ in group)
+            if room < 0:
+                break
+            keep.append(group)
+        if not keep or len(keep) == len(groups):
+            dropped.append(kept.pop())
+            trimmed.pop(last, None)
+        else:
+            trimmed[last] = {"folders": len(keep), "of": trimmed.get(last, {}).get("of", len(groups))}
+            selected[last] = [f for group in keep for f in group]
+    else:
+        while kept:  # gzip never came under the limit: the caches as they were left out whole
+            dropped.append(kept.pop())
+        data, summary = _archive(selected, kept)
     size = int(part_mib * 2**20)
     chunks = [data[i:i + size] for i in range(0, len(data), size)] if kept else []
     out.mkdir(parents=True, exist_ok=True)
@@ -132,7 +162,7 @@ def save(out: Path, dirs: dict[str, Path], max_mib: float, part_mib: float, iden
         (out / name).write_bytes(chunk)
         names.append({"name": name, "bytes": len(chunk), "sha256": hashlib.sha256(chunk).hexdigest()})
     manifest = {**ident, "dirs": {r: str(dirs[r]) for r in ROLES}, "packed": summary, "left_out": dropped,
-                "archive_bytes": len(data) if kept else 0, "max_mib": max_mib, "parts": names}
+                "trimmed": trimmed, "archive_bytes": len(data) if kept else 0, "max_mib": max_mib, "parts": names}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return manifest
 
@@ -205,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("save", help="pack this machine's compile caches into OUTDIR")
     s.add_argument("outdir")
-    s.add_argument("--max_mib", type=float, default=32.0, help="largest archive kept, MiB (default 32)")
+    s.add_argument("--max_mib", type=float, default=40.0,
+                   help="largest archive kept, MiB (default 40: with the wheels, under a device call's 64 MiB carry)")
     s.add_argument("--part_mib", type=float, default=15.0, help="largest part file, MiB (default 15)")
     r = sub.add_parser("restore", help="unpack the caches saved in DIR, where they match this machine")
     r.add_argument("dir")
@@ -215,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
         m = save(Path(ns.outdir), dirs, ns.max_mib, ns.part_mib, identity())
         kept = ", ".join(f"{k} {v['files']} files" for k, v in m["packed"].items()) or "nothing"
         print(f"compile cache: saved {kept}, {m['archive_bytes'] / 2**20:.1f} MiB in {len(m['parts'])} part(s) to "
-              f"{ns.outdir}" + (f"; left out {m['left_out']} (over --max_mib {ns.max_mib})" if m["left_out"] else ""))
+              f"{ns.outdir}" + (f"; left out {m['left_out']} (over --max_mib {ns.max_mib})" if m["left_out"] else "")
+              + "".join(f"; {k}: the newest {t['folders']} of {t['of']} folders" for k, t in m["trimmed"].items()))
         return 0
     try:
         res = restore(Path(ns.dir), dirs, identity())

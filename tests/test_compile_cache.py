@@ -109,6 +109,51 @@ def test_a_broken_part_restores_nothing_and_says_which(tmp_path, damage):
     assert contents(here) == {}
 
 
+def test_a_part_that_fits_in_part_keeps_its_newest_kernel_folders(tmp_path):
+    """Over the limit with the graphs left out, Triton's binaries are packed folder by folder (a kernel each), the
+    newest first, as many as fit; the manifest says how many of how many."""
+    there, out = caches(tmp_path / "there"), tmp_path / "out"
+    fill(there, size=10)
+    kernels = []
+    for i in range(6):  # six kernel folders of 100 KB of random bytes (they do not compress), written in turn
+        k = there["triton"] / f"kernel{i}"
+        k.mkdir()
+        (k / "k.cubin").write_bytes(os.urandom(90_000))
+        (k / "k.json").write_bytes(os.urandom(10_000))
+        for f in k.iterdir():
+            os.utime(f, (1000 + i, 1000 + i))
+        kernels.append(k.name)
+    (there["inductor"] / "graph.bin").write_bytes(os.urandom(400_000))
+    m = cc.save(out, there, max_mib=0.35, part_mib=0.25, ident=IDENT)
+    assert m["left_out"] == ["inductor graphs"] and m["archive_bytes"] <= 0.35 * 2**20
+    folders = m["trimmed"]["triton kernels"]["folders"]
+    assert m["trimmed"]["triton kernels"]["of"] == 9 and 1 <= folders < 9  # six kernels, the root, sub, sub/deeper
+    with tarfile.open(fileobj=io.BytesIO(b"".join((out / p["name"]).read_bytes() for p in m["parts"]))) as tar:
+        packed = {Path(n).parent.name for n in tar.getnames() if n.startswith("triton/kernel")}
+        assert "inductor/sub/k.best_config" in tar.getnames()
+    assert packed == set(kernels[-len(packed):]) and len(packed) >= 2  # the newest kernels, whole folders
+    before = contents(there)
+    shutil.rmtree(tmp_path / "there")  # the next machine: the same folders, empty
+    cc.restore(out, there, IDENT)
+    restored = {n: b for n, b in contents(there).items() if n.startswith("triton/")}
+    assert {Path(n).parent.name for n in restored if "/kernel" in n} == packed
+    assert restored and all(b == before[n] for n, b in restored.items())
+
+
+def test_the_save_command_says_what_it_trimmed(tmp_path, monkeypatch, capsys):
+    there = caches(tmp_path / "there")
+    fill(there, size=10)
+    for i in range(4):
+        (there["triton"] / f"kernel{i}").mkdir()
+        (there["triton"] / f"kernel{i}" / "k.cubin").write_bytes(os.urandom(100_000))
+    monkeypatch.setattr(cc, "cache_dirs", lambda: there)
+    monkeypatch.setattr(cc, "identity", lambda: IDENT)
+    assert cc.main(["save", str(tmp_path / "out"), "--max_mib", "0.25", "--part_mib", "0.25"]) == 0
+    m = json.loads((tmp_path / "out" / cc.MANIFEST).read_text())
+    t = m["trimmed"]["triton kernels"]
+    assert f"triton kernels: the newest {t['folders']} of {t['of']} folders" in capsys.readouterr().out
+
+
 def test_over_the_limit_the_bulk_is_left_out_first_and_the_tuning_results_last(tmp_path):
     there, out = caches(tmp_path / "there"), tmp_path / "out"
     fill(there, size=150_000)  # 450 KB of random bytes a folder (they do not compress): one fits in 0.6 MiB
