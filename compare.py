@@ -64,11 +64,11 @@ GPU_DEFAULTS = {"preset": "1.5b", "micro_batch": 8, "steps": 30, "warmup_steps":
 # check stay (see parse). Last, three levers that each measured within their baselines' noise alone and 1.017x
 # together, against two baselines 0.35% apart (benchmarks/results/together_1xh200): the vocabulary padded to a multiple
 # of 128, the LM head's loss by the Triton kernel (bf16, as measured) and the residual dropouts' masks by the Triton
-# kernel; each stays off where it cannot run (together_refusals).
+# kernel; each stays off where it cannot run (autotune.default_kernels_refusals).
 GPU_DEEPCOMPILE_DEFAULTS = {"compile": "deepcompile", "deepcompile_schedule": "once", "micro_batch": 16,
                             "coordinate_descent_tuning": True, "triton_gelu_grad": True, "zero3_step": "fused",
                             "deepcompile_backward_wait": "device", "grad_norm_check": "device",
-                            "vocab_multiple": 128, "triton_loss": True, "triton_dropout": True}
+                            **autotune.DEFAULT_KERNELS}
 # Attention backends DeepCompile runs (no graph break) but that no GPU measurement under it backs: asked for, they
 # keep compare.py's eager default; `--compile deepcompile` runs them.
 UNMEASURED_UNDER_DEEPCOMPILE = ("blocksparse",)
@@ -81,19 +81,6 @@ DEEPCOMPILE_DEFAULT_HELP = ("(default on GPUs: deepcompile, with --deepcompile_s
                             "where it can run and has been measured: ZeRO stage 1-3, no --val_every/--save_every, "
                             "--ds_config, --fused_layernorm, --attention blocksparse/xformers, --explain or "
                             "--autotune; else none)")
-
-
-def together_refusals(ns: argparse.Namespace) -> dict:
-    """The GPU default's loss and dropout kernels that the flags as given rule out, each with the value it keeps: the
-    Triton loss is the LM head's other loss than --fused_loss and was measured in bf16 only (its logits' gradient is
-    kept in their dtype, which fp16's range does not hold); the Triton dropout draws the mask of the fused bias +
-    dropout + add, off with --fused_bias_dropout_add false."""
-    off = {}
-    if ns.fused_loss or normalize_precision(ns.precision or TrainConfig.precision) != "bf16":
-        off["triton_loss"] = TrainConfig.triton_loss
-    if ns.fused_bias_dropout_add is False:
-        off["triton_dropout"] = TrainConfig.triton_dropout
-    return off
 
 
 def deepcompile_by_default(ns: argparse.Namespace) -> bool:
@@ -235,7 +222,7 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
                              **({} if fused_step else {"zero3_step": TrainConfig.zero3_step}),
                              **({} if gelu_kernel else {"triton_gelu_grad": TrainConfig.triton_gelu_grad}),
                              **host_wait, **({} if norm_check else {"grad_norm_check": TrainConfig.grad_norm_check}),
-                             **together_refusals(ns)})
+                             **autotune.default_kernels_refusals(ns)})
             step = f" --zero3_step {ns.zero3_step} --grad_norm_check {ns.grad_norm_check}" if zero3 else ""
             print(f"compare.py: --compile deepcompile --deepcompile_schedule {ns.deepcompile_schedule} --micro_batch "
                   f"{ns.micro_batch} --vocab_multiple {ns.vocab_multiple} --triton_loss {str(ns.triton_loss).lower()} "

@@ -19,6 +19,9 @@ Search, on the raw path (the faster one to start), each candidate a short run of
      runs it (docs/results.md); the search measures it on its own best configuration. Then the MLP's bias + GELU
      backward as one Triton kernel (`--triton_gelu_grad`, shared/kernels/bias_gelu_grad.py; CUDA only, with the
      fused bias + GELU): 1.010x the whole step in one pair on one H200, off by default, so measured here too.
+     Then compare.py's GPU default's padded vocabulary (`--vocab_multiple 128`), Triton loss (`--triton_loss`, in
+     place of the chunked loss where the search picked it; bf16) and Triton dropout masks (`--triton_dropout`, with
+     the fused bias + dropout + add), together as measured (1.017x the whole step on one H200), CUDA only.
   5. ZeRO-3 prefetch bucket, then reduce bucket, then parameter persistence threshold, one knob at a time
      (coordinate descent) from the best so far. Under DeepCompile the prefetch bucket is skipped: its passes
      schedule their own prefetch and never read stage3_prefetch_bucket_size. A persistence threshold that keeps
@@ -50,7 +53,7 @@ import torch
 
 from harness.launch import CompareError
 from shared.model import config as model_config
-from shared.train.config import TrainConfig
+from shared.train.config import TrainConfig, normalize_precision
 from shared.train.ds_config import build_ds_config
 from shared.train.results import device_info, differences, versions
 
@@ -78,7 +81,8 @@ def knobs(cfg: TrainConfig) -> dict:
             "reduce_bucket_size": zero.get("reduce_bucket_size"),
             "param_persistence_threshold": zero.get("stage3_param_persistence_threshold"),
             "compile": cfg.compile, "deepcompile_schedule": cfg.deepcompile_schedule, "fused_loss": cfg.fused_loss,
-            "zero3_step": cfg.zero3_step, "triton_gelu_grad": cfg.triton_gelu_grad}
+            "zero3_step": cfg.zero3_step, "triton_gelu_grad": cfg.triton_gelu_grad,
+            "vocab_multiple": cfg.vocab_multiple, "triton_loss": cfg.triton_loss, "triton_dropout": cfg.triton_dropout}
 
 
 def persisted(sizes: list[int], threshold: int) -> int:
@@ -115,7 +119,8 @@ def kept_candidates(train: TrainConfig, world: int, out_dir: Path) -> tuple[list
     commands = earlier.get("commands") or ([earlier["command"]] if earlier.get("command") else [])
     for r in rows:  # written before these were knobs: every candidate ran the base's
         r["knobs"].setdefault("zero3_step", train.zero3_step)
-        r["knobs"].setdefault("triton_gelu_grad", train.triton_gelu_grad)
+        for knob in ("triton_gelu_grad", *DEFAULT_KERNELS):
+            r["knobs"].setdefault(knob, getattr(train, knob))
     return sorted((r for r in rows if r["status"] in ("ok", "oom")), key=lambda r: r["i"]), commands
 
 
@@ -250,6 +255,18 @@ def run_autotune(train: TrainConfig, ns, launch, out_dir: Path, kept: list[dict]
             print(f"  {name} not tried: {why}", flush=True)
         else:
             search.run(dataclasses.replace(base, **{**best["knobs"], knob: value}))
+    # then compare.py's GPU default's padded vocabulary, Triton loss and Triton dropout, together (as measured), but
+    # for those the flags rule out; the Triton loss in place of the chunked one the search may have picked
+    best = search.best()
+    if best is not None:
+        together = {**DEFAULT_KERNELS, **default_kernels_refusals(base), "vocab_multiple": base.vocab_multiple or 128}
+        if together["triton_loss"]:
+            together["fused_loss"] = False
+        if not model_config.cuda_available():
+            print("  padded vocabulary, Triton loss and dropout not tried: the Triton kernels need a CUDA GPU to be "
+                  "timed (on a CPU only Triton's interpreter runs them)", flush=True)
+        elif any(best["knobs"][k] != v for k, v in together.items()):
+            search.run(dataclasses.replace(base, **{**best["knobs"], **together}))
 
     # 5. ZeRO-3 knobs, one at a time from the best so far
     if base.stage == 3:
@@ -304,8 +321,29 @@ def run_autotune(train: TrainConfig, ns, launch, out_dir: Path, kept: list[dict]
             flags.append(f"--zero3_step {cfg.zero3_step}")
         if cfg.triton_gelu_grad:
             flags.append("--triton_gelu_grad")
+        if cfg.vocab_multiple:
+            flags.append(f"--vocab_multiple {cfg.vocab_multiple}")
+        flags += [f"--{k}" for k in ("triton_loss", "triton_dropout") if getattr(cfg, k)]
         report["winner_flags"] = " ".join(flags)
     return search.write(complete=True)
+
+
+# compare.py's GPU default runs these three together (1.017x the whole step on one H200 against two baselines 0.35%
+# apart, benchmarks/results/together_1xh200), where default_kernels_refusals leaves each on
+DEFAULT_KERNELS = {"vocab_multiple": 128, "triton_loss": True, "triton_dropout": True}
+
+
+def default_kernels_refusals(cfg) -> dict:
+    """Of DEFAULT_KERNELS, those the configuration rules out (a TrainConfig, or compare.py's parsed flags, where an
+    unset flag is None), each with the value it keeps: the Triton loss is the LM head's other loss than --fused_loss
+    and was measured in bf16 only (its logits' gradient is kept in their dtype, which fp16's range does not hold); the
+    Triton dropout draws the mask of the fused bias + dropout + add, off with --fused_bias_dropout_add false."""
+    off = {}
+    if cfg.fused_loss or normalize_precision(cfg.precision or TrainConfig.precision) != "bf16":
+        off["triton_loss"] = TrainConfig.triton_loss
+    if cfg.fused_bias_dropout_add is False:
+        off["triton_dropout"] = TrainConfig.triton_dropout
+    return off
 
 
 def fused_step_refusal(cfg: TrainConfig) -> str | None:
@@ -338,6 +376,8 @@ def describe(k: dict) -> str:
             f"{' +fused_loss' if k.get('fused_loss') else ''}"
             f"{' step ' + k['zero3_step'] if k.get('zero3_step', 'fast') != 'fast' else ''}"
             f"{' +gelu_kernel' if k.get('triton_gelu_grad') else ''}"
+            f"{' +vocab' + str(k['vocab_multiple']) if k.get('vocab_multiple') else ''}"
+            f"{' +triton_loss' if k.get('triton_loss') else ''}{' +triton_dropout' if k.get('triton_dropout') else ''}"
             + "".join(f" {label} {k[key]:.0e}" for label, key in (
                 ("prefetch", "prefetch_bucket_size"), ("reduce", "reduce_bucket_size"),
                 ("persist", "param_persistence_threshold")) if k[key] is not None))  # None: not of this stage

@@ -152,17 +152,20 @@ def test_search_without_cuda_says_deepcompile_was_not_tried(tmp_path, capsys):
     assert "fused optimizer step not tried: its Triton kernel needs a CUDA GPU to be timed" in out
     assert "bias + GELU backward kernel not tried: its Triton kernel needs a CUDA GPU to be timed" in out
     assert not any(c.triton_gelu_grad for c in calls)
+    assert "padded vocabulary, Triton loss and dropout not tried: the Triton kernels need a CUDA GPU" in out
+    assert not any(c.triton_loss or c.triton_dropout or c.vocab_multiple for c in calls)
 
 
-def speed_with_the_fused_step(calls: list, gain: float, gelu_gain: float = 1.0):
-    """DeepCompile 1.3x eager, the fused optimizer step `gain` on top, the bias + GELU kernel `gelu_gain`; every
-    micro-batch fits."""
+def speed_with_the_fused_step(calls: list, gain: float, gelu_gain: float = 1.0, together_gain: float = 1.0):
+    """DeepCompile 1.3x eager, the fused optimizer step `gain` on top, the bias + GELU kernel `gelu_gain`, the
+    padded vocabulary with the Triton loss and dropout `together_gain`; every micro-batch fits."""
 
     def launch(path, cfg, out, log):
         calls.append(cfg)
         speed = 1000.0 * cfg.micro_batch * (1.3 if cfg.compile == "deepcompile" else 1.0)
         speed *= gain if cfg.zero3_step == "fused" else 1.0
         speed *= gelu_gain if cfg.triton_gelu_grad else 1.0
+        speed *= together_gain if cfg.vocab_multiple == 128 and cfg.triton_loss and cfg.triton_dropout else 1.0
         return SimpleNamespace(tokens_per_s_per_gpu=speed, tflops_per_gpu=speed / 100, mfu=None, peak_mem_gib=1.0,
                                step_time_s={"median": 1.0 / speed})
 
@@ -206,6 +209,48 @@ def test_search_tries_the_bias_gelu_kernel_after_the_optimizer_step(tmp_path, mo
     assert report["winner"]["knobs"]["triton_gelu_grad"] is (gelu_gain > 1)
     assert ("--triton_gelu_grad" in report["winner_flags"]) == (gelu_gain > 1)
     assert "+gelu_kernel" in autotune.format_autotune(report)
+
+
+@pytest.mark.parametrize("together_gain", [1.017, 0.99])
+def test_search_tries_the_gpu_defaults_vocabulary_loss_and_dropout_kernels_last(tmp_path, monkeypatch, together_gain):
+    from shared.model import config as model_config
+
+    monkeypatch.setattr(model_config, "cuda_available", lambda: True)
+    calls = []
+    report = autotune.run_autotune(TrainConfig(preset="tiny", warmup_steps=2),
+                                   SimpleNamespace(mb_grid="4,8", budget_s=1e9, world=1),
+                                   speed_with_the_fused_step(calls, 1.015, 1.01, together_gain), tmp_path)
+    i = next(i for i, c in enumerate(calls) if c.triton_loss)
+    assert not any(c.triton_loss or c.triton_dropout or c.vocab_multiple for c in calls[:i])
+    # on the best so far (DeepCompile, the largest micro-batch, both kernels), the three together
+    c = calls[i]
+    assert (c.compile, c.micro_batch, c.zero3_step, c.triton_gelu_grad) == ("deepcompile", 8, "fused", True)
+    assert (c.vocab_multiple, c.triton_loss, c.triton_dropout, c.fused_loss) == (128, True, True, False)
+    won = together_gain > 1
+    assert {(c.vocab_multiple, c.triton_loss) for c in calls[i + 1:]} == {(128, True) if won else (None, False)}
+    w = report["winner"]["knobs"]
+    assert (w["vocab_multiple"], w["triton_loss"], w["triton_dropout"]) == ((128, True, True) if won else
+                                                                            (None, False, False))
+    assert ("--vocab_multiple 128 --triton_loss --triton_dropout" in report["winner_flags"]) == won
+    assert "+vocab128 +triton_loss +triton_dropout" in autotune.format_autotune(report)
+
+
+def test_search_leaves_out_of_those_kernels_what_the_flags_rule_out(tmp_path, monkeypatch):
+    """fp16: no Triton loss (measured in bf16 only); no fused bias + dropout + add: no Triton dropout; a padding asked
+    for is kept; the chunked loss asked for stays."""
+    from shared.model import config as model_config
+
+    monkeypatch.setattr(model_config, "cuda_available", lambda: True)
+    for n, (overrides, expect) in enumerate(((dict(precision="fp16"), (128, False, True, False)),
+                              (dict(fused_bias_dropout_add=False, vocab_multiple=64), (64, True, False, False)),
+                              (dict(fused_loss=True), (128, False, True, True)))):
+        calls, out = [], tmp_path / str(n)
+        out.mkdir()
+        autotune.run_autotune(TrainConfig(preset="tiny", warmup_steps=2, **overrides),
+                              SimpleNamespace(mb_grid="4", budget_s=1e9, world=1),
+                              speed_with_the_fused_step(calls, 1.0), out)
+        last = next(c for c in calls if c.vocab_multiple == expect[0] and (c.triton_dropout or c.triton_loss))
+        assert (last.vocab_multiple, last.triton_loss, last.triton_dropout, last.fused_loss) == expect, overrides
 
 
 @pytest.mark.parametrize("overrides, message", [
