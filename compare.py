@@ -64,7 +64,9 @@ GPU_DEFAULTS = {"preset": "1.5b", "micro_batch": 8, "steps": 30, "warmup_steps":
 # check stay (see parse). Last, three levers that each measured within their baselines' noise alone and 1.017x
 # together, against two baselines 0.35% apart (benchmarks/results/together_1xh200): the vocabulary padded to a multiple
 # of 128, the LM head's loss by the Triton kernel (bf16, as measured) and the residual dropouts' masks by the Triton
-# kernel; each stays off where it cannot run (autotune.default_kernels_refusals).
+# kernel; each stays off where it cannot run (autotune.default_kernels_refusals). Measured on one GPU under ZeRO-3,
+# they are on for every GPU count and stage: they change the model's own kernels, not the step's synchronization
+# or communication (which the device wait and the device norm check change: those stay one-GPU options).
 GPU_DEEPCOMPILE_DEFAULTS = {"compile": "deepcompile", "deepcompile_schedule": "once", "micro_batch": 16,
                             "coordinate_descent_tuning": True, "triton_gelu_grad": True, "zero3_step": "fused",
                             "deepcompile_backward_wait": "device", "grad_norm_check": "device",

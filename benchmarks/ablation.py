@@ -55,7 +55,7 @@ first lever first, those named after it last), each other configuration runs onc
 ratio is against the reference runs of its own GPU, since GPUs of one kind differ in clock (each row records its
 GPU's index and UUID; the table names the GPU). With --keep every reference run measured stays, rating the runs of
 its own GPU, and a GPU of this machine without one runs it again. On 8 GPUs the last-mile set (16 levers, a baseline
-and a baseline again on every GPU) takes 4 runs a GPU, against 17 one after the other on one GPU. The runs of a
+and a baseline again on every GPU) takes 4 runs a GPU, against 18 one after the other on one GPU. The runs of a
 round compile at the same time on the host's CPUs, baselines and levers alike.
 """
 

@@ -147,10 +147,13 @@ def save(out: Path, dirs: dict[str, Path], max_mib: float, part_mib: float, iden
         else:
             trimmed[last] = {"folders": len(keep), "of": trimmed.get(last, {}).get("of", len(groups))}
             selected[last] = [f for group in keep for f in group]
-    else:
-        while kept:  # gzip never came under the limit: the caches as they were left out whole
+    else:  # trimming never came under the limit (gzip's ratio kept moving): whole parts left out, last first
+        while kept:
             dropped.append(kept.pop())
-        data, summary = _archive(selected, kept)
+            trimmed.pop(dropped[-1], None)
+            data, summary = _archive(selected, kept)
+            if len(data) <= limit:
+                break
     size = int(part_mib * 2**20)
     chunks = [data[i:i + size] for i in range(0, len(data), size)] if kept else []
     out.mkdir(parents=True, exist_ok=True)

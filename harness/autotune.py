@@ -19,9 +19,11 @@ Search, on the raw path (the faster one to start), each candidate a short run of
      runs it (docs/results.md); the search measures it on its own best configuration. Then the MLP's bias + GELU
      backward as one Triton kernel (`--triton_gelu_grad`, shared/kernels/bias_gelu_grad.py; CUDA only, with the
      fused bias + GELU): 1.010x the whole step in one pair on one H200, off by default, so measured here too.
-     Then compare.py's GPU default's padded vocabulary (`--vocab_multiple 128`), Triton loss (`--triton_loss`, in
-     place of the chunked loss where the search picked it; bf16) and Triton dropout masks (`--triton_dropout`, with
-     the fused bias + dropout + add), together as measured (1.017x the whole step on one H200), CUDA only.
+     Then compare.py's GPU default's padded vocabulary (`--vocab_multiple 128`), Triton loss (`--triton_loss`, bf16,
+     not where the best so far runs the chunked loss) and Triton dropout masks (`--triton_dropout`, with the fused
+     bias + dropout + add), together as measured (1.017x the whole step on one H200), CUDA only: those of the three
+     not on yet and not ruled out (a flag given as false cannot be told from the default; give the search a base
+     without the switch instead).
   5. ZeRO-3 prefetch bucket, then reduce bucket, then parameter persistence threshold, one knob at a time
      (coordinate descent) from the best so far. Under DeepCompile the prefetch bucket is skipped: its passes
      schedule their own prefetch and never read stage3_prefetch_bucket_size. A persistence threshold that keeps
@@ -172,12 +174,13 @@ class Search:
         return row
 
     def run_freeing_memory(self, cfg: TrainConfig) -> dict | None:
-        """One candidate; if it ran out of memory without the chunked loss, the same again with it."""
+        """One candidate; if it ran out of memory without the chunked loss, the same again with it (in place of the
+        Triton loss, if it had that)."""
         row = self.run(cfg)
         if row is not None and row["status"] == "oom" and not cfg.fused_loss:
             if not row.get("kept"):
                 print("  out of memory: the same with --fused_loss", flush=True)
-            row = self.run(dataclasses.replace(cfg, fused_loss=True))
+            row = self.run(dataclasses.replace(cfg, fused_loss=True, triton_loss=False))  # one loss of the two
         return row
 
     def best(self) -> dict | None:
@@ -255,18 +258,19 @@ def run_autotune(train: TrainConfig, ns, launch, out_dir: Path, kept: list[dict]
             print(f"  {name} not tried: {why}", flush=True)
         else:
             search.run(dataclasses.replace(base, **{**best["knobs"], knob: value}))
-    # then compare.py's GPU default's padded vocabulary, Triton loss and Triton dropout, together (as measured), but
-    # for those the flags rule out; the Triton loss in place of the chunked one the search may have picked
+    # then compare.py's GPU default's padded vocabulary, Triton loss and Triton dropout, together (as measured), on
+    # the best so far: each one it rules out stays as it is (the Triton loss where the best runs the chunked loss,
+    # which a micro-batch may need for its memory), and none is turned off
     best = search.best()
     if best is not None:
-        together = {**DEFAULT_KERNELS, **default_kernels_refusals(base), "vocab_multiple": base.vocab_multiple or 128}
-        if together["triton_loss"]:
-            together["fused_loss"] = False
+        on_best = dataclasses.replace(base, **best["knobs"])
+        ruled_out = default_kernels_refusals(on_best)
+        together = {k: v for k, v in DEFAULT_KERNELS.items() if k not in ruled_out and not getattr(on_best, k)}
         if not model_config.cuda_available():
             print("  padded vocabulary, Triton loss and dropout not tried: the Triton kernels need a CUDA GPU to be "
                   "timed (on a CPU only Triton's interpreter runs them)", flush=True)
-        elif any(best["knobs"][k] != v for k, v in together.items()):
-            search.run(dataclasses.replace(base, **{**best["knobs"], **together}))
+        elif together:
+            search.run(dataclasses.replace(on_best, **together))
 
     # 5. ZeRO-3 knobs, one at a time from the best so far
     if base.stage == 3:

@@ -243,14 +243,26 @@ def test_search_leaves_out_of_those_kernels_what_the_flags_rule_out(tmp_path, mo
     monkeypatch.setattr(model_config, "cuda_available", lambda: True)
     for n, (overrides, expect) in enumerate(((dict(precision="fp16"), (128, False, True, False)),
                               (dict(fused_bias_dropout_add=False, vocab_multiple=64), (64, True, False, False)),
-                              (dict(fused_loss=True), (128, False, True, True)))):
+                              (dict(fused_loss=True), (128, False, True, True)),
+                              # asked for in fp16, the Triton loss stays on: the candidate only turns kernels on
+                              (dict(precision="fp16", triton_loss=True), (128, True, True, False)))):
         calls, out = [], tmp_path / str(n)
         out.mkdir()
-        autotune.run_autotune(TrainConfig(preset="tiny", warmup_steps=2, **overrides),
-                              SimpleNamespace(mb_grid="4", budget_s=1e9, world=1),
+        base = TrainConfig(preset="tiny", warmup_steps=2, **overrides)
+        autotune.run_autotune(base, SimpleNamespace(mb_grid="4", budget_s=1e9, world=1),
                               speed_with_the_fused_step(calls, 1.0), out)
-        last = next(c for c in calls if c.vocab_multiple == expect[0] and (c.triton_dropout or c.triton_loss))
+        kernels = ("vocab_multiple", "triton_loss", "triton_dropout")
+        last = next(c for c in calls if any(getattr(c, k) != getattr(base, k) for k in kernels))
         assert (last.vocab_multiple, last.triton_loss, last.triton_dropout, last.fused_loss) == expect, overrides
+        assert all(c.triton_loss for c in calls) if overrides.get("triton_loss") else True
+
+
+def test_a_micro_batch_out_of_memory_with_the_triton_loss_retries_with_the_chunked_loss_in_its_place(tmp_path):
+    calls = []
+    autotune.run_autotune(TrainConfig(preset="tiny", triton_loss=True),
+                          SimpleNamespace(mb_grid="4,8", budget_s=1e9, world=1), fake_launch(4, calls, 8), tmp_path)
+    retried = [c for c in calls if c.micro_batch == 8 and not c.activation_checkpointing]
+    assert [(c.triton_loss, c.fused_loss) for c in retried][:2] == [(True, False), (False, True)]
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -154,12 +154,37 @@ def test_the_save_command_says_what_it_trimmed(tmp_path, monkeypatch, capsys):
     assert f"triton kernels: the newest {t['folders']} of {t['of']} folders" in capsys.readouterr().out
 
 
+def test_when_trimming_never_fits_whole_parts_are_left_out_last_first(tmp_path, monkeypatch):
+    """A compression that stays just over the limit whatever is trimmed (here: an archive padded to 6 KB over it
+    while it holds a Triton file): after as many passes as it allows, the save gives up trimming and leaves out
+    whole parts, last first; the tuning results stay, and the manifest lists no trimmed part that was left out."""
+    there, out = caches(tmp_path / "there"), tmp_path / "out"
+    (there["inductor"] / "sub").mkdir(parents=True)
+    (there["inductor"] / "sub" / "k.best_config").write_text('{"XBLOCK": 128}')
+    for i in range(40):  # 40 kernel folders of 5 KB: each pass trims only a few of them
+        (there["triton"] / f"kernel{i}").mkdir(parents=True)
+        (there["triton"] / f"kernel{i}" / "k.cubin").write_bytes(os.urandom(5_000))
+    archive, limit, passes = cc._archive, int(0.5 * 2**20), []
+
+    def just_over(selected, parts):
+        data, summary = archive(selected, parts)
+        passes.append(len(selected["triton kernels"]) if "triton kernels" in parts else 0)
+        return (data.ljust(limit + 6_000, b"\0") if "triton kernels" in parts else data), summary
+
+    monkeypatch.setattr(cc, "_archive", just_over)
+    m = cc.save(out, there, max_mib=0.5, part_mib=0.5, ident=IDENT)
+    assert len(passes) > 4 * len(cc.PARTS) and passes[0] == 40 and 0 < passes[4 * len(cc.PARTS) - 1] < 40
+    assert m["left_out"] == ["triton kernels"] and list(m["packed"]) == ["inductor tuning"]
+    assert m["trimmed"] == {} and 0 < m["archive_bytes"] <= limit
+
+
 def test_over_the_limit_the_bulk_is_left_out_first_and_the_tuning_results_last(tmp_path):
     there, out = caches(tmp_path / "there"), tmp_path / "out"
-    fill(there, size=150_000)  # 450 KB of random bytes a folder (they do not compress): one fits in 0.6 MiB
-    m = cc.save(out, there, max_mib=0.6, part_mib=0.25, ident=IDENT)
+    fill(there, size=150_000)  # 450 KB of random bytes a folder (they do not compress): one fits in 0.55 MiB,
+    # and none of the graphs' 150 KB folders beside it (about 100 KB left)
+    m = cc.save(out, there, max_mib=0.55, part_mib=0.25, ident=IDENT)
     assert m["left_out"] == ["inductor graphs"] and set(m["packed"]) == {"inductor tuning", "triton kernels"}
-    assert m["archive_bytes"] <= 0.6 * 2**20 and len(m["parts"]) == 2
+    assert m["archive_bytes"] <= 0.55 * 2**20 and len(m["parts"]) == 2 and m["trimmed"] == {}
     with tarfile.open(fileobj=io.BytesIO(b"".join((out / p["name"]).read_bytes() for p in m["parts"]))) as tar:
         assert sorted(n for n in tar.getnames() if n.startswith("inductor/")) == ["inductor/sub/k.best_config"]
     m = cc.save(out, there, max_mib=0.1, part_mib=0.5, ident=IDENT)  # only the tuning results fit

@@ -28,7 +28,7 @@ class FusedSwitches:
     triton_loss: bool = False
     """the LM head's loss and its logits' gradient by one Triton kernel per row in forward, the backward's products
     scaled afterwards (shared/kernels/cross_entropy.py, shared/model/fused_loss.py); CUDA, or a CPU under
-    TRITON_INTERPRET=1"""
+    TRITON_INTERPRET=1; on in compare.py's GPU default (bf16, without fused_loss)"""
     fused_bias_dropout_add: bool | None = None
     """residual + dropout(x W^T + b) as one compiled kernel (shared/model/fused_ops.py); default: on with CUDA, off
     on CPU. Chosen from a single run (+4.1% raw on one H200, one run per path, no repeat: inside single-run noise;
@@ -46,7 +46,8 @@ class FusedSwitches:
     triton_dropout: bool = False
     """with fused_bias_dropout_add: its keep mask drawn by a Triton kernel, eight 16-bit draws per Philox call
     instead of inductor's one per element (shared/kernels/dropout_mask.py; the rate p rounded to a multiple of
-    1/65536); CUDA, or a CPU under TRITON_INTERPRET=1"""
+    1/65536); CUDA, or a CPU under TRITON_INTERPRET=1; on in compare.py's GPU default (with
+    fused_bias_dropout_add)"""
     fused_layernorm: bool = False
     """liger-kernel's Triton LayerNorm (CUDA only)"""
 
