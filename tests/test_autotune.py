@@ -172,6 +172,16 @@ def speed_with_the_fused_step(calls: list, gain: float, gelu_gain: float = 1.0, 
     return launch
 
 
+def search_on_a_pretend_gpu(tmp_path, monkeypatch, launch, **train) -> dict:
+    """The search over micro-batches 4 and 8 of the tiny preset as if CUDA were there (the config checks only;
+    nothing runs on a GPU), its runs `launch`'s."""
+    from shared.model import config as model_config
+
+    monkeypatch.setattr(model_config, "cuda_available", lambda: True)
+    return autotune.run_autotune(TrainConfig(preset="tiny", warmup_steps=2, **train),
+                                 SimpleNamespace(mb_grid="4,8", budget_s=1e9, world=1), launch, tmp_path)
+
+
 @pytest.mark.parametrize("gain", [1.015, 0.98])
 def test_search_tries_the_fused_optimizer_step_on_the_best_where_cuda_is(tmp_path, monkeypatch, gain):
     from shared.model import config as model_config
@@ -194,13 +204,8 @@ def test_search_tries_the_fused_optimizer_step_on_the_best_where_cuda_is(tmp_pat
 
 @pytest.mark.parametrize("gelu_gain", [1.01, 0.99])
 def test_search_tries_the_bias_gelu_kernel_after_the_optimizer_step(tmp_path, monkeypatch, gelu_gain):
-    from shared.model import config as model_config
-
-    monkeypatch.setattr(model_config, "cuda_available", lambda: True)
     calls = []
-    report = autotune.run_autotune(TrainConfig(preset="tiny", warmup_steps=2),
-                                   SimpleNamespace(mb_grid="4,8", budget_s=1e9, world=1),
-                                   speed_with_the_fused_step(calls, 1.015, gelu_gain), tmp_path)
+    report = search_on_a_pretend_gpu(tmp_path, monkeypatch, speed_with_the_fused_step(calls, 1.015, gelu_gain))
     i = next(i for i, c in enumerate(calls) if c.triton_gelu_grad)
     assert not any(c.triton_gelu_grad for c in calls[:i])
     # on the best so far: DeepCompile, the largest micro-batch, the fused step
@@ -213,13 +218,9 @@ def test_search_tries_the_bias_gelu_kernel_after_the_optimizer_step(tmp_path, mo
 
 @pytest.mark.parametrize("together_gain", [1.017, 0.99])
 def test_search_tries_the_gpu_defaults_vocabulary_loss_and_dropout_kernels_last(tmp_path, monkeypatch, together_gain):
-    from shared.model import config as model_config
-
-    monkeypatch.setattr(model_config, "cuda_available", lambda: True)
     calls = []
-    report = autotune.run_autotune(TrainConfig(preset="tiny", warmup_steps=2),
-                                   SimpleNamespace(mb_grid="4,8", budget_s=1e9, world=1),
-                                   speed_with_the_fused_step(calls, 1.015, 1.01, together_gain), tmp_path)
+    report = search_on_a_pretend_gpu(tmp_path, monkeypatch,
+                                     speed_with_the_fused_step(calls, 1.015, 1.01, together_gain))
     i = next(i for i, c in enumerate(calls) if c.triton_loss)
     assert not any(c.triton_loss or c.triton_dropout or c.vocab_multiple for c in calls[:i])
     # on the best so far (DeepCompile, the largest micro-batch, both kernels), the three together
