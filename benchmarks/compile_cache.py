@@ -164,7 +164,8 @@ def save(out: Path, dirs: dict[str, Path], max_mib: float, part_mib: float, iden
         name = f"{ARCHIVE}.{i:03d}"
         (out / name).write_bytes(chunk)
         names.append({"name": name, "bytes": len(chunk), "sha256": hashlib.sha256(chunk).hexdigest()})
-    manifest = {**ident, "dirs": {r: str(dirs[r]) for r in ROLES}, "packed": summary, "left_out": dropped,
+    manifest = {"command": " ".join([Path(sys.executable).name, *sys.argv]), **ident,
+                "dirs": {r: str(dirs[r]) for r in ROLES}, "packed": summary, "left_out": dropped,
                 "trimmed": trimmed, "archive_bytes": len(data) if kept else 0, "max_mib": max_mib, "parts": names}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return manifest

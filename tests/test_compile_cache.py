@@ -7,6 +7,7 @@ import io
 import json
 import os
 import shutil
+import sys
 import tarfile
 from pathlib import Path
 
@@ -150,6 +151,7 @@ def test_the_save_command_says_what_it_trimmed(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(cc, "identity", lambda: IDENT)
     assert cc.main(["save", str(tmp_path / "out"), "--max_mib", "0.25", "--part_mib", "0.25"]) == 0
     m = json.loads((tmp_path / "out" / cc.MANIFEST).read_text())
+    assert m["command"].split()[0] == Path(sys.executable).name  # how the manifest was made, as every result says
     t = m["trimmed"]["triton kernels"]
     assert f"triton kernels: the newest {t['folders']} of {t['of']} folders" in capsys.readouterr().out
 
