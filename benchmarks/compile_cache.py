@@ -93,13 +93,13 @@ def _selected(dirs: dict[str, Path], part: str) -> list[tuple[Path, str]]:
             if keep(f.relative_to(dirs[role]))]
 
 
-def _newest_first(files: list[tuple[Path, str]]) -> list[list[tuple[Path, str]]]:
+def _newest_first(files: list[tuple[Path, str]], st: dict[Path, os.stat_result]) -> list[list[tuple[Path, str]]]:
     """The files grouped by folder (one Triton kernel's binaries and metadata are one folder), the folder written
-    last first: what a size limit keeps of a part that does not fit whole."""
+    last first (`st`: each file's stat): what a size limit keeps of a part that does not fit whole."""
     groups: dict[Path, list[tuple[Path, str]]] = {}
     for f, name in files:
         groups.setdefault(f.parent, []).append((f, name))
-    return sorted(groups.values(), key=lambda g: (-max(f.stat().st_mtime for f, _ in g), g[0][1]))
+    return sorted(groups.values(), key=lambda g: (-max(st[f].st_mtime for f, _ in g), g[0][1]))
 
 
 def _archive(selected: dict[str, list[tuple[Path, str]]], parts: list[str]) -> tuple[bytes, dict]:
@@ -120,7 +120,8 @@ def save(out: Path, dirs: dict[str, Path], max_mib: float, part_mib: float, iden
         raise ValueError(f"--part_mib must be at least 1 KiB (1/1024) and --max_mib positive, got {part_mib} and "
                          f"{max_mib}")
     selected = {k: _selected(dirs, k) for k in PARTS}  # each folder walked once
-    size_of = {k: sum(f.stat().st_size for f, _ in files) for k, files in selected.items()}
+    st = {f: f.stat() for files in selected.values() for f, _ in files}  # and each file stat'ed once
+    size_of = {k: sum(st[f].st_size for f, _ in files) for k, files in selected.items()}
     kept = [k for k in PARTS if selected[k]]
     dropped, trimmed = [], {}
     limit = max_mib * 2**20
@@ -133,11 +134,11 @@ def save(out: Path, dirs: dict[str, Path], max_mib: float, part_mib: float, iden
             break
         last = kept[-1]
         # the folders of the last part, newest first, that fit in what the archive must shed (at its compression)
-        raw = sum(sum(f.stat().st_size for f, _ in selected[k]) for k in kept)
-        room = sum(f.stat().st_size for f, _ in selected[last]) - (len(data) - 0.95 * limit) * raw / len(data)
-        keep, groups = [], _newest_first(selected[last])
+        raw = sum(summary[k]["bytes"] for k in kept)
+        room = summary[last]["bytes"] - (len(data) - 0.95 * limit) * raw / len(data)
+        keep, groups = [], _newest_first(selected[last], st)
         for group in groups:
-            room -= sum(f.stat().st_size for f, _ in group)
+            room -= sum(st[f].st_size for f, _ in group)
             if room < 0:
                 break
             keep.append(group)
