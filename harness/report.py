@@ -412,6 +412,10 @@ def format_profiles(profiles: dict, step: int | None, rates: dict | None = None)
                 lines.append(f"  {'':<9} {'':<10} idle: host behind {idle['host_ms']:.1f} ({ops}), next kernel "
                              f"queued {idle['queued_ms']:.1f}" + (f", no launch record {idle['unlinked_ms']:.1f}"
                                                                   if idle["unlinked_ms"] else ""))
+            if "host_wall_ms" in p:  # no syncs: the host's own time in the phase and its lead when the phase began
+                lead = "-" if p["host_lead_ms"] is None else f"{p['host_lead_ms']:.1f}"
+                lines.append(f"  {'':<9} {'':<10} host: its own time {p['host_wall_ms']:.1f}, ahead of the device "
+                             f"by {lead} when the phase began (negative: the device waited)")
         if rates and name in rates:
             lines.append(f"  {'':<9} {'':<10} model FLOPs over the kernels' time: "
                          + ", ".join(_rate(kind, rates[name][kind]) for kind in ("matmul", "attention")))

@@ -200,11 +200,19 @@ def test_a_step_profiled_without_syncs_is_cut_on_the_devices_timeline_by_the_pha
     for p in ph.values():  # every idle microsecond has one cause
         idle = p["idle"]
         assert idle["host_ms"] + idle["queued_ms"] + idle["unlinked_ms"] == pytest.approx(p["idle_ms"])
+    # the host's own time per phase, and the device work queued when it began each: data begins with the previous
+    # step's adam running to 20; forward at 10 with the copy to 24; backward at 50 with the gemm to 80; the step at 90
+    # with the backward's nccl to 130
+    assert [ph[p]["host_wall_ms"] * 1e3 for p in ph] == pytest.approx([10, 40, 40, 10])
+    assert [ph[p]["host_lead_ms"] * 1e3 for p in ph] == pytest.approx([20, 14, 30, 40])
     with pytest.raises(ValueError, match="no kernel was launched inside the profiled step"):
         summarize([kernels[0]], ranges, "cuda", host, main, synced=False)
     from harness.report import format_profiles
 
     assert "no syncs" in format_profiles({"raw": s}, 9)
+    assert format_profiles({"raw": s}, 9).count("host: its own time 0.0, ahead of the device by 0.0") == 4  # us here
+    s["phases"]["step"].update(host_wall_ms=12.5, host_lead_ms=-3.25)
+    assert "host: its own time 12.5, ahead of the device by -3.2 when the phase began" in format_profiles({"raw": s}, 9)
     mixed = format_profiles({"raw": s, "ceiling": summarize(kernels, ranges, "cuda", host, main)}, 9)
     assert mixed.count("(no sync)") == 1
 
@@ -261,6 +269,9 @@ def test_a_gpu_step_profiled_without_syncs_keeps_every_kernel_it_launched():
     timer.finish()
     p = timer.profile
     assert p["synced"] is False and p["phases"]["forward"]["kernels"] == 20
+    # the 20 queued matmuls (~2 ms each) still run when the host begins the backward: it is well ahead
+    assert p["phases"]["backward"]["host_lead_ms"] > 1.0
+    assert p["phases"]["backward"]["host_wall_ms"] < p["phases"]["backward"]["host_lead_ms"]
     assert p["step"]["wall_ms"] == pytest.approx(sum(ph["wall_ms"] for ph in p["phases"].values()))
     for ph in p["phases"].values():
         idle = ph["idle"]
@@ -336,3 +347,16 @@ def test_the_python_calls_come_from_the_profilers_event_tree():
     sp.prof = types.SimpleNamespace(profiler=types.SimpleNamespace())  # a profiler without the event tree
     with pytest.warns(UserWarning, match="cannot read the profiler's Python calls"):
         assert sp._python_calls() == []
+
+
+def test_the_host_lead_is_negative_where_the_device_waited_and_the_least_over_micro_steps():
+    from shared.train.step_profile import host_leads
+
+    # two micro-steps; the host begins the second forward 5 us after the device ran dry (a sync, or a slow host)
+    ranges = [("forward", 0, 10), ("backward", 10, 20), ("forward", 30, 40), ("backward", 40, 50)]
+    kernels = [("gemm", 2, 25, (1, 0)), ("gemm", 41, 60, (31, 0)), ("fill", 0, 1, None)]
+    leads = host_leads(kernels, ranges)
+    assert leads["forward"]["host_lead_ms"] * 1e3 == pytest.approx(-5)  # min(None at 0 -> the fill: 1 - 0, 25 - 30)
+    assert leads["backward"]["host_lead_ms"] * 1e3 == pytest.approx(15)  # min(25 - 10, 60 - 40)
+    assert leads["forward"]["host_wall_ms"] * 1e3 == pytest.approx(20)
+    assert host_leads([("gemm", 5, 6, (5, 0))], [("data", 0, 10)])["data"]["host_lead_ms"] is None

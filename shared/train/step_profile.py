@@ -9,7 +9,8 @@ idle time includes what the host does before the next phase's first kernel, whic
 queued work. `--profile_sync false` profiles the step as timed steps run: no sync before it or at its boundaries
 (one after its last mark, before the profiler stops); each kernel is then attributed to the phase that launched
 it and each phase's wall is its stretch of the device's timeline (device_ranges), so the step's wall and idle are
-those of a step in flight (only the profiler's own start and recording slow its host).
+those of a step in flight (only the profiler's own start and recording slow its host), and each phase also gets
+the host's own time in it (`host_wall_ms`) and its lead over the device when it began (`host_lead_ms`, host_leads).
 
 The summary (the run JSON's `extra.profile`) holds, for the step and for each phase (data, forward, backward,
 step): wall ms, the ms at least one kernel ran (busy), idle = wall - busy, the kernels' summed ms per kind
@@ -210,6 +211,25 @@ def device_ranges(kernels: list[tuple], ranges: list[tuple[str, float, float]]) 
     return out, per, keep
 
 
+def host_leads(kernels: list[tuple], ranges: list[tuple[str, float, float]]) -> dict[str, dict]:
+    """A step profiled without syncs: per phase, how far the host ran ahead of the device. `host_wall_ms`: the host's
+    own time in the phase (its ranges summed); `host_lead_ms`: the device work still queued when the host began
+    the phase, i.e. the latest end of the kernels launched before that moment (or, without a launch record, started
+    before it) minus the moment; the least over the phase's ranges (micro-steps); negative: the device had been idle
+    that long, waiting for the host; None: no kernel ran before it in the profile. A lead near zero or below at
+    every phase is a host that never gets ahead: a sync, or a host slower than the device over the whole step."""
+    out: dict[str, dict] = {}
+    for phase, a, b in sorted(ranges, key=lambda r: r[1]):
+        ends = [k[2] for k in kernels if (_launch_time(k) is not None and _launch_time(k) < a)
+                or (_launch_time(k) is None and k[1] < a)]
+        lead = (max(ends) - a) / 1e3 if ends else None
+        entry = out.setdefault(phase, {"host_wall_ms": 0.0, "host_lead_ms": lead})
+        entry["host_wall_ms"] += (b - a) / 1e3
+        if lead is not None and (entry["host_lead_ms"] is None or lead < entry["host_lead_ms"]):
+            entry["host_lead_ms"] = lead
+    return out
+
+
 def _clipped(ks: list, r0: float, r1: float) -> list:
     """The kernels' intervals cut to [r0, r1] (a kernel of one phase that began while the previous one's ran)."""
     return [(k[0], max(k[1], r0), min(k[2], r1), *k[3:]) for k in ks if min(k[2], r1) > max(k[1], r0)]
@@ -229,6 +249,7 @@ def summarize(kernels: list[tuple], ranges: list[tuple[str, float, float]], devi
     if not ranges:
         raise ValueError("no phase ranges in the profile: the step's marks were not recorded")
     ranges = sorted(ranges, key=lambda r: r[1])
+    leads = {} if synced else host_leads(kernels, ranges)
     if synced:  # each kernel ran inside the host range that launched it: attribute by start time
         per, loose = _by_range(kernels, ranges, lambda k: k[1])
     else:
@@ -271,7 +292,7 @@ def summarize(kernels: list[tuple], ranges: list[tuple[str, float, float]], devi
             **({} if synced else {"synced": False}),
             "step": part([k for g in groups.values() for k in g], sum(walls.values()),
                          [k for g in inside.values() for k in g]),
-            "phases": {p: part(groups[p], walls[p], inside[p], p) for p in groups},
+            "phases": {p: {**part(groups[p], walls[p], inside[p], p), **leads.get(p, {})} for p in groups},
             "unattributed_ms": sum(b - a for _, a, b, *_ in loose) / 1e3}
 
 
