@@ -64,6 +64,13 @@ def table(rows: list[dict]) -> str:
     if any(not r.get("profile_synced", True) for r in rows):
         lines.append("profiled without syncs (idle as a step in flight idles): "
                      + ", ".join(r["row"] for r in rows if not r.get("profile_synced", True)))
+    if any("host" in r for r in rows):
+        lines.append("the host per phase (no syncs; ms): its own time / how far ahead of the device it began "
+                     "(negative: the device waited)")
+        for r in rows:
+            if "host" in r:
+                lines.append(f"  {r['row']:<{width}} " + ", ".join(
+                    f"{p} {h['host_wall_ms']:.1f} / {_fmt(h['host_lead_ms'], '+.1f')}" for p, h in r["host"].items()))
     lines.append("what if (median step ms -> TFLOPs/GPU):")
     for r in rows:
         parts = [f"{name.replace('_', ' ')} {w['step_ms']:.1f} -> {w['tflops_per_gpu']:.1f}"

@@ -100,7 +100,11 @@ def step_budget(run: RunResult, target: float, source: str = "this run") -> dict
     if matmul["tflops"] and attn["ms"] is not None:
         what_if["attention_at_matmul_rate"] = at(median_ms - attn["ms"] + attn["model_flops"] / matmul["tflops"] / 1e9)
     what_if["no_idle"] = at(median_ms - step["idle_ms"])
-    return {"source": source, "row": run.path, "command": run.command, "device": run.device.get("name"),
+    # a step profiled without syncs: the host's own time per phase and its lead when each began (step_profile)
+    host = {p: {k: v[k] for k in ("host_wall_ms", "host_lead_ms")}
+            for p, v in run.extra["profile"].get("phases", {}).items() if "host_wall_ms" in v}
+    return {**({"host": host} if host else {}),
+            "source": source, "row": run.path, "command": run.command, "device": run.device.get("name"),
             "precision": run.train["precision"], "world_size": run.world_size, "tflops_per_gpu": run.tflops_per_gpu,
             "median_step_ms": median_ms, "profiled_step_ms": step["wall_ms"], "idle_ms": step["idle_ms"],
             "profile_synced": run.extra["profile"].get("synced", True),

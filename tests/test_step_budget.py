@@ -106,3 +106,18 @@ def test_runs_of_one_path_are_named_by_file_and_measured_against_the_baselines_m
     with pytest.raises(SystemExit):  # a baseline must be one of the runs named
         step_budget.main([str(base), "--baseline", str(lever)])
     assert "not among the runs named" in capsys.readouterr().err
+
+
+def test_a_step_profiled_without_syncs_lists_the_hosts_time_and_lead_per_phase(tmp_path, capsys):
+    path, data = _run(tmp_path)
+    synced = step_budget.main([str(path)])["runs"][0]
+    assert "host" not in synced and "the host per phase" not in capsys.readouterr().out
+    profile = data["extra"]["profile"]
+    phases = {p: {**v, "host_wall_ms": 10.0 + i, "host_lead_ms": None if p == "data" else 5.0 - 4 * i}
+              for i, (p, v) in enumerate(profile["phases"].items())}
+    nosync, _ = _run(tmp_path, "nosync.json", extra={"profile": {**profile, "synced": False, "phases": phases}})
+    row = step_budget.main([str(nosync)])["runs"][0]
+    assert row["host"]["forward"] == {"host_wall_ms": 11.0, "host_lead_ms": 1.0}
+    assert row["host"]["data"]["host_lead_ms"] is None
+    out = capsys.readouterr().out
+    assert "data 10.0 / -, forward 11.0 / +1.0, backward 12.0 / -3.0, step 13.0 / -7.0" in out
