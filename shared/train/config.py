@@ -151,6 +151,14 @@ class TrainConfig(FusedSwitches):
     DeepSpeed's sources with that wait made the compute stream's, on an event (shared/train/deepcompile_op.py; built
     on first use, ~1 min). Same results, other timing: 1.005x and 1.003x on one H200, two pairs (docs/results.md);
     compare.py's GPU default when its runs use one GPU. Only with --compile deepcompile"""
+    deepcompile_skip_divide_by_one: bool = False
+    """DeepCompile's op divides every gradient by the world size before its reduce-scatter (DeepSpeed 0.19.8's
+    pre-division), a kernel per parameter, also when that size is 1: 292 multiplications by 1.0 a step of the 1.5b
+    preset on one GPU, 4.4-4.6 ms of device time on the op's reduce-scatter stream in its profiles (docs/results.md).
+    true: the op built from DeepSpeed's sources with that division skipped where the world size is 1, where it changes
+    no bit; with more GPUs it divides as DeepSpeed's does (shared/train/deepcompile_op.py; built on first use, ~1 min,
+    together with --deepcompile_backward_wait device's patch when both are on). Not yet timed on a GPU. Only with
+    --compile deepcompile"""
     coordinate_descent_tuning: bool = False
     """inductor's coordinate-descent tuning (torch._inductor.config.coordinate_descent_tuning): each generated
     Triton kernel's block sizes and warps are benchmarked around the default at its first compile and the best is
@@ -327,6 +335,9 @@ class TrainConfig(FusedSwitches):
         if self.deepcompile_backward_wait != "host" and self.compile != "deepcompile":
             raise ValueError(f"--deepcompile_backward_wait {self.deepcompile_backward_wait} changes DeepCompile's op, "
                              f"which --compile {self.compile} does not run: add --compile deepcompile or drop it")
+        if self.deepcompile_skip_divide_by_one and self.compile != "deepcompile":
+            raise ValueError(f"--deepcompile_skip_divide_by_one true changes DeepCompile's op, which --compile "
+                             f"{self.compile} does not run: add --compile deepcompile or drop it")
         if self.deepcompile_schedule not in DEEPCOMPILE_SCHEDULES:
             raise ValueError(f"unknown deepcompile_schedule {self.deepcompile_schedule!r}; choose one of "
                              f"{DEEPCOMPILE_SCHEDULES}")
