@@ -48,10 +48,13 @@ def test_study_preset_shape():
         (dict(attention="nope"), "unknown attention backend"),
         (dict(attn_dropout_mask="mask"), "unknown attn_dropout_mask 'mask'"),
         (dict(optimizer="sgd"), "unknown optimizer"),
-        (dict(lr=-1.0), "lr must be positive, got -1.0"),
-        (dict(lr=float("nan")), "lr must be positive, got nan"),
+        (dict(lr=-1.0), "lr must be positive and finite, got -1.0"),
+        (dict(lr=float("nan")), "lr must be positive and finite, got nan"),
+        (dict(lr=float("inf")), "lr must be positive and finite, got inf"),
         (dict(min_lr=-1e-5), "min_lr must be >= 0"),
         (dict(grad_clip=-1.0), "grad_clip must be >= 0"),
+        (dict(weight_decay=float("inf")), "weight_decay must be >= 0 and finite, got inf"),
+        (dict(lr=1e-5), r"min_lr 3e-05 is above lr 1e-05: the cosine schedule would rise"),  # min_lr's default
     ],
 )
 def test_train_config_errors(kwargs, message):

@@ -77,9 +77,12 @@ HUGE = ["--attention", "reference", "--seq_len", "1048576"]
 def test_the_training_scripts_refuse_before_deepspeed_starts(script, tmp_path):
     cases = [
         (HUGE, "seq_len 1048576"),
-        (["--lr", "-1"], "lr must be positive, got -1.0"),
+        (["--lr", "-1"], "lr must be positive and finite, got -1.0"),
         (["--data", tmp_path / "missing"], "missing.meta.json' not found"),
+        (["--out", tmp_path], f"--out {tmp_path} is a folder: give the file to write"),  # not found after training
+        (["--export", tmp_path / "notes.txt" / "w.safetensors"], "notes.txt is a file, not a folder to write it in"),
     ]
+    (tmp_path / "notes.txt").write_text("a file where the export's folder would be")
     if script == RAW:
         cases.append((["--devices", "2"], "torchrun --nproc_per_node 2"))
     # in-process up to the refusal, so the test can see that DeepSpeed was never imported; every case in one

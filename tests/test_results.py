@@ -144,3 +144,33 @@ def test_the_compile_cache_counts_say_whether_a_graph_came_from_disk(tmp_path, m
     assert first["fxgraph_cache_miss"] == 1 and first["fxgraph_cache_hit"] == 0, first
     assert second["fxgraph_cache_hit"] == 1 and second["fxgraph_cache_miss"] == 0, second
     assert set(first) == {f"{k}_cache_{o}" for k in ("fxgraph", "autograd") for o in ("hit", "miss", "bypass")}
+
+
+def test_the_summary_of_a_run_whose_first_or_last_step_was_skipped_names_the_skips():
+    nan = float("nan")
+    for losses, expected in (([nan, 5.4, 5.3, 5.2, 5.1, nan], "5.4000 -> 5.1000 (2 step(s) skipped: non-finite loss)"),
+                             ([5.5, 5.4, 5.3, 5.2, 5.1, 5.0], "5.5000 -> 5.0000"),
+                             ([nan] * 6, "n/a (all 6 steps skipped: non-finite loss)")):
+        r = make_result(losses=losses, allow_nonfinite=True)
+        line = next(x for x in format_summary(r).splitlines() if x.startswith("loss"))
+        assert line.split(None, 1)[1] == expected
+
+
+def test_a_diverged_run_exits_1_with_its_message_and_bad_input_exits_2(monkeypatch, capsys):
+    from shared.train import distributed
+    from shared.train.progress import NonFiniteLoss
+
+    codes = []
+    monkeypatch.setattr(distributed, "exit_process", lambda code, device: codes.append(code))
+
+    def diverged(train):
+        raise NonFiniteLoss("loss is nan at step 5; stopping (nan_policy=stop)")
+
+    def refused(train):
+        raise ValueError("micro_batch 0 must be >= 1")
+
+    distributed.run_cli(diverged, None, "cpu")
+    distributed.run_cli(refused, None, "cpu")
+    assert codes == [1, 0, 2, 0]  # each run_cli ends with exit_process(0), here not leaving the process
+    err = capsys.readouterr().err
+    assert "error: loss is nan at step 5" in err and "error: micro_batch 0" in err and "Traceback" not in err

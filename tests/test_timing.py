@@ -360,3 +360,19 @@ def test_the_host_lead_is_negative_where_the_device_waited_and_the_least_over_mi
     assert leads["backward"]["host_lead_ms"] * 1e3 == pytest.approx(15)  # min(25 - 10, 60 - 40)
     assert leads["forward"]["host_wall_ms"] * 1e3 == pytest.approx(20)
     assert host_leads([("gemm", 5, 6, (5, 0))], [("data", 0, 10)])["data"]["host_lead_ms"] is None
+
+
+def test_a_resumed_run_too_short_for_its_profiled_step_profiles_none_and_still_times_a_step():
+    from shared.train.config import TrainConfig
+    from shared.train.loop import profile_step_left
+
+    train = TrainConfig(steps=20, warmup_steps=5, profile_step=1)
+    assert profile_step_left(train, 0) == 1 and profile_step_left(train, 17) == 1  # 3 left: step 2 is timed
+    with pytest.warns(UserWarning, match="resumes with 2 step\\(s\\) left, and profiling step 1 of them would leave"):
+        assert profile_step_left(train, 18) is None
+    timer = PhaseTimer(torch.device("cpu"), profile_step=profile_step_left(train, 17))
+    timer.start()
+    _steps(timer, 3)
+    timer.finish()
+    assert timer.summary(skip=min(train.warmup_steps, 20 - 17 - 1))["n"] == 1
+    assert profile_step_left(TrainConfig(steps=20, warmup_steps=5), 19) is None  # none asked: none, no warning

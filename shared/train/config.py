@@ -8,6 +8,7 @@ offending value, so a bad flag fails before any process group or GPU is touched.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from shared.model import config as model_config
@@ -292,11 +293,14 @@ class TrainConfig(FusedSwitches):
             if self.sync_check_step == self.profile_step:
                 raise ValueError(f"sync_check_step and profile_step are both {self.profile_step}: the profiler's own "
                                  "syncs would be recorded as the step's; check another warm-up step")
-        if not self.lr > 0:  # also refuses NaN
-            raise ValueError(f"lr must be positive, got {self.lr!r}")
+        if not 0 < self.lr < math.inf:  # also refuses NaN
+            raise ValueError(f"lr must be positive and finite, got {self.lr!r}")
         for name in ("min_lr", "weight_decay", "grad_clip", "lr_warmup_steps"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be >= 0 and finite, got {getattr(self, name)!r}")
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr {self.min_lr!r} is above lr {self.lr!r}: the cosine schedule would rise from lr "
+                             "to min_lr instead of decaying; lower --min_lr (e.g. lr / 10) or raise --lr")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {self.optimizer!r}; choose one of {OPTIMIZERS}")
         if self.zero_profile not in ZERO_PROFILES:

@@ -194,11 +194,28 @@ def check_before_start(train, device: torch.device, world: int, local_world: int
     from shared.train.ds_config import build_ds_config
 
     check_build_locks()
+    check_outputs(train)
     check_precision(device, train.precision)
     check_data(train)
     if train.ds_config:
         build_ds_config(train)  # reads and checks the user's JSON
     check_fits(train, device, world, local_world)
+
+
+def check_outputs(train) -> None:
+    """The files a run writes at its end (--out, --export) or along the way (--log_csv), refused before it trains
+    when they cannot be written: a folder in a file's place, or no writable folder to create it in."""
+    for flag, path in (("--out", train.out), ("--log_csv", train.log_csv), ("--export", train.export)):
+        if not path:
+            continue
+        p = Path(path)
+        if p.is_dir():
+            raise ValueError(f"{flag} {path} is a folder: give the file to write, e.g. {p / 'result.json'}")
+        parent = next((a for a in [p.parent, *p.parent.parents] if a.exists()), Path("."))
+        if not parent.is_dir():
+            raise ValueError(f"{flag} {path}: {parent} is a file, not a folder to write it in")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise ValueError(f"{flag} {path}: the folder {parent} is not writable")
 
 
 def oom_message(train, device: torch.device) -> str:
@@ -244,13 +261,20 @@ def quiet_library_noise() -> None:
 
 
 def run_cli(main, train, device_hint: str) -> None:
-    """Run a path's main(train) as a command: a ValueError (bad input) exits 2 with its message, not a traceback."""
+    """Run a path's main(train) as a command: a ValueError (bad input) exits 2 with its message, a loss that went
+    non-finite (NonFiniteLoss: the run diverged, its last good checkpoint kept) exits 1 with its message; neither
+    prints a traceback."""
+    from shared.train.progress import NonFiniteLoss
+
     quiet_library_noise()
     try:
         main(train)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         exit_process(2, torch.device(device_hint))
+    except NonFiniteLoss as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        exit_process(1, torch.device(device_hint))
     except SystemExit as e:  # preemption's exit code; DeepSpeed's autotuning experiments exit() after profiling
         if e.code is not None and not isinstance(e.code, int):
             print(e.code, file=sys.stderr, flush=True)  # as Python prints sys.exit("message")

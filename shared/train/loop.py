@@ -4,6 +4,7 @@ the timer and progress set-up, the validation figures, and the peak memory reduc
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -15,11 +16,23 @@ from shared.train.progress import Progress
 from shared.train.timing import PhaseTimer
 
 
+def profile_step_left(train: TrainConfig, first_step: int) -> int | None:
+    """--profile_step, unless this run (resumed at first_step) is too short for it: a profiled step is never timed,
+    and profiling one of the last steps left would leave no step to time (and no result); then none, with a
+    warning."""
+    left = train.steps - first_step
+    if train.profile_step is not None and train.profile_step + 1 >= left:
+        warnings.warn(f"--profile_step {train.profile_step}: this run resumes with {left} step(s) left, and profiling "
+                      f"step {train.profile_step} of them would leave none to time: no step is profiled", stacklevel=2)
+        return None
+    return train.profile_step
+
+
 def start_progress(train: TrainConfig, device: torch.device, rank: int, prefix: str, scheduler, engine,
                    first_step: int) -> tuple[PhaseTimer, Progress]:
     """The run's PhaseTimer and the Progress that reads it: per-GPU FLOPs of a step, the device's peak (CUDA only),
     progress lines on rank 0, the CSV log, LR / grad norm / memory extras."""
-    timer = PhaseTimer(device, micro_steps=train.grad_accum, profile_step=train.profile_step,
+    timer = PhaseTimer(device, micro_steps=train.grad_accum, profile_step=profile_step_left(train, first_step),
                        profile_stack=train.profile_stack, profile_sync=train.profile_sync,
                        sync_check_step=train.sync_check_step)
     per_gpu_flops = flops.step_flops(train.model(), train.micro_batch * train.grad_accum, train.flops_factor)

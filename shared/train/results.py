@@ -280,6 +280,16 @@ def write_result(result: RunResult, out: str | Path, rank: int) -> None:
         print(format_summary(result), flush=True)
 
 
+def _loss_span(losses: list) -> str:
+    """First -> last loss of the run; steps skipped by --nan_policy skip (None) are left out and counted."""
+    finite = [x for x in losses if x is not None]
+    skipped = len(losses) - len(finite)
+    if not finite:
+        return f"n/a (all {skipped} steps skipped: non-finite loss)"
+    span = f"{finite[0]:.4f} -> {finite[-1]:.4f}"
+    return span + (f" ({skipped} step(s) skipped: non-finite loss)" if skipped else "")
+
+
 def format_summary(r: RunResult) -> str:
     """The end-of-run table both paths print."""
     ph = r.phases_s
@@ -300,7 +310,7 @@ def format_summary(r: RunResult) -> str:
          else "n/a (result written before it was recorded)"),
         ("peak memory", mem + (f", {r.extra['allocator_cache_flushes']} allocator cache flushes"
                                  if r.extra.get("allocator_cache_flushes") is not None else "")),
-        ("loss", f"{r.losses[0]:.4f} -> {r.losses[-1]:.4f}"),
+        ("loss", _loss_span(r.losses)),
     ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
