@@ -100,3 +100,25 @@ def test_lightning_resume_loader_counts_the_skipped_micro_steps():
     assert len(batches) == 12
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(batches, full[4:]))
     assert len(train_loader(train, rank=0, start_step=2)) == 12  # the raw loop's loader: the remaining ones
+
+
+@pytest.mark.parametrize("n_docs, val_fraction", [(3, 0.9), (2, 0.75)])
+def test_prepare_refuses_an_empty_train_split(tmp_path, capsys, n_docs, val_fraction):
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for i in range(n_docs):
+        (folder / f"{i}.txt").write_text(f"document {i} " * 100)
+    with pytest.raises(SystemExit) as e:
+        prepare_main([str(folder), "--out", str(tmp_path / "d"), "--val_fraction", str(val_fraction)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"val_fraction {val_fraction} puts all {n_docs} documents in the val split" in err
+    assert "train split empty: lower --val_fraction" in err and not (tmp_path / "d.train.bin").exists()
+
+
+def test_prepare_refuses_a_split_of_only_empty_documents(tmp_path):
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "a.txt").write_text("words " * 300)
+    (folder / "b.txt").write_text("")  # the one validation document of seed 0's order
+    with pytest.raises(ValueError, match=r"the val split of .* has 0 tokens \(2 documents, val_fraction 0.1\)"):
+        prepare(folder, tmp_path / "d", val_fraction=0.1)

@@ -95,11 +95,19 @@ def read_documents(source: Path) -> list[str]:
 
 
 def split_documents(docs: list[str], val_fraction: float) -> tuple[list[str], list[str]]:
-    """Whole documents for validation (from the end), or the end of a single text."""
+    """Whole documents for validation (from the end), or the end of a single text; neither split may be empty."""
     if len(docs) > 1:
         n_val = max(1, round(len(docs) * val_fraction))
+        if n_val >= len(docs):
+            raise ValueError(f"val_fraction {val_fraction} puts all {len(docs)} documents in the val split, leaving "
+                             f"the train split empty: lower --val_fraction (below {(len(docs) - 0.5) / len(docs):.3g}) "
+                             "or add documents")
         return docs[:-n_val], docs[-n_val:]
     cut = int(len(docs[0]) * (1 - val_fraction))
+    for split, text in (("train", docs[0][:cut]), ("val", docs[0][cut:])):
+        if not text:
+            raise ValueError(f"val_fraction {val_fraction} leaves the {split} split of the single "
+                             f"{len(docs[0])}-character text empty: change --val_fraction")
     return [docs[0][:cut]], [docs[0][cut:]]
 
 
@@ -126,6 +134,10 @@ def prepare(source: str | Path, out: str | Path, tokenizer: str = "byte", val_fr
     total = sum(len(x) for x in train_ids + val_ids)
     if total < 1000:
         raise ValueError(f"input {str(source)!r} has only {total} tokens; need at least 1000")
+    for split, ids in (("train", train_ids), ("val", val_ids)):
+        if not sum(map(len, ids)):  # e.g. only empty documents on one side
+            raise ValueError(f"the {split} split of {str(source)!r} has 0 tokens ({len(docs)} documents, "
+                             f"val_fraction {val_fraction}): change --val_fraction or add text")
     dtype = np.uint16 if vocab <= 2**16 else np.uint32
     counts = {}
     for split, parts in (("train", train_ids), ("val", val_ids)):
