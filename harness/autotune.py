@@ -188,6 +188,12 @@ class Search:
         return max(ok, key=lambda r: r["tokens_per_s_per_gpu"]) if ok else None
 
 
+def with_loss(fused: bool) -> dict:
+    """The loss knobs of a candidate that follows one which needed the chunked loss (fused) or not: the chunked
+    loss replaces the Triton loss (the two are one loss each), so once memory needed it the Triton loss stays off."""
+    return {"fused_loss": True, "triton_loss": False} if fused else {"fused_loss": False}
+
+
 def run_autotune(train: TrainConfig, ns, launch, out_dir: Path, kept: list[dict] = ()) -> dict:
     """The search; `kept`: candidates measured by an earlier search of the same settings (kept_candidates)."""
     base = dataclasses.replace(train, zero_profile="tuned", wall_clock_breakdown=False)
@@ -204,7 +210,7 @@ def run_autotune(train: TrainConfig, ns, launch, out_dir: Path, kept: list[dict]
     # 1. micro-batch without, then with, activation checkpointing
     largest_fit, previous, fused = None, None, base.fused_loss
     for mb in grid:
-        row = search.run_freeing_memory(dataclasses.replace(base, micro_batch=mb, fused_loss=fused))
+        row = search.run_freeing_memory(dataclasses.replace(base, micro_batch=mb, **with_loss(fused)))
         if row is None or row["status"] != "ok":
             break
         largest_fit, fused = mb, row["knobs"]["fused_loss"]
@@ -213,7 +219,7 @@ def run_autotune(train: TrainConfig, ns, launch, out_dir: Path, kept: list[dict]
         previous = row
     for mb in [m for m in grid if largest_fit is None or m > largest_fit]:
         row = search.run_freeing_memory(dataclasses.replace(base, micro_batch=mb, activation_checkpointing=True,
-                                                            fused_loss=fused))
+                                                            **with_loss(fused)))
         if row is None or row["status"] != "ok":
             break
         fused = row["knobs"]["fused_loss"]
@@ -235,7 +241,7 @@ def run_autotune(train: TrainConfig, ns, launch, out_dir: Path, kept: list[dict]
         for mb in [m for m in grid if m >= best["knobs"]["micro_batch"]]:
             try:
                 cfg = dataclasses.replace(base, **{**best["knobs"], "micro_batch": mb, "compile": "deepcompile",
-                                                   "deepcompile_schedule": "once", "fused_loss": fused})
+                                                   "deepcompile_schedule": "once", **with_loss(fused)})
             except ValueError as e:  # no CUDA, stage 0, a flag DeepCompile refuses: say so, go on without it
                 print(f"  DeepCompile not tried: {e}", flush=True)
                 break

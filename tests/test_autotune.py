@@ -260,10 +260,14 @@ def test_search_leaves_out_of_those_kernels_what_the_flags_rule_out(tmp_path, mo
 
 def test_a_micro_batch_out_of_memory_with_the_triton_loss_retries_with_the_chunked_loss_in_its_place(tmp_path):
     calls = []
-    autotune.run_autotune(TrainConfig(preset="tiny", triton_loss=True),
-                          SimpleNamespace(mb_grid="4,8", budget_s=1e9, world=1), fake_launch(4, calls, 8), tmp_path)
+    report = autotune.run_autotune(TrainConfig(preset="tiny", triton_loss=True),
+                                   SimpleNamespace(mb_grid="4,8,16", budget_s=1e9, world=1), fake_launch(4, calls, 16),
+                                   tmp_path)
     retried = [c for c in calls if c.micro_batch == 8 and not c.activation_checkpointing]
     assert [(c.triton_loss, c.fused_loss) for c in retried][:2] == [(True, False), (False, True)]
+    # the next micro-batch keeps the chunked loss the last one needed, the Triton loss off beside it
+    assert [(c.triton_loss, c.fused_loss) for c in calls if c.micro_batch == 16][:1] == [(False, True)]
+    assert report["complete"] and report["winner"]["knobs"]["micro_batch"] == 16
 
 
 @pytest.mark.parametrize("overrides, message", [
