@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import signal
 import sys
 import time
@@ -154,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--autotune: time budget in seconds (default 1200 on GPUs, 300 on CPU)")
     # compare.py's --out is a report folder; each run's own JSON goes under it.
     p.set_defaults(out=None)
+    for action in p._actions:
+        if action.dest == "out":
+            action.help = ("the report's folder: report.json, report.md, phases.png, runs/ (each run's JSON) and "
+                           "logs/ (default: reports/latest)")
     return p
 
 
@@ -173,6 +178,13 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
             raise ValueError(f"--repeats must be positive, got {ns.repeats}")
         if ns.factor_repeats <= 0:
             raise ValueError(f"--factor_repeats must be positive, got {ns.factor_repeats}")
+        if ns.timeout <= 0:
+            raise ValueError(f"--timeout must be positive (seconds a run may take), got {ns.timeout}")
+        for flag, value, mode in (("--mb_grid", ns.mb_grid, ns.autotune), ("--budget_s", ns.budget_s, ns.autotune),
+                                  ("--factors", ns.factors, ns.explain)):
+            if value is not None and not mode:
+                raise ValueError(f"{flag} is an option of {'--autotune' if flag != '--factors' else '--explain'}, "
+                                 "which this command does not ask for: add it or drop the option")
         if ns.explain:
             explain.parse_factors(ns.factors)
         ns.references = [r.strip() for r in ns.reference.split(",") if r.strip()]
@@ -202,9 +214,9 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
                              f"--time_limit {ns.time_limit:g}" + ("" if ns.out else " without --out"))
         if ns.autotune:
             ns.mb_grid = ns.mb_grid or ("4,8,12,16,24,32" if n_gpus else "1,2,4")
-            ns.budget_s = ns.budget_s or (1200.0 if n_gpus else 300.0)
+            ns.budget_s = ns.budget_s if ns.budget_s is not None else (1200.0 if n_gpus else 300.0)
             autotune.parse_grid(ns.mb_grid)
-            if ns.budget_s <= 0:
+            if not 0 < ns.budget_s < math.inf:
                 raise ValueError(f"--budget_s must be positive, got {ns.budget_s}")
         ns.world = ns.gpus or n_gpus or ns.nproc or 1
         if n_gpus and deepcompile_by_default(ns):
@@ -340,12 +352,17 @@ def main(argv: list[str] | None = None) -> dict:
         for path, result in run_group(group, launch_one).items():
             results[path].append(result)
         clock.after(len(group))
-    cross = {}
-    if ns.cross_check:
+    cross, cross_failed = {}, None
+    if ns.cross_check:  # after every pair: a cross-check run that fails leaves the report of the pairs written
         diag = dataclasses.replace(train, wall_clock_breakdown=True)
         for path in PATHS:
             out = out_dir / "runs" / f"{path}_breakdown.json"
-            cross[path] = launch(path, diag, ns.world, out, out_dir / "logs" / f"{path}_breakdown.log", ns.timeout)
+            try:
+                cross[path] = launch(path, diag, ns.world, out, out_dir / "logs" / f"{path}_breakdown.log",
+                                     ns.timeout)
+            except CompareError as e:
+                cross_failed = e
+                break
     report = build_report(train, ns, results, cross, argv)
     report["kept_runs"] = sorted(f"{row}_{i}" for row, i in ns.kept)  # --keep_runs: made by an earlier invocation
     (out_dir / "report.json").write_text(json.dumps(report, indent=1))
@@ -354,6 +371,8 @@ def main(argv: list[str] | None = None) -> dict:
     print()
     print(format_table(report))
     print(f"\nwrote {out_dir / 'report.json'}, {out_dir / 'report.md'}, {out_dir / 'phases.png'}")
+    if cross_failed is not None:
+        raise CompareError(f"the cross-check failed ({cross_failed}); the report above was written without it")
     return report
 
 

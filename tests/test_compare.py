@@ -497,3 +497,45 @@ def test_time_limit_is_checked_before_any_run(args, match, capsys):
     with pytest.raises(SystemExit) as e:
         compare.cli(args)
     assert e.value.code == 2 and match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--timeout", "0"], "--timeout must be positive (seconds a run may take), got 0"),
+    (["--mb_grid", "1,2"], "--mb_grid is an option of --autotune, which this command does not ask for"),
+    (["--budget_s", "100"], "--budget_s is an option of --autotune"),
+    (["--factors", "gc"], "--factors is an option of --explain"),
+    (["--autotune", "--budget_s", "0"], "--budget_s must be positive, got 0"),  # 0 is not "unset"
+    (["--autotune", "--budget_s", "nan"], "--budget_s must be positive, got nan"),
+])
+def test_flags_a_mode_ignores_and_empty_limits_are_refused_in_process(args, message, capsys):
+    from compare import parse
+
+    with pytest.raises(SystemExit) as e:
+        parse(args)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_help_calls_out_a_report_folder():
+    from compare import build_parser
+
+    out = next(a for a in build_parser()._actions if a.dest == "out")
+    assert out.help.startswith("the report's folder") and "reports/latest" in out.help
+
+
+def test_a_failed_cross_check_run_leaves_the_report_of_the_pairs_written(tmp_path, monkeypatch, capsys):
+    from shared.train.results import RunResult
+
+    made = ROOT / "benchmarks" / "results" / "together_1xh200" / "compare" / "runs"
+
+    def fake_launch(path, train, world, out, log, timeout, env=None):
+        if out.name.endswith("_breakdown.json"):
+            raise compare.CompareError(f"{path} run failed; reason: injected")
+        return RunResult.from_json(made / f"{path}_0.json")
+
+    monkeypatch.setattr(compare, "launch", fake_launch)
+    assert compare.cli(["--repeats", "1", "--cross_check", "--out", str(tmp_path)]) == 1
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert set(report["paths"]) == {"deepspeed", "lightning"} and "cross_check" not in report
+    assert (tmp_path / "report.md").exists()
+    assert "the cross-check failed (deepspeed run failed; reason: injected); the report above was written without it" \
+           in capsys.readouterr().err
