@@ -111,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
             action.help += " " + DEEPCOMPILE_DEFAULT_HELP
         if action.dest == "coordinate_descent_tuning":
             action.help += "; on with compare.py's GPU default (see --compile)"
+        if action.dest == "micro_batch":
+            action.help += f"; {GPU_DEEPCOMPILE_DEFAULTS['micro_batch']} with compare.py's GPU default (see --compile)"
         if action.dest in GPU_DEFAULTS:
             action.help = action.help.replace("(default: ", f"(default on GPUs: {GPU_DEFAULTS[action.dest]}; "
                                               "without a GPU: ")
