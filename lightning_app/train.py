@@ -148,8 +148,9 @@ def main(train: TrainConfig) -> RunResult | None:
     world = int(os.environ["WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else devices
     check_before_start(train, torch.device("cuda" if torch.cuda.is_available() else "cpu"), world, devices)
     resume_from = checkpoint.resolve_resume(train.resume, train.ckpt_dir)
+    checkpoint.check_ckpt_dir(train, resume_from)
     if resume_from is not None:
-        checkpoint.check_resumable(resume_from, "lightning", dataclasses.asdict(train.model()))
+        checkpoint.check_resumable(resume_from, "lightning", dataclasses.asdict(train.model()), world)
         checkpoint.check_safe_to_load(resume_from, train.trust_checkpoint)
         start = checkpoint.client_state_of(resume_from).get("global_step", 0)
         if start >= train.steps:

@@ -85,8 +85,10 @@ def main(train: TrainConfig) -> RunResult:
     device = pick_device()
     check_before_start(train, device, int(os.environ["WORLD_SIZE"]), local_world)
     resume_from = checkpoint.resolve_resume(train.resume, train.ckpt_dir)
+    checkpoint.check_ckpt_dir(train, resume_from)
     if resume_from is not None:
-        checkpoint.check_resumable(resume_from, "deepspeed", dataclasses.asdict(train.model()))
+        checkpoint.check_resumable(resume_from, "deepspeed", dataclasses.asdict(train.model()),
+                                   int(os.environ["WORLD_SIZE"]))
         checkpoint.check_safe_to_load(resume_from, train.trust_checkpoint)
     import deepspeed  # after the device is set: DeepSpeed picks its accelerator at import
 

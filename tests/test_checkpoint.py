@@ -2,6 +2,7 @@
 name the checkpoint; the exported-weights readers' errors."""
 
 import dataclasses
+import re
 import sys
 
 import pytest
@@ -18,12 +19,13 @@ from shared.train.config import TrainConfig
 TINY = dataclasses.asdict(TrainConfig().model())
 
 
-def fake_checkpoint(ck, step: int, path: str = "deepspeed", model_config: dict = TINY):
+def fake_checkpoint(ck, step: int, path: str = "deepspeed", model_config: dict = TINY, world: int = 1):
     """A step folder as commit() leaves it: shard-like files, then the marker."""
     folder = ck / checkpoint.tag_for(step)
     folder.mkdir(parents=True)
     (folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(bytes(range(256)) * 64)
-    (folder / "rng_rank0.pt").write_bytes(b"rng" * 10)
+    for rank in range(world):
+        (folder / f"rng_rank{rank}.pt").write_bytes(b"rng" * 10)
     checkpoint.write_marker(folder, step, {"path": path, "model_config": model_config})
     return folder
 
@@ -90,6 +92,81 @@ def test_a_checkpoint_of_the_other_path_or_another_shape_is_refused_by_name(tmp_
     checkpoint.check_resumable(fake_checkpoint(tmp_path / "old", 2, model_config=older), "deepspeed", TINY)
     # a different backend or dropout trains the same parameters: allowed
     checkpoint.check_resumable(raw, "deepspeed", dataclasses.asdict(TrainConfig(attention="reference").model()))
+
+
+def test_a_run_refuses_a_ckpt_dir_whose_checkpoints_it_would_overwrite_or_prune(tmp_path):
+    ck, other = tmp_path / "ck", tmp_path / "other"
+    for step in (2, 4, 6):
+        fake_checkpoint(ck, step)
+    (ck / "step00000008").mkdir()  # a save that never finished: not a checkpoint, pruned as before
+    fresh = TrainConfig(steps=3, warmup_steps=1, ckpt_dir=str(ck), save_every=1, keep_last=2)
+    with pytest.raises(ValueError, match=re.escape(f"--ckpt_dir {str(ck)!r} already holds checkpoints at steps 2, "
+                                                   "4, 6: this run (--resume none) starts from step 0") +
+                       ".*choose another --ckpt_dir, continue from its newest checkpoint with --resume auto, or move"):
+        checkpoint.check_ckpt_dir(fresh, None)
+    older = dataclasses.replace(fresh, resume=str(ck / "step00000002"), steps=8)
+    with pytest.raises(ValueError, match=r"at steps 4, 6: this run resumes from step 2 \('.*step00000002'\)"):
+        checkpoint.check_ckpt_dir(older, ck / "step00000002")
+    checkpoint.check_ckpt_dir(dataclasses.replace(older, resume=str(ck / "step00000006")), ck / "step00000006")
+    checkpoint.check_ckpt_dir(dataclasses.replace(fresh, resume="auto"), ck / "step00000006")
+    checkpoint.check_ckpt_dir(dataclasses.replace(fresh, ckpt_dir=str(other)), None)  # not there yet
+    checkpoint.check_ckpt_dir(dataclasses.replace(fresh, ckpt_dir=None, save_every=0), None)  # saves nothing
+    fake_checkpoint(other, 1)
+    with pytest.raises(ValueError, match="at steps 1: this run resumes from .*step00000006', another folder"):
+        checkpoint.check_ckpt_dir(dataclasses.replace(older, ckpt_dir=str(other)), ck / "step00000006")
+
+
+def test_commit_never_deletes_the_checkpoint_it_just_wrote_nor_later_ones(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    (ck / "step00000001").mkdir(parents=True)  # an interrupted save
+    for step in (2, 4, 6):
+        fake_checkpoint(ck, step)
+    folder = ck / checkpoint.tag_for(3)
+    folder.mkdir()
+    (folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"shard" * 100)
+    train = TrainConfig(steps=3, warmup_steps=1, ckpt_dir=str(ck), save_every=1, keep_last=1)
+    checkpoint.commit(folder, 3, 0, train, "deepspeed", barrier=lambda: None)
+    assert [(s, ok) for s, _, ok in checkpoint.list_checkpoints(ck)] == [(3, True), (4, True), (6, True)]
+    assert f"saved checkpoint {folder}; deleted step00000001, step00000002 (--keep_last 1)" in capsys.readouterr().out
+
+
+def test_a_checkpoint_of_another_world_size_is_refused_before_deepspeed_starts(tmp_path):
+    two = fake_checkpoint(tmp_path / "ck", 2, world=2)
+    with pytest.raises(ValueError, match=r"saved by 2 processes, this run has 1: .*`torchrun --nproc_per_node 2 "):
+        checkpoint.check_resumable(two, "deepspeed", TINY, world=1)
+    with pytest.raises(ValueError, match=r"saved by 2 processes, this run has 4: .*`lightning_app/train.py --devices"):
+        checkpoint.check_resumable(fake_checkpoint(tmp_path / "pl", 2, path="lightning", world=2), "lightning", TINY,
+                                   world=4)
+    checkpoint.check_resumable(two, "deepspeed", TINY, world=2)
+
+
+@pytest.mark.parametrize("path", ["raw", "lightning"])
+def test_both_paths_check_the_ckpt_dir_and_world_size_before_starting(tmp_path, monkeypatch, path):
+    if path == "raw":
+        from plain_deepspeed.train import main
+    else:
+        from lightning_app.train import main
+    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1").items():
+        monkeypatch.setenv(key, value)
+    ck = tmp_path / "ck"
+    fake_checkpoint(ck, 2, path="deepspeed" if path == "raw" else "lightning", world=2)
+    train = TrainConfig(steps=3, warmup_steps=1, ckpt_dir=str(ck), save_every=1)
+    with pytest.raises(ValueError, match="already holds checkpoints at steps 2"):
+        main(train)
+    with pytest.raises(ValueError, match="saved by 2 processes, this run has 1"):
+        main(dataclasses.replace(train, resume=str(ck / "step00000002")))
+
+
+@pytest.mark.parametrize("keyword", ["none", "auto"])
+def test_export_takes_a_step_folder_not_a_resume_keyword(tmp_path, monkeypatch, capsys, keyword):
+    from shared.tools import export as export_tool
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        export_tool.main([keyword, "--out", str(tmp_path / "w.safetensors")])
+    assert e.value.code == 2
+    assert f"export takes a stepNNNNNNNN checkpoint folder (e.g. ckpt/step00000200), not '{keyword}'" in (
+        capsys.readouterr().err)
 
 
 @pytest.fixture

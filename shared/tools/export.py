@@ -45,7 +45,10 @@ def layout_of(folder: Path) -> Layout:
 
 
 def export(folder: str | Path, out: str | Path, trust: bool = False) -> Path:
-    folder = checkpoint.resolve_resume(str(folder), None)  # a complete step folder whose checksums match
+    if str(folder) in ("none", "auto") and not Path(folder).exists():
+        raise ValueError(f"export takes a stepNNNNNNNN checkpoint folder (e.g. ckpt/step00000200), not "
+                         f"{str(folder)!r}: --resume's keywords do not apply here")
+    folder = checkpoint.step_folder(str(folder))  # a complete step folder whose checksums match
     checkpoint.check_safe_to_load(folder, trust)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 

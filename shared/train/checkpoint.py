@@ -145,17 +145,48 @@ def resolve_resume(resume: str, ckpt_dir: str | None) -> Path | None:
         for other, reason in skipped:
             _say(f"[resume] skipped {other}: {reason}; no complete checkpoint left, starting from step 0")
         return None
-    folder = Path(resume)
+    return step_folder(resume)
+
+
+def step_folder(path: str) -> Path:
+    """The checkpoint folder `path` names: one stepNNNNNNNN folder (not the folder that holds them), complete and
+    matching its checksums."""
+    folder = Path(path)
     if not folder.is_dir():
-        raise ValueError(f"checkpoint {resume!r} does not exist")
+        raise ValueError(f"checkpoint {path!r} does not exist")
     if not (folder / MARKER).is_file() and list_checkpoints(folder):
         steps = ", ".join(p.name for _, p, _ in list_checkpoints(folder))
-        raise ValueError(f"checkpoint {resume!r} is not a step folder but holds step folders ({steps}): pass one "
+        raise ValueError(f"checkpoint {path!r} is not a step folder but holds step folders ({steps}): pass one "
                          "of them")
     why = problem(folder, checksums=True)
     if why is not None:
-        raise ValueError(f"checkpoint {resume!r} is incomplete or corrupt: {why}")
+        raise ValueError(f"checkpoint {path!r} is incomplete or corrupt: {why}")
     return folder
+
+
+def check_ckpt_dir(train, resume_from: Path | None) -> None:
+    """Refuse, before training, a --ckpt_dir holding finished checkpoints that this run would overwrite, or delete
+    as it prunes to --keep_last: with --resume none any; resuming from step N of that folder any after N (any at
+    all, resuming from another folder). Not with --resume auto: every folder after the one it resumes from failed
+    its check and was named as skipped. A folder without a marker is a save that never finished, not a checkpoint."""
+    if not train.ckpt_dir or train.resume == "auto":
+        return
+    start = (read_marker(resume_from) or {}).get("step", 0) if resume_from is not None else 0
+    same = resume_from is not None and resume_from.resolve().parent == Path(train.ckpt_dir).resolve()
+    taken = [s for s, p, _ in list_checkpoints(train.ckpt_dir) if (p / MARKER).is_file() and (s > start or not same)]
+    if not taken:
+        return
+    steps = ", ".join(map(str, taken))
+    if resume_from is None:
+        run = "this run (--resume none) starts from step 0 and"
+    elif same:
+        run = f"this run resumes from step {start} ({str(resume_from)!r}) and"
+    else:
+        run = f"this run resumes from {str(resume_from)!r}, another folder, and"
+    raise ValueError(f"--ckpt_dir {train.ckpt_dir!r} already holds checkpoints at steps {steps}: {run} would "
+                     f"overwrite them or delete them as it keeps the last {train.keep_last}; choose another "
+                     "--ckpt_dir, continue from its newest checkpoint with --resume auto, or move those step "
+                     "folders away")
 
 
 # The GPTConfig fields that decide parameter shapes: a checkpoint resumes only into the same ones. A field that
@@ -163,16 +194,25 @@ def resolve_resume(resume: str, ckpt_dir: str | None) -> Path | None:
 SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "vocab_multiple", "bias")
 SHAPE_DEFAULTS = {"vocab_multiple": 1}
 SCRIPTS = {"deepspeed": "plain_deepspeed/train.py", "lightning": "lightning_app/train.py"}
+LAUNCH = {"deepspeed": "torchrun --nproc_per_node {n} plain_deepspeed/train.py",
+          "lightning": "lightning_app/train.py --devices {n}"}
 
 
-def check_resumable(folder: Path, path: str, model_config: dict) -> None:
-    """Refuse, before DeepSpeed loads anything, a checkpoint of the other path or of another model shape."""
+def check_resumable(folder: Path, path: str, model_config: dict, world: int | None = None) -> None:
+    """Refuse, before DeepSpeed loads anything, a checkpoint of the other path, of another number of processes
+    (`world`: ZeRO shards are per process, and DeepSpeed fails on a mismatch with a traceback) or of another model
+    shape."""
     marker = read_marker(folder) or {}
     written_by = marker.get("path")
     if written_by is not None and written_by != path:
         raise ValueError(f"checkpoint {str(folder)!r} was written by the {written_by} path ({SCRIPTS[written_by]}), "
                          f"whose checkpoint layout this {path} path ({SCRIPTS[path]}) cannot load; resume it with "
                          f"{SCRIPTS[written_by]}, or use another --ckpt_dir")
+    saved_world = len(list(folder.glob("rng_rank*.pt")))  # one per process (commit)
+    if world is not None and saved_world and saved_world != world:
+        procs = f"{saved_world} process" + ("es" if saved_world > 1 else "")
+        raise ValueError(f"checkpoint {str(folder)!r} was saved by {procs}, this run has {world}: ZeRO's shards are "
+                         f"per process; resume with {procs} (`{LAUNCH[path].format(n=saved_world)}` on one node)")
     saved = marker.get("model_config")
     if saved is None:  # a marker written before model configs were recorded: the model-states file has it
         state = client_state_of(folder)
@@ -187,14 +227,16 @@ def check_resumable(folder: Path, path: str, model_config: dict) -> None:
                          "it was trained with (same --preset and overrides), or start a fresh --ckpt_dir")
 
 
-def prune(ckpt_dir: str | Path, keep_last: int) -> list[Path]:
+def prune(ckpt_dir: str | Path, keep_last: int, step: int | None = None) -> list[Path]:
     """Delete all but the newest `keep_last` complete checkpoints, and incomplete ones older than the newest
-    complete one (leftovers of an interrupted save). Returns what was deleted."""
-    entries = list_checkpoints(ckpt_dir)
-    complete = [p for _, p, ok in entries if ok]
-    newest = max((s for s, _, ok in entries if ok), default=None)
+    complete one (leftovers of an interrupted save). With `step` (the checkpoint just committed) only folders before
+    it are candidates: it, and any after it, are kept. Returns what was deleted."""
+    entries = [e for e in list_checkpoints(ckpt_dir) if step is None or e[0] <= step]
+    complete = [(s, p) for s, p, ok in entries if ok]
+    newest = complete[-1][0] if complete else None
     doomed = complete[:-keep_last] if keep_last > 0 else []
-    doomed += [p for s, p, ok in entries if not ok and newest is not None and s < newest]
+    doomed += [(s, p) for s, p, ok in entries if not ok and newest is not None and s < newest]
+    doomed = [p for s, p in sorted(doomed) if s != step]
     for p in doomed:
         shutil.rmtree(p, ignore_errors=True)
     return doomed
@@ -212,8 +254,9 @@ def commit(folder: Path, step: int, rank: int, train, path: str, barrier) -> Non
     barrier()
     if rank == 0:
         write_marker(folder, step, {"path": path, "model_config": dataclasses.asdict(train.model())})
-        prune(train.ckpt_dir, train.keep_last)
-        print(f"[{path}] saved checkpoint {folder}", flush=True)
+        pruned = prune(train.ckpt_dir, train.keep_last, step)
+        deleted = f"; deleted {', '.join(p.name for p in pruned)} (--keep_last {train.keep_last})" if pruned else ""
+        print(f"[{path}] saved checkpoint {folder}{deleted}", flush=True)
     barrier()
 
 
