@@ -66,6 +66,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -73,9 +74,28 @@ from pathlib import Path
 
 import torch
 
+if __package__ in (None, ""):
+    # Run by path (`python benchmarks/ablation.py`): Python puts benchmarks/, not the repo root, on sys.path, and
+    # compare.py imports lightning_app, which is not installed (lightning_app/train.py does the same)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from compare import GPU_DEEPCOMPILE_DEFAULTS
+from harness.autotune import parse_grid
 from harness.budget import kinds_ms, minus_mean
-from harness.launch import TIME_LIMIT_EXIT, CompareError, TimeLimit, TimeLimitReached, launch, visible_gpu
+from harness.launch import (
+    GRACE_S,
+    RUNNING,
+    TIME_LIMIT_EXIT,
+    CompareError,
+    Stopped,
+    TimeLimit,
+    TimeLimitReached,
+    launch,
+    raise_stopped,
+    run_group,
+    stop_group,
+    visible_gpu,
+)
 from harness.report import measured
 from shared.train.config import TrainConfig
 from shared.train.results import device_info, versions
@@ -193,8 +213,18 @@ def spread(before, levers: list, after, gpus: int, run, fits) -> list:
                 raise
 
     with ThreadPoolExecutor(max_workers=gpus) as pool:
-        for job in [pool.submit(worker, g) for g in range(gpus)]:
-            job.result()
+        jobs = [pool.submit(worker, g) for g in range(gpus)]
+        try:
+            for job in jobs:
+                job.result()
+        except (Stopped, KeyboardInterrupt):  # these reach this thread only: no GPU starts another, the runs stop
+            with lock:
+                stop.append(None)
+            while not all(job.done() for job in jobs):  # a run started meanwhile included
+                for pid in list(RUNNING):
+                    stop_group(pid)
+                time.sleep(0.1)
+            raise
     return skipped + [(task, None) for task in queue]
 
 
@@ -243,7 +273,7 @@ def main(argv: list[str] | None = None) -> dict:
                    "checkpointing, for naive and all ('' to skip; default 12,16,24 on GPUs with --set fusions)")
     p.add_argument("--keep", action="store_true", help="keep what --out/ablation.json already measured with the "
                    "same base settings, device and versions (named configurations that ran are not run again)")
-    p.add_argument("--timeout", type=int, default=600)
+    p.add_argument("--timeout", type=int, default=600, help="seconds a run may take (default 600)")
     p.add_argument("--time_limit", type=float, default=None,
                    help="seconds this invocation may take: a configuration starts only if the time left is at least "
                         "the longest configuration made so far in this invocation (the first always starts); else "
@@ -268,6 +298,8 @@ def main(argv: list[str] | None = None) -> dict:
                                .split(",") if x.strip()))
     if not paths or set(paths) - set(PATHS):
         p.error(f"--paths takes a comma-separated subset of {PATHS}, got {ns.paths!r}")
+    if ns.timeout <= 0:
+        p.error(f"--timeout must be positive seconds, got {ns.timeout}")
     if last_mile and ns.mb_sweep:
         p.error("--mb_sweep sweeps the naive and all configurations of --set fusions; with --set last_mile a "
                 "micro-batch is a lever (+fused_loss_mb24) or --micro_batch")
@@ -293,7 +325,7 @@ def main(argv: list[str] | None = None) -> dict:
     mb_sweep = ns.mb_sweep if ns.mb_sweep is not None else "12,16,24" if cuda and not last_mile and ns.gpus == 1 \
         else ""
     try:
-        sweep = [int(x) for x in mb_sweep.split(",") if x.strip()]
+        sweep = parse_grid(mb_sweep, "--mb_sweep") if mb_sweep.strip() else []  # sorted: it stops at the first OOM
         if ns.time_limit is not None and (ns.time_limit <= 0 or sweep):
             raise ValueError(f"--time_limit must be positive and stops between configurations, not inside a "
                              f"micro-batch sweep (--mb_sweep ''), got --time_limit {ns.time_limit:g}"
@@ -346,34 +378,36 @@ def main(argv: list[str] | None = None) -> dict:
         report = write()
         print(table(report))
         return report
-    with ThreadPoolExecutor(max_workers=2 if parallel else 1) as pool:
-        for name in names:
-            if name not in to_run:
-                print(f"== {name}: kept from {out / 'ablation.json'}", flush=True)
-                rows += done_ok(name)
-                continue
-            clock.before(name)
-            print(f"== {name} {all_configs[name]}", flush=True)
-            jobs = [pool.submit(run_one, base, name, all_configs[name], path, out, gpus[path], ns.timeout)
-                    for path in paths]
-            rows += [j.result() for j in jobs]
-            write()
-            clock.after(len(paths))
-        # the largest micro-batch without activation checkpointing: raw path, naive on GPU 0 and all on GPU 1
-        def largest(name: str, gpu: int | None) -> list[dict]:
-            found = []
-            for mb in sweep:
-                row = run_one(dataclasses.replace(base, micro_batch=mb), name, all_configs[name], "deepspeed",
-                              out / f"mb{mb}", gpu, ns.timeout)
-                found.append(row)
-                if not row["ok"]:
-                    break
-            return found
 
-        if sweep:
-            jobs = {n: pool.submit(largest, n, (i if parallel else gpus["deepspeed"]))
-                    for i, n in enumerate(("naive", "all")) if n in names}
-            sweeps.update({n: j.result() for n, j in jobs.items()})
+    def together(calls: list[tuple]) -> list[dict]:
+        """run_one(*args) for each args of `calls`: side by side, a thread each, with two GPUs (harness.launch's
+        run_group: a signal or a failure stops them all), else one after the other in this thread, where SIGTERM and
+        Ctrl-C arrive."""
+        if not parallel:
+            return [run_one(*args) for args in calls]
+        return list(run_group(list(range(len(calls))), lambda _, i: run_one(*calls[i])).values())
+
+    for name in names:
+        if name not in to_run:
+            print(f"== {name}: kept from {out / 'ablation.json'}", flush=True)
+            rows += done_ok(name)
+            continue
+        clock.before(name)
+        print(f"== {name} {all_configs[name]}", flush=True)
+        rows += together([(base, name, all_configs[name], path, out, gpus[path], ns.timeout) for path in paths])
+        write()
+        clock.after(len(paths))
+    # the largest micro-batch without activation checkpointing: raw path, naive on GPU 0 and all on GPU 1, each
+    # micro-batch in turn until a configuration's first failure (out of memory)
+    swept = [n for n in ("naive", "all") if n in names]
+    sweeps.update({n: [] for n in swept} if sweep else {})
+    for mb in sweep:
+        found = together([(dataclasses.replace(base, micro_batch=mb), n, all_configs[n], "deepspeed", out / f"mb{mb}",
+                           {"naive": 0, "all": 1}[n] if parallel else gpus["deepspeed"], ns.timeout) for n in swept])
+        for n, row in zip(swept, found):
+            sweeps[n].append(row)
+        swept = [n for n, row in zip(swept, found) if row["ok"]]
+        write()
     report = write()
     print(table(report))
     return report
@@ -557,8 +591,15 @@ def _fmt(tflops: float) -> str:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, raise_stopped)
     try:
         main()
     except TimeLimitReached as e:
         print(f"ablation.py: {e}", file=sys.stderr)
         sys.exit(TIME_LIMIT_EXIT)
+    except (Stopped, KeyboardInterrupt) as e:  # as compare.py: the configurations finished stay in ablation.json
+        name = str(e) if isinstance(e, Stopped) else "SIGINT"
+        print(f"ablation.py: stopped by {name}; the run in progress was stopped with it (SIGTERM to its process "
+              f"group, SIGKILL after {GRACE_S}s); the configurations finished are in --out's ablation.json",
+              file=sys.stderr)
+        sys.exit(128 + signal.Signals[name].value)

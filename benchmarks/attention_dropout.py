@@ -24,6 +24,9 @@ from pathlib import Path
 import torch
 import triton
 
+if __package__ in (None, ""):  # run by path: the repo root, not benchmarks/, on sys.path for `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from benchmarks.attention_tiles import add_shape_args, check_shape_args, make_inputs
 from shared.kernels import blocksparse_attention as bsa
 from shared.model import layouts

@@ -34,6 +34,7 @@ import argparse
 import hashlib
 import io
 import json
+import math
 import os
 import shutil
 import sys
@@ -114,11 +115,18 @@ def _archive(selected: dict[str, list[tuple[Path, str]]], parts: list[str]) -> t
     return buf.getvalue(), summary
 
 
+def check_sizes(max_mib: float, part_mib: float) -> None:
+    """save()'s limits, checked by the command before anything is packed: finite (nan passes a comparison), the
+    archive's cap positive and a part at least 1 KiB; the ValueError names the flag."""
+    if not (math.isfinite(max_mib) and max_mib > 0):
+        raise ValueError(f"--max_mib must be a finite positive number of MiB, got {max_mib}")
+    if not (math.isfinite(part_mib) and part_mib * 2**20 >= 1024):
+        raise ValueError(f"--part_mib must be at least 1 KiB (1/1024 MiB) and finite, got {part_mib}")
+
+
 def save(out: Path, dirs: dict[str, Path], max_mib: float, part_mib: float, ident: dict) -> dict:
     """Write the manifest and the archive's parts into `out`; returns the manifest."""
-    if part_mib * 2**20 < 1024 or max_mib <= 0:
-        raise ValueError(f"--part_mib must be at least 1 KiB (1/1024) and --max_mib positive, got {part_mib} and "
-                         f"{max_mib}")
+    check_sizes(max_mib, part_mib)
     selected = {k: _selected(dirs, k) for k in PARTS}  # each folder walked once
     st = {f: f.stat() for files in selected.values() for f, _ in files}  # and each file stat'ed once
     size_of = {k: sum(st[f].st_size for f, _ in files) for k, files in selected.items()}
@@ -246,6 +254,11 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("restore", help="unpack the caches saved in DIR, where they match this machine")
     r.add_argument("dir")
     ns = p.parse_args(argv)
+    if ns.cmd == "save":
+        try:
+            check_sizes(ns.max_mib, ns.part_mib)
+        except ValueError as e:
+            s.error(str(e))
     dirs = cache_dirs()
     if ns.cmd == "save":
         m = save(Path(ns.outdir), dirs, ns.max_mib, ns.part_mib, identity())

@@ -26,9 +26,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+if __package__ in (None, ""):  # run by path: the repo root, not benchmarks/, on sys.path for `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.mlp_tail import check_sizes, setup, time_alternated, timing_parser, write_result
 from shared.kernels import dropout_mask

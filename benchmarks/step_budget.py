@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -91,8 +92,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="run JSONs among those named: each run's ms per kind minus these runs' mean")
     p.add_argument("--out", default=None, help="write the budget as JSON here (default: print only)")
     ns = p.parse_args(argv)
-    if ns.target <= 0:
-        p.error(f"--target must be positive, got {ns.target}")
+    if not (math.isfinite(ns.target) and ns.target > 0):  # nan passes `<= 0`, and the JSON refuses it
+        p.error(f"--target must be a finite positive TFLOPs/GPU, got {ns.target}")
     rows = []
     for path in ns.runs:
         try:

@@ -3,8 +3,10 @@
 import dataclasses
 import importlib.util
 import json
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -743,3 +745,114 @@ def test_ablation_over_gpus_runs_a_configurations_paths_on_one_gpu_and_refuses_b
         with pytest.raises(SystemExit):
             ablation.main(["--set", "fusions", *bad, "--out", str(tmp_path / "x")])
         assert match in capsys.readouterr().err and not (tmp_path / "x" / "ablation.json").exists()
+
+
+def test_ablation_runs_by_path_from_the_repo_root_without_pythonpath():
+    """`python benchmarks/ablation.py` as documented: Python puts benchmarks/, not the root, on sys.path."""
+    e = {k: v for k, v in run_env().items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, str(ABLATION), "--help"], capture_output=True, text=True, env=e, cwd=ROOT,
+                          timeout=120)
+    assert proc.returncode == 0 and "usage: ablation.py" in proc.stdout, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--mb_sweep", "abc"], "--mb_sweep must be comma-separated integers, got 'abc'"),
+    (["--mb_sweep", "4,0"], "--mb_sweep needs positive micro-batches, got '4,0'"),
+    (["--mb_sweep", "-2"], "--mb_sweep needs positive micro-batches, got '-2'"),
+    (["--timeout", "0"], "--timeout must be positive seconds, got 0"),
+    (["--timeout", "-5"], "--timeout must be positive seconds, got -5"),
+])
+def test_ablation_refuses_a_bad_sweep_or_timeout_before_any_run(tmp_path, monkeypatch, capsys, args, message):
+    ablation = load_module("ablation", ABLATION)
+    monkeypatch.setattr(ablation, "run_one", lambda *a, **k: pytest.fail("a run started"))
+    with pytest.raises(SystemExit) as e:
+        ablation.main(["--configs", "naive", "--paths", "deepspeed", *args, "--out", str(tmp_path / "out")])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out" / "ablation.json").exists()
+
+
+# A training script that stands in for the raw path's: the first configuration's run writes a committed run JSON,
+# the second's sleeps until it is stopped.
+FAKE_TRAIN = """
+import os, shutil, sys, time
+out = sys.argv[sys.argv.index("--out") + 1]
+if os.path.basename(out).startswith("naive"):
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    shutil.copy({template!r}, out)
+else:
+    open({started!r}, "w").write(str(os.getpid()))
+    time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_ablation_stops_its_run_and_keeps_the_configurations_finished(tmp_path, sig):
+    """SIGTERM (or Ctrl-C's SIGINT) to ablation.py: the run in progress (torchrun and the training process, each in
+    a session of its own) is stopped with it, it exits 128 + the signal, and ablation.json keeps what finished."""
+    import psutil
+
+    from harness.launch import GRACE_S
+
+    template = ROOT / "benchmarks" / "results" / "coordinate_descent_compare_1xh200" / "runs" / "deepspeed_0.json"
+    fake, started, out = tmp_path / "fake_train.py", tmp_path / "started", tmp_path / "out"
+    fake.write_text(FAKE_TRAIN.format(template=str(template), started=str(started)))
+    argv = ["benchmarks/ablation.py", "--configs", "naive,+bias_gelu", "--paths", "deepspeed", "--mb_sweep", "",
+            "--out", str(out)]
+    code = (f"import runpy, sys\nfrom harness import launch\nlaunch.SCRIPTS['deepspeed'] = {str(fake)!r}\n"
+            f"sys.argv = {argv!r}\nrunpy.run_path({str(ABLATION)!r}, run_name='__main__')\n")
+    log_path = tmp_path / "ablation.txt"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT, env=run_env(),
+                                cwd=ROOT, start_new_session=True)
+    children = []
+    try:
+        deadline = time.time() + 120
+        while not started.exists() and time.time() < deadline:
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            time.sleep(0.2)
+        time.sleep(0.5)  # the pid written: the sleeper is up
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert any(str(fake) in " ".join(p.cmdline()) for p in children), [p.cmdline() for p in children]
+        proc.send_signal(sig)
+        assert proc.wait(timeout=GRACE_S + 30) == 128 + sig, log_path.read_text()[-3000:]
+        assert f"ablation.py: stopped by {sig.name}" in log_path.read_text()
+        _, alive = psutil.wait_procs(children, timeout=5)
+        assert alive == []
+        rows = load(out / "ablation.json")["rows"]
+        assert [(r["config"], r["ok"]) for r in rows] == [("naive", True)]
+    finally:
+        for p in [psutil.Process(proc.pid), *children] if proc.poll() is None else children:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        proc.wait(timeout=60)
+
+
+def test_spread_stops_every_gpus_run_on_ctrl_c_and_starts_no_other(tmp_path):
+    """--gpus: Ctrl-C (or SIGTERM, as Stopped) reaches the main thread only, which waits on the GPUs' threads: it
+    stops the run each GPU's thread waits on, and no GPU starts another."""
+    import os
+    import threading
+
+    from harness import launch
+
+    ablation = load_module("ablation", ABLATION)
+    ran = []
+
+    def run(task, gpu):  # a run as harness.launch starts it: its own process group, listed in RUNNING
+        ran.append(task)
+        launch._run("deepspeed", [sys.executable, "-c", "import time; time.sleep(120)"], run_env(),
+                    tmp_path / f"{task}.log", 120)
+
+    def interrupt():
+        deadline = time.time() + 30
+        while len(launch.RUNNING) < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    t0 = time.time()
+    with pytest.raises(KeyboardInterrupt):
+        ablation.spread(lambda gpu: [f"ref{gpu}"], ["l1", "l2", "l3"], lambda gpu: [], 2, run, lambda: True)
+    assert sorted(ran) == ["ref0", "ref1"] and not launch.RUNNING and time.time() - t0 < 30

@@ -6,6 +6,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import sys
 import tarfile
@@ -264,3 +265,21 @@ def test_the_script_saves_and_restores_as_a_job_runs_it(tmp_path):
     assert "python3 benchmarks/compile_cache.py restore .compile_cache" in sh
     assert 'python3 benchmarks/compile_cache.py save "$OUT"' in sh
     assert subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "h200_deepcompile.sh")]).returncode == 0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--part_mib", "0"], "--part_mib must be at least 1 KiB (1/1024 MiB) and finite, got 0.0"),
+    (["--part_mib", "nan"], "--part_mib must be at least 1 KiB (1/1024 MiB) and finite, got nan"),
+    (["--max_mib", "-1"], "--max_mib must be a finite positive number of MiB, got -1.0"),
+    (["--max_mib", "inf"], "--max_mib must be a finite positive number of MiB, got inf"),
+])
+def test_the_save_command_refuses_sizes_that_are_not_finite_and_positive(tmp_path, monkeypatch, capsys, flags,
+                                                                          message):
+    monkeypatch.setattr(cc, "cache_dirs", lambda: pytest.fail("the caches were read"))
+    with pytest.raises(SystemExit) as e:
+        cc.main(["save", str(tmp_path / "out"), *flags])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    sizes = {"max_mib": 1.0, "part_mib": 1.0, flags[0][2:]: float(flags[1])}
+    with pytest.raises(ValueError, match=re.escape(message)):  # and save() itself, called as a library
+        cc.save(tmp_path / "out", caches(tmp_path), ident=IDENT, **sizes)

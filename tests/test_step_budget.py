@@ -121,3 +121,12 @@ def test_a_step_profiled_without_syncs_lists_the_hosts_time_and_lead_per_phase(t
     assert row["host"]["data"]["host_lead_ms"] is None
     out = capsys.readouterr().out
     assert "data 10.0 / -, forward 11.0 / +1.0, backward 12.0 / -3.0, step 13.0 / -7.0" in out
+
+
+@pytest.mark.parametrize("target", ["nan", "inf", "-1"])
+def test_a_target_that_is_not_a_finite_positive_number_is_refused(tmp_path, capsys, target):
+    path, _ = _run(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        step_budget.main([str(path), "--target", target, "--out", str(tmp_path / "b.json")])
+    assert e.value.code == 2 and "--target must be a finite positive TFLOPs/GPU" in capsys.readouterr().err
+    assert not (tmp_path / "b.json").exists()
