@@ -45,7 +45,11 @@ LIGHTNING_PRECISION = {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp32": "32-tru
 
 def default_devices(train: TrainConfig) -> int:
     if "LOCAL_WORLD_SIZE" in os.environ:  # under torchrun / fabric run: one process per device, already spawned
-        return int(os.environ["LOCAL_WORLD_SIZE"])
+        local = int(os.environ["LOCAL_WORLD_SIZE"])
+        if train.devices is not None and train.devices != local:
+            raise ValueError(f"--devices {train.devices}: this launcher already started {local} process(es) per node; "
+                             f"launch {train.devices} (`torchrun --nproc_per_node {train.devices}`) or drop --devices")
+        return local
     if train.devices is not None:
         return train.devices
     return torch.cuda.device_count() if torch.cuda.is_available() else 1
@@ -70,7 +74,7 @@ def lightning_ds_config(train: TrainConfig) -> dict:
     if "ds_wall_clock_breakdown" in on:
         cfg["wall_clock_breakdown"] = True
     if "pl_grad_clip" in on:
-        cfg.pop("gradient_clipping")  # Lightning writes Trainer(gradient_clip_val=...) into the dict instead
+        cfg.pop("gradient_clipping", None)  # Lightning writes Trainer(gradient_clip_val=...) into the dict instead
     return cfg
 
 

@@ -108,10 +108,20 @@ def test_run_cli_keeps_the_exit_code_of_a_system_exit(code, rc, stderr):
 def test_attn_dropout_mask_reaches_the_blocksparse_module():
     from shared.model.attention import build_attention
 
-    argv = ["--preset", "tiny", "--attention", "blocksparse", "--attn_dropout_mask", "bits"]
+    argv = ["--preset", "tiny", "--attention", "blocksparse", "--attn_dropout_mask", "bits", "--precision", "fp32"]
     train = parse_train_config(argv, "test")
     cfg = train.model()
     assert cfg.attn_dropout_mask == "bits" and TrainConfig(preset="tiny").model().attn_dropout_mask == "philox"
     attn = build_attention(cfg)
     assert attn.dropout_mask == "bits" and attn.backend == "blocksparse:bits"
     assert build_attention(preset("tiny", attention="blocksparse")).backend == "blocksparse"
+
+
+def test_the_blocksparse_kernel_in_bf16_is_refused_where_only_tritons_interpreter_runs_it(monkeypatch):
+    import shared.model.config as model_config
+
+    with pytest.raises(ValueError, match="bf16 dot products come out wrong: add --precision fp32"):
+        TrainConfig(attention="blocksparse")
+    assert TrainConfig(attention="blocksparse", precision="fp32").model().attention == "blocksparse"
+    monkeypatch.setattr(model_config, "cuda_available", lambda: True)
+    assert TrainConfig(attention="blocksparse").precision == "bf16"  # on a GPU the compiled kernel is right

@@ -66,6 +66,14 @@ def test_user_json_replaces_the_built_dict(tmp_path):
          "train_micro_batch_size_per_gpu=4 but the run uses micro_batch=2"),
         ({"zero_optimization": {"stage": 3}, "fp16": {"enabled": True}}, {}, "enables fp16 but the run asks for bf16"),
         ({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}, {}, "ZeRO stage 2 but the run asks for 3"),
+        ({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}, "gradient_clipping": 0.5}, {},
+         r"clips gradients at 0.5 \(gradient_clipping\) but the run asks for --grad_clip 1.0; .* --grad_clip 0.5"),
+        ({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}, {"grad_clip": 0.3},
+         r"at 0.0 \(gradient_clipping absent: DeepSpeed does not clip\) but the run asks for --grad_clip 0.3"),
+        ({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}, {"reduce_bucket_size": 1000},
+         "--reduce_bucket_size has no effect with --ds_config .*: set zero_optimization.reduce_bucket_size"),
+        ({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}, {"max_live_parameters": 7},
+         "set zero_optimization.stage3_max_live_parameters in the JSON instead"),
         ("[1, 2]", {}, "must hold a JSON object"),
         ("{not json", {}, "not valid JSON"),
     ],
@@ -127,3 +135,22 @@ def test_lightning_refuses_an_autotuning_config_before_anything_else():
     user["autotuning"] = None  # no section: an ordinary user JSON
     text = base64.urlsafe_b64encode(json.dumps(user).encode()).decode()
     assert lightning_ds_config(TrainConfig(ds_config=text))["zero_optimization"] == {"stage": 3}
+
+
+def test_a_user_json_with_the_runs_clipping_is_taken_and_the_breakdown_diagnostic_applies(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True},
+                                "gradient_clipping": 0.5}))
+    assert build_ds_config(TrainConfig(ds_config=str(path), grad_clip=0.5))["gradient_clipping"] == 0.5
+    assert "wall_clock_breakdown" not in build_ds_config(TrainConfig(ds_config=str(path), grad_clip=0.5))
+    assert build_ds_config(TrainConfig(ds_config=str(path), grad_clip=0.5, wall_clock_breakdown=True))[
+        "wall_clock_breakdown"] is True
+
+
+def test_lightnings_clipping_overhead_takes_a_user_json_without_clipping(tmp_path):
+    from lightning_app.train import lightning_ds_config
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}))
+    cfg = lightning_ds_config(TrainConfig(ds_config=str(path), lightning_overheads="pl_grad_clip"))
+    assert "gradient_clipping" not in cfg and cfg["zero_optimization"] == {"stage": 3}

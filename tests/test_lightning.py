@@ -92,3 +92,13 @@ def test_validation_metric_moves_to_the_strategy_device():
     module._trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=target))
     module.on_validation_epoch_start()
     assert module.val_loss.mean_value.device == target
+
+
+def test_devices_that_disagree_with_the_launchers_processes_are_refused(monkeypatch):
+    from lightning_app.train import default_devices
+    from shared.train.config import TrainConfig
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert default_devices(TrainConfig()) == 1 and default_devices(TrainConfig(devices=1)) == 1
+    with pytest.raises(ValueError, match="--devices 2: this launcher already started 1 process"):
+        default_devices(TrainConfig(devices=2))

@@ -82,7 +82,8 @@ class TrainConfig(FusedSwitches):
     lr_warmup_steps: int = 10
     """linear LR warmup steps before the cosine decay"""
     weight_decay: float = 0.1
-    """AdamW weight decay (applied to matrices, not to biases, norms or embeddings' positions)"""
+    """AdamW weight decay, applied to the matrices (linear weights, the token and position embeddings), not to biases
+    or LayerNorm parameters (nanoGPT, Megatron)"""
     grad_clip: float = 1.0
     """global gradient-norm clip, handed to DeepSpeed's gradient_clipping (0 disables)"""
     optimizer: str = "adamw"
@@ -370,6 +371,10 @@ class TrainConfig(FusedSwitches):
         # Built once, here: the model overrides are validated now, not after the process group is up, and every
         # caller reads the same object (dataclasses.replace runs __post_init__ again, so a copy gets its own).
         self._model = self._build_model()
+        if self._model.attention == "blocksparse" and self.precision == "bf16" and not model_config.cuda_available():
+            raise ValueError("--attention blocksparse runs its Triton kernel in Triton's interpreter on a machine "
+                             "without a CUDA GPU, where bf16 dot products come out wrong: add --precision fp32 "
+                             "(or run it on a CUDA GPU)")
         if self.compile == "deepcompile" and self.stage == 3 and \
                 self._model.attention in model_config.GRAPH_BREAKING_BACKENDS:
             raise ValueError(

@@ -221,6 +221,22 @@ def load_user_ds_config(source: str | Path, train: TrainConfig) -> dict:
     stage = cfg.get("zero_optimization", {}).get("stage", 0)
     if stage != train.stage:
         raise ValueError(f"DeepSpeed config {name} sets ZeRO stage {stage} but the run asks for {train.stage}")
+    clip = cfg.get("gradient_clipping", 0.0)  # DeepSpeed's default: no clipping
+    if "gradient_clipping" in cfg and clip != train.grad_clip or "gradient_clipping" not in cfg and \
+            train.grad_clip != TrainConfig.grad_clip:
+        raise ValueError(f"DeepSpeed config {name} clips gradients at {clip} (gradient_clipping"
+                         f"{'' if 'gradient_clipping' in cfg else ' absent: DeepSpeed does not clip'}) but the run "
+                         f"asks for --grad_clip {train.grad_clip}; set gradient_clipping in the JSON"
+                         + (f" or pass --grad_clip {clip}" if "gradient_clipping" in cfg else ""))
+    for flag, key in (("reduce_bucket_size", "reduce_bucket_size"),
+                      ("prefetch_bucket_size", "stage3_prefetch_bucket_size"),
+                      ("param_persistence_threshold", "stage3_param_persistence_threshold"),
+                      ("max_live_parameters", "stage3_max_live_parameters")):
+        if getattr(train, flag) is not None:
+            raise ValueError(f"--{flag} has no effect with --ds_config {name}: set zero_optimization.{key} in the "
+                             "JSON instead")
+    if train.wall_clock_breakdown:  # a diagnostic (compare.py --cross_check): on whatever the JSON says
+        cfg["wall_clock_breakdown"] = True
     if stage == 3 and train.memory_efficient_linear is not None:
         raise ValueError(f"--memory_efficient_linear has no effect with --ds_config {name}: set "
                          "zero_optimization.memory_efficient_linear in the JSON instead")
