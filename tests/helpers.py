@@ -55,3 +55,15 @@ def torchrun(script: Path, nproc: int, args: list[str], timeout: int = 240, chec
 
 def load(path: Path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+def generate_error(capsys, argv: list[str]) -> str:
+    """shared.tools.generate's refusal of argv: it exits 2; returns what it printed to stderr."""
+    import pytest
+
+    from shared.tools import generate
+
+    with pytest.raises(SystemExit) as e:
+        generate.main(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err

@@ -15,6 +15,7 @@ from shared.tools.export import export
 from shared.tools.prepare_data import prepare
 from shared.train import checkpoint
 from shared.train.config import TrainConfig
+from tests.helpers import generate_error
 
 TINY = dataclasses.asdict(TrainConfig().model())
 
@@ -175,26 +176,20 @@ def exported(tmp_path):
     return checkpoint.save_exported(tmp_path / "m.safetensors", GPT(cfg).state_dict(), dataclasses.asdict(cfg))
 
 
-def _generate_error(capsys, argv) -> str:
-    with pytest.raises(SystemExit) as e:
-        generate.main(argv)
-    assert e.value.code == 2
-    return capsys.readouterr().err
-
 
 def test_generate_refuses_truncated_or_foreign_files_with_a_message(tmp_path, exported, capsys):
     truncated = tmp_path / "cut.safetensors"
     truncated.write_bytes(exported.read_bytes()[:2000])
-    assert "is not a readable .safetensors file" in _generate_error(capsys, [str(truncated), "--tokens", "2"])
+    assert "is not a readable .safetensors file" in generate_error(capsys, [str(truncated), "--tokens", "2"])
     text = tmp_path / "notes.txt"
     text.write_text("not weights at all\n" * 10)
-    assert "is not a readable .safetensors file" in _generate_error(capsys, [str(text), "--tokens", "2"])
+    assert "is not a readable .safetensors file" in generate_error(capsys, [str(text), "--tokens", "2"])
     assert generate.main([str(exported), "--tokens", "2", "--device", "cpu"])  # the intact file samples
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a torch without CUDA")
 def test_generate_on_cuda_without_cuda_is_a_message(exported, capsys):
-    assert "sees no CUDA device; use --device cpu" in _generate_error(capsys, [str(exported), "--device", "cuda"])
+    assert "sees no CUDA device; use --device cpu" in generate_error(capsys, [str(exported), "--device", "cuda"])
 
 
 def test_bpe_without_tokenizers_is_a_message(tmp_path, monkeypatch):

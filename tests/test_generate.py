@@ -10,18 +10,13 @@ from shared.model.gpt import GPT
 from shared.tools import generate
 from shared.tools.prepare_data import prepare
 from shared.train import checkpoint
+from tests.helpers import generate_error
 
 
 def _export(path, data):
     cfg = GPTConfig()
     return checkpoint.save_exported(path, GPT(cfg).state_dict(), dataclasses.asdict(cfg), {"data": data, "step": 1})
 
-
-def _error(capsys, argv) -> str:
-    with pytest.raises(SystemExit) as e:
-        generate.main(argv)
-    assert e.value.code == 2
-    return capsys.readouterr().err
 
 
 def test_missing_data_metadata_is_an_error_not_bytes(tmp_path, monkeypatch, capsys):
@@ -35,7 +30,7 @@ def test_missing_data_metadata_is_an_error_not_bytes(tmp_path, monkeypatch, caps
     monkeypatch.chdir(tmp_path)  # elsewhere: the recorded prefix no longer resolves
     with pytest.raises(ValueError, match=r"data/kjv.meta.json' is not found.*run from the folder.*--data PREFIX"):
         generate.tokenizer_for({"data": "data/kjv"})
-    assert "--data PREFIX" in _error(capsys, [str(weights), "--tokens", "2", "--device", "cpu"])
+    assert "--data PREFIX" in generate_error(capsys, [str(weights), "--tokens", "2", "--device", "cpu"])
     assert generate.main([str(weights), "--tokens", "2", "--device", "cpu", "--data", "run/data/kjv"])
     assert generate.tokenizer_for({"data": "synthetic"})[2] == 256  # synthetic tokens stay byte-level
 
@@ -50,7 +45,7 @@ def test_missing_data_metadata_is_an_error_not_bytes(tmp_path, monkeypatch, caps
 ])
 def test_bad_sampling_flags_are_refused_by_name(tmp_path, capsys, flags, message):
     weights = _export(tmp_path / "m.safetensors", "synthetic")
-    assert message in _error(capsys, [str(weights), "--device", "cpu", *flags])
+    assert message in generate_error(capsys, [str(weights), "--device", "cpu", *flags])
 
 
 def test_tiny_temperature_samples_the_argmax_instead_of_nan():
