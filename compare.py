@@ -318,8 +318,8 @@ def main(argv: list[str] | None = None) -> dict:
                                                         if report["winner"] else ""))
         return report
     if ns.explain:
+        ns.command = " ".join(["python", "compare.py", *argv])  # also in a report a failed run leaves
         report = explain.run_explain(train, ns, run, out_dir)
-        report["command"] = " ".join(["python", "compare.py", *argv])
         report["versions"] = versions()
         explain.write_explain(report, out_dir)
         print()

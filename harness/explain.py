@@ -28,11 +28,12 @@ import json
 import statistics
 from pathlib import Path
 
+from harness.launch import CompareError
 from harness.order import round_order
 from lightning_app.overheads import LIGHTNING_OVERHEADS, check_overheads
 from shared.model import flops
 from shared.train.config import TrainConfig
-from shared.train.results import RunResult
+from shared.train.results import RunResult, versions
 from shared.train.timing import PHASES
 
 # Factors that change the run's config rather than switch on a Lightning overhead.
@@ -60,6 +61,9 @@ def parse_factors(text: str | None) -> list[str]:
     unknown = [f for f in names if f not in FACTORS]
     if unknown:
         raise ValueError(f"unknown explain factor(s) {unknown}; choose from {sorted(FACTORS)}")
+    repeated = sorted({f for f in names if names.count(f) > 1})
+    if repeated:
+        raise ValueError(f"explain factor(s) {repeated} named more than once in --factors {text!r}")
     return names
 
 
@@ -86,9 +90,13 @@ def study_artefacts(train: TrainConfig, pl_tflops: float) -> list[dict]:
 
 
 def run_explain(train: TrainConfig, ns, launch, out_dir: Path) -> dict:
-    """Run the rounds and build the explain report; `launch(path, train, out, log)` runs one process group."""
+    """Run the rounds and build the explain report; `launch(path, train, out, log)` runs one process group.
+
+    When a run fails, explain.json (and explain.md, if a round of both baselines finished) is written from the runs
+    finished before it, marked "complete": false, and the CompareError is raised again, naming that report."""
     factors = parse_factors(ns.factors)
     results: dict[str, list[RunResult]] = {"deepspeed": [], "fast_default": [], **{f: [] for f in factors}}
+    finished = []  # run stems, in the order they ran
     for i in range(ns.repeats):
         names = ["deepspeed", "fast_default", *(factors if i < ns.factor_repeats else [])]
         for name in round_order(names, i):
@@ -98,23 +106,65 @@ def run_explain(train: TrainConfig, ns, launch, out_dir: Path) -> dict:
                 path, cfg, stem = "lightning", train, f"lightning_{i}"
             else:
                 path, cfg, stem = "lightning", factor_config(train, name), f"{name}_{i}"
-            results[name].append(launch(path, cfg, out_dir / "runs" / f"{stem}.json",
-                                        out_dir / "logs" / f"{stem}.log"))
-    runs = {name: [{"tflops_per_gpu": r.tflops_per_gpu, "phases_s": r.phases_s} for r in rs]
+            try:
+                results[name].append(launch(path, cfg, out_dir / "runs" / f"{stem}.json",
+                                            out_dir / "logs" / f"{stem}.log"))
+            except CompareError as e:
+                raise write_partial(train, ns, factors, results, finished, stem, e, out_dir) from e
+            finished.append(stem)
+    report = explain_report(train, ns, factors, results)
+    return {**report, "complete": True}
+
+
+def figures(results: dict[str, list[RunResult]]) -> dict[str, list[dict]]:
+    """Per-round run figures, as explain.json stores them and cost_table reads them."""
+    return {name: [{"tflops_per_gpu": r.tflops_per_gpu, "phases_s": r.phases_s} for r in rs]
             for name, rs in results.items()}
+
+
+def explain_report(train: TrainConfig, ns, factors: list[str], results: dict[str, list[RunResult]]) -> dict:
+    """The report of `results`: one deepspeed and one fast-default run per round, factors in their first rounds."""
+    runs = figures(results)
     table = cost_table(runs, {f: FACTORS[f] for f in factors})
+    rounds = len(runs["deepspeed"])
     return {
-        "command": None,  # filled by compare.py
+        "command": getattr(ns, "command", None),  # compare.py's command line
         "preset": train.preset,
         "world_size": ns.world,
         "device": results["deepspeed"][0].device,
         "train": dataclasses.asdict(train),
-        "rounds": ns.repeats,
-        "factor_rounds": min(ns.factor_repeats, ns.repeats),
+        "rounds": rounds,
+        "factor_rounds": min(ns.factor_repeats, rounds),
         "runs": runs,  # per round, in round order: what cost_table (and recompute) read
         **table,
         "study_artefacts": study_artefacts(train, table["rows"][0]["lightning_tflops_per_gpu"]),
     }
+
+
+def write_partial(train: TrainConfig, ns, factors: list[str], results: dict[str, list[RunResult]],
+                  finished: list[str], failed: str, error: CompareError, out_dir: Path) -> CompareError:
+    """A run failed: write the report of the rounds in which both baselines finished (explain.json only, with the
+    finished runs' figures and the failure, if none did) and return the error to raise, naming that report."""
+    done = min(len(results["deepspeed"]), len(results["fast_default"]))  # rounds run in order: the first `done`
+    measured = [f for f in factors if results[f][:done]]
+    partial = {"complete": False, "versions": versions(), "failed_run": failed,
+               "error": error.reason.removeprefix("reason: "),
+               "finished_runs": finished, "not_measured": [f for f in factors if f not in measured],
+               "planned_rounds": ns.repeats}
+    path = out_dir / "explain.json"
+    if done:
+        kept = {name: results[name][:done] for name in ("deepspeed", "fast_default", *measured)}
+        write_explain({**explain_report(train, ns, measured, kept), **partial}, out_dir)
+        what = f"the report of the {done} round(s) finished before it is in {path} and explain.md"
+    else:
+        (out_dir / "explain.md").unlink(missing_ok=True)  # an earlier invocation's, not these runs'
+        path.write_text(json.dumps({"command": getattr(ns, "command", None), "preset": train.preset,
+                                    "world_size": ns.world, **partial,
+                                    "runs": figures({n: rs for n, rs in results.items() if rs})}, indent=1))
+        what = f"no round finished; the finished runs' figures are in {path}"
+    first, _, rest = str(error).partition("\n")
+    return CompareError(f"{first}\nexplain stopped at {failed} ({len(finished)} run(s) finished): {what}, marked "
+                        f"incomplete\n{rest}".rstrip())
 
 
 def _spread(values: list[float]) -> dict:
@@ -192,6 +242,9 @@ def recompute(explain_json: str | Path) -> dict:
     runs/ folder beside it (deepspeed_I, lightning_I, FACTOR_I.json)."""
     path = Path(explain_json)
     report = json.loads(path.read_text())
+    if "rows" not in report:
+        raise ValueError(f"{path} has no cost table: run {report.get('failed_run')} failed before a round of both "
+                         f"baselines finished ({report.get('error')})")
     factors = {r["factor"]: r["what"] for r in report["rows"][1:]}
     runs = report.get("runs")
     if runs is None:
@@ -210,6 +263,10 @@ def recompute(explain_json: str | Path) -> dict:
 
 
 def format_explain(report: dict) -> str:
+    incomplete = [] if report.get("complete", True) else [
+        f"INCOMPLETE: run {report['failed_run']} failed ({report['error']}); the table covers the {report['rounds']} "
+        f"round(s) finished before it" + (f"; not measured: {', '.join(report['not_measured'])}"
+                                          if report["not_measured"] else ""), ""]
     spec = ".2f" if report["raw_tflops_per_gpu"] >= 1 else ".5f"
     rs, ls, base = report["raw_tflops_spread"], report["lightning_tflops_spread"], report["rows"][0]
     noise = report["baseline_noise"]
@@ -232,14 +289,15 @@ def format_explain(report: dict) -> str:
     for a in report["study_artefacts"]:
         lines.append(f"{a['factor']:<34} {a['lightning_tflops_per_gpu']:>10{spec}}  x{a['multiplier']:.4f}  "
                      f"{a['what']}")
-    return "\n".join(lines)
+    return "\n".join(incomplete + lines)
 
 
 def write_explain(report: dict, out_dir: Path) -> None:
     (out_dir / "explain.json").write_text(json.dumps(report, indent=1))
     d = report["device"]
     md = [f"# Why is Lightning slower? {report['preset']} on {report['world_size']} x {d['name']}", "",
-          f"Command: `{report['command']}`", "", "```", format_explain(report), "```", "",
+          *([f"Command: `{report['command']}`", ""] if report["command"] else []),  # none in an incomplete report
+          "```", format_explain(report), "```", "",
           "| factor | what it switches on |", "|---|---|"]
     md += [f"| {r['factor']} | {r['what']} |" for r in report["rows"]]
     (out_dir / "explain.md").write_text("\n".join(md) + "\n")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -179,10 +180,9 @@ def launch(path: str, train: TrainConfig, world: int, out: Path, log: Path, time
             tele.stop()
     if returncode != 0 or not out.is_file():
         lines = log.read_text().splitlines()
-        # The script's own message ("error: ...", or a Python exception line) says more than torchrun's summary.
-        reasons = [ln for ln in lines if ln.startswith("error:") or ln.startswith("[rank0]: ") and "Error" in ln]
         tail = "\n".join(lines[-15:])
-        reason = f"\nreason: {reasons[0]}" if reasons else ""
+        reason = failure_reason(lines)
+        reason = f"\nreason: {reason}" if reason else ""
         raise CompareError(f"{path} run failed (exit {returncode}); log: {log}{reason}\n"
                            f"--- last lines of the log ---\n{tail}")
     result = RunResult.from_json(out)
@@ -196,6 +196,20 @@ def launch(path: str, train: TrainConfig, world: int, out: Path, log: Path, time
           + (f"  SM {clock['median']:.0f} MHz" if clock else "")
           + f"  ({time.perf_counter() - t0:.0f}s incl. start-up)", flush=True)
     return result
+
+
+# A run's own message: the paths' refusals ("error: ...", shared/train/distributed.run_cli) and the exception line
+# that ends a Python traceback, with or without the "[rankN]:" prefix torch puts on a training process's output.
+_REASON = re.compile(r"^(?:\[rank(\d+)\]:)?\s*(error: .*|[\w.]+(?:Error|Exception|Interrupt)\b.*:.*)$")
+
+
+def failure_reason(lines: list[str]) -> str | None:
+    """The line of a failed run's log that says why: the last refusal or exception line of rank 0 (or of a process
+    not yet in the process group, whose output has no rank prefix), else of any rank. torchrun's own ChildFailedError,
+    which only says that a training process failed, is passed over."""
+    found = [(m[1] in (None, "0"), m[2]) for m in map(_REASON.match, lines)
+             if m and "ChildFailedError" not in m[2]]
+    return next((text for rank0, text in reversed(found) if rank0), found[-1][1] if found else None)
 
 
 def run_gpus(env: dict | None, world: int) -> list[str]:

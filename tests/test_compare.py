@@ -539,3 +539,27 @@ def test_a_failed_cross_check_run_leaves_the_report_of_the_pairs_written(tmp_pat
     assert (tmp_path / "report.md").exists()
     assert "the cross-check failed (deepspeed run failed; reason: injected); the report above was written without it" \
            in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("log, reason", [
+    # raised before the process group started: no rank prefix; torchrun's own ChildFailedError comes after it
+    ("Traceback (most recent call last):\n  File \"train.py\", line 3, in <module>\nImportError: cannot import name "
+     "'x'\nTraceback (most recent call last):\ntorch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n",
+     "ImportError: cannot import name 'x'"),
+    # the exception line, not the source line above it that names the error
+    ("[rank0]: Traceback (most recent call last):\n[rank0]:     raise pickle.UnpicklingError(msg) from None\n"
+     "[rank0]: _pickle.UnpicklingError: Weights only load failed\n[rank1]: RuntimeError: Connection closed by peer\n",
+     "_pickle.UnpicklingError: Weights only load failed"),
+    ("[rank0]: error: micro_batch 8 does not fit in H200\n", "error: micro_batch 8 does not fit in H200"),
+])
+def test_a_failed_runs_reason_is_its_last_exception_line(tmp_path, monkeypatch, log, reason):
+    from harness import launch
+
+    def fake_run(path, cmd, env, log_path, timeout):
+        log_path.write_text(" ".join(cmd) + "\n" + log)
+        return 1
+
+    monkeypatch.setattr(launch, "_run", fake_run)
+    with pytest.raises(launch.CompareError) as e:
+        launch.launch("deepspeed", TrainConfig(), 1, tmp_path / "r.json", tmp_path / "r.log", 60)
+    assert e.value.reason == f"reason: {reason}"

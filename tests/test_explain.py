@@ -29,6 +29,11 @@ def test_every_overhead_has_a_description_and_unknown_factors_fail():
         explain.parse_factors("progress_bar,warp_drive")
 
 
+def test_a_factor_named_twice_is_refused_up_front():
+    with pytest.raises(ValueError, match=r"\['progress_bar'\] named more than once"):
+        explain.parse_factors("progress_bar,log_loss,progress_bar")
+
+
 def test_deepspeed_side_factors_change_the_lightning_dict_only():
     assert lightning_ds_config(cfg("ds_throughput_timer"))["timers"]["throughput"] == \
         {"enabled": True, "synchronized": True}
@@ -125,6 +130,36 @@ def test_rounds_alternate_which_path_runs_first(tmp_path):
                      "log_loss_1", "progress_bar_1", "lightning_1", "deepspeed_1",
                      "deepspeed_2", "lightning_2"]
     assert [len(report["runs"][k]) for k in ("deepspeed", "fast_default", "progress_bar")] == [3, 3, 2]
+
+
+@pytest.mark.parametrize("fails, rounds", [("deepspeed_1", 1), ("lightning_0", 0)])
+def test_a_failed_run_leaves_the_report_of_the_finished_rounds_marked_incomplete(tmp_path, fails, rounds):
+    from harness.launch import CompareError
+
+    def launch(path, train, out, log):
+        if out.stem == fails:
+            raise CompareError(f"{path} run failed (exit 1); log: {log}\nreason: error: injected\n--- last lines ---")
+        return SimpleNamespace(tflops_per_gpu=1.0, device={"name": "cpu"},
+                               phases_s={"data": 0.0, "forward": 0.0, "backward": 0.0, "step": 0.0})
+
+    (tmp_path / "explain.md").write_text("an earlier invocation's report")
+    ns = SimpleNamespace(factors="progress_bar,log_loss", repeats=2, factor_repeats=2, world=1)
+    with pytest.raises(CompareError) as e:
+        explain.run_explain(TrainConfig(), ns, launch, tmp_path)
+    assert e.value.reason == "reason: error: injected" and str(tmp_path / "explain.json") in str(e.value)
+    report = json.loads((tmp_path / "explain.json").read_text())
+    assert report["complete"] is False and report["failed_run"] == fails and report["error"] == "error: injected"
+    if rounds:  # round 1 ran log_loss, progress_bar and lightning before deepspeed_1 failed: round 0 is reported
+        assert report["finished_runs"][-3:] == ["log_loss_1", "progress_bar_1", "lightning_1"]
+        assert report["rounds"] == 1 and [r["factor"] for r in report["rows"]] == ["fast_default", "progress_bar",
+                                                                                  "log_loss"]
+        assert explain.recompute(tmp_path / "explain.json")["rows"] == report["rows"]
+        assert "INCOMPLETE: run deepspeed_1 failed (error: injected)" in (tmp_path / "explain.md").read_text()
+    else:  # no round of both baselines: the finished run's figures and the failure, no table
+        assert report["finished_runs"] == ["deepspeed_0"] and list(report["runs"]) == ["deepspeed"]
+        assert not (tmp_path / "explain.md").exists()
+        with pytest.raises(ValueError, match="no cost table: run lightning_0 failed"):
+            explain.recompute(tmp_path / "explain.json")
 
 
 def test_recompute_reads_per_round_figures_from_the_report_or_from_its_run_jsons(tmp_path):

@@ -53,3 +53,14 @@ def test_user_layout_from_file_per_head(tmp_path):
     assert got.dtype == torch.bool and torch.equal(got, lay.bool())
     with pytest.raises(ValueError, match="does not exist"):
         layouts.make_layout(preset("tiny", layout=str(tmp_path / "missing.pt")))
+
+
+def test_unreadable_or_invalid_layout_files_are_refused_naming_the_file(tmp_path):
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a torch file")
+    with pytest.raises(ValueError, match=r"garbage\.pt' is not a tensor saved with torch.save.*\(2 or 1, 8, 8\)"):
+        layouts.make_layout(preset("tiny", n_head=2, layout=str(garbage)))
+    above = tmp_path / "above.pt"
+    torch.save(torch.ones(1, 8, 8, dtype=torch.bool), above)
+    with pytest.raises(ValueError, match=r"layout file '.*above\.pt': layout has a block above the diagonal"):
+        layouts.make_layout(preset("tiny", n_head=2, layout=str(above)))

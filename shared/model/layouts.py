@@ -95,7 +95,16 @@ def make_layout(cfg: GPTConfig) -> torch.Tensor:
         path = Path(cfg.layout)
         if not path.is_file():
             raise ValueError(f"layout file {cfg.layout!r} does not exist")
-        layout = torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            layout = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # not a torch.save file, or one that holds more than tensors (pickled objects)
+            raise ValueError(f"layout file {cfg.layout!r} is not a tensor saved with torch.save (torch.load with "
+                             f"weights_only=True failed: {type(e).__name__}); expected a bool or 0/1 tensor of "
+                             f"shape ({cfg.n_head} or 1, {nb}, {nb})") from None
+        try:
+            return validate(layout, cfg.n_head, nb)
+        except ValueError as e:
+            raise ValueError(f"layout file {cfg.layout!r}: {e}") from None
     return validate(layout, cfg.n_head, nb)
 
 
