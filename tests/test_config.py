@@ -9,7 +9,7 @@ from shared.train.config import TrainConfig, normalize_precision
     "kwargs, message",
     [
         (dict(n_embd=100, n_head=3), "divisible by n_head"),
-        (dict(seq_len=100, sparse_block=16), "multiple of sparse_block"),
+        (dict(seq_len=100, sparse_block=16), "multiple of sparse_block .* use e.g. --seq_len 96"),
         (dict(attention="flash9"), "unknown attention backend 'flash9'"),
         (dict(layout="zigzag"), "unknown layout 'zigzag'"),
         (dict(attn_dropout_mask="bitz"), "unknown attn_dropout_mask 'bitz'"),

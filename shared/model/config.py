@@ -138,9 +138,11 @@ class GPTConfig(FusedSwitches):
             raise ValueError(f"attn_dropout_mask 'bits' is the blocksparse kernel's; attention {self.attention!r} "
                              "draws its own dropout mask")
         if self.seq_len % self.sparse_block != 0:
+            nearest = max(1, round(self.seq_len / self.sparse_block)) * self.sparse_block
             raise ValueError(
                 f"seq_len ({self.seq_len}) must be a multiple of sparse_block ({self.sparse_block}) "
-                "so that the block layout tiles the sequence"
+                "so that the block layout tiles the sequence (every attention backend reads its mask from that "
+                f"layout; the preset fixes the block): use e.g. --seq_len {nearest}"
             )
         for name in ("dropout", "attn_dropout"):
             value = getattr(self, name)
