@@ -79,6 +79,8 @@ def test_the_training_scripts_refuse_before_deepspeed_starts(script, tmp_path):
         (HUGE, "seq_len 1048576"),
         (["--lr", "-1"], "lr must be positive and finite, got -1.0"),
         (["--data", tmp_path / "missing"], "missing.meta.json' not found"),
+        (["--layout", "local"], "attention backend 'sdpa' computes dense causal attention only, but layout 'local'"),
+        (["--layout", tmp_path / "nope.pt", "--attention", "reference"], "nope.pt' does not exist"),
         (["--out", tmp_path], f"--out {tmp_path} is a folder: give the file to write"),  # not found after training
         (["--export", tmp_path / "notes.txt" / "w.safetensors"], "notes.txt is a file, not a folder to write it in"),
     ]

@@ -189,7 +189,8 @@ def check_build_locks(min_age_s: float = 10.0) -> None:
 
 def check_before_start(train, device: torch.device, world: int, local_world: int) -> None:
     """Everything that can be refused before a process group or DeepSpeed starts: the precision on this device,
-    the token files, a user DeepSpeed JSON, a size that clearly cannot fit, a JIT-build lock left behind."""
+    the token files, a user DeepSpeed JSON, a size that clearly cannot fit, the attention backend with its layout,
+    a JIT-build lock left behind, output files that cannot be written."""
     from shared.train.data import check_data
     from shared.train.ds_config import build_ds_config
 
@@ -200,6 +201,16 @@ def check_before_start(train, device: torch.device, world: int, local_world: int
     if train.ds_config:
         build_ds_config(train)  # reads and checks the user's JSON
     check_fits(train, device, world, local_world)
+    check_attention(train)  # after check_fits: a backend's masks grow with seq_len squared
+
+
+def check_attention(train) -> None:
+    """The attention backend with its layout (a --layout file read and checked), built once here: a backend that
+    cannot run this layout, or a layout file that is missing or wrong, is refused before DeepSpeed starts rather than
+    inside its model construction."""
+    from shared.model.attention import build_attention
+
+    build_attention(train.model())
 
 
 def check_outputs(train) -> None:
