@@ -182,11 +182,11 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
             raise ValueError(f"--factor_repeats must be positive, got {ns.factor_repeats}")
         if ns.timeout <= 0:
             raise ValueError(f"--timeout must be positive (seconds a run may take), got {ns.timeout}")
-        for flag, value, mode in (("--mb_grid", ns.mb_grid, ns.autotune), ("--budget_s", ns.budget_s, ns.autotune),
-                                  ("--factors", ns.factors, ns.explain)):
-            if value is not None and not mode:
-                raise ValueError(f"{flag} is an option of {'--autotune' if flag != '--factors' else '--explain'}, "
-                                 "which this command does not ask for: add it or drop the option")
+        for flag, value, mode in (("--mb_grid", ns.mb_grid, "autotune"), ("--budget_s", ns.budget_s, "autotune"),
+                                  ("--factors", ns.factors, "explain")):
+            if value is not None and not getattr(ns, mode):
+                raise ValueError(f"{flag} is an option of --{mode}, which this command does not ask for: add it or "
+                                 "drop the option")
         if ns.explain:
             explain.parse_factors(ns.factors)
         ns.references = [r.strip() for r in ns.reference.split(",") if r.strip()]

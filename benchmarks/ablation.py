@@ -84,7 +84,6 @@ from harness.autotune import parse_grid
 from harness.budget import kinds_ms, minus_mean
 from harness.launch import (
     GRACE_S,
-    RUNNING,
     TIME_LIMIT_EXIT,
     CompareError,
     Stopped,
@@ -93,7 +92,7 @@ from harness.launch import (
     launch,
     raise_stopped,
     run_group,
-    stop_group,
+    stop_running,
     visible_gpu,
 )
 from harness.report import measured
@@ -221,8 +220,7 @@ def spread(before, levers: list, after, gpus: int, run, fits) -> list:
             with lock:
                 stop.append(None)
             while not all(job.done() for job in jobs):  # a run started meanwhile included
-                for pid in list(RUNNING):
-                    stop_group(pid)
+                stop_running()
                 time.sleep(0.1)
             raise
     return skipped + [(task, None) for task in queue]

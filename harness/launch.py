@@ -255,6 +255,12 @@ def visible_gpu(slot: int) -> str:
 
 
 
+def stop_running() -> None:
+    """stop_group every run this process started that is still running (RUNNING)."""
+    for pid in list(RUNNING):
+        stop_group(pid)
+
+
 def run_group(group: list[str], launch_one) -> dict:
     """Run the paths of `group` at the same time, `launch_one(slot, path)` each in a thread of its own, and return
     {path: RunResult}. When one fails, or a signal arrives, every other run of the group is stopped before this
@@ -265,6 +271,5 @@ def run_group(group: list[str], launch_one) -> dict:
             return {path: jobs[path].result() for path in group}
         except BaseException:
             # A signal or a failed run reaches this thread, not the ones waiting on the other runs: stop those too.
-            for pid in list(RUNNING):
-                stop_group(pid)
+            stop_running()
             raise

@@ -222,8 +222,8 @@ def load_user_ds_config(source: str | Path, train: TrainConfig) -> dict:
     if stage != train.stage:
         raise ValueError(f"DeepSpeed config {name} sets ZeRO stage {stage} but the run asks for {train.stage}")
     clip = cfg.get("gradient_clipping", 0.0)  # DeepSpeed's default: no clipping
-    if "gradient_clipping" in cfg and clip != train.grad_clip or "gradient_clipping" not in cfg and \
-            train.grad_clip != TrainConfig.grad_clip:
+    # the key as given must be the run's; without it, only the flag's default goes unnoticed
+    if cfg.get("gradient_clipping", TrainConfig.grad_clip) != train.grad_clip:
         raise ValueError(f"DeepSpeed config {name} clips gradients at {clip} (gradient_clipping"
                          f"{'' if 'gradient_clipping' in cfg else ' absent: DeepSpeed does not clip'}) but the run "
                          f"asks for --grad_clip {train.grad_clip}; set gradient_clipping in the JSON"
