@@ -36,10 +36,11 @@ DeepSpeed's own DeepCompile op, whose host waits for the backward's end, instead
 for it (`-device_backward_wait`, shared/train/deepcompile_op.py), DeepSpeed's read of the gradient norm's inf/NaN check
 on the host instead of the flag left on the device, each update skipping itself there (`-device_norm_check`,
 shared/train/zero3_step.py), DeepCompile's op without its division of every gradient by a world size of 1
-(`+skip_divide_by_one`, shared/train/deepcompile_op.py), and the padded vocabulary, the Triton loss and the Triton
-dropout all off (`-together`: each measured within its baselines' noise alone, the three 1.017x together).
-The block-sparse kernel is not a lever here: on the causal layout SDPA (cuDNN) is faster, with and without dropout;
-benchmarks/attention.py and attention_dropout.py compare them at the model's shape.
+(`+skip_divide_by_one`, shared/train/deepcompile_op.py), the training forward without dynamo's guard checks once the
+compiles are done (`+skip_guard_eval`, shared/train/compile.GuardSkip), and the padded vocabulary, the Triton loss
+and the Triton dropout all off (`-together`: each measured within its baselines' noise alone, the three 1.017x
+together). The block-sparse kernel is not a lever here: on the causal layout SDPA (cuDNN) is faster, with and
+without dropout; benchmarks/attention.py and attention_dropout.py compare them at the model's shape.
 `baseline` runs first and again last (`baseline_again`): each configuration's ratio is against the
 mean of the baseline runs, whose two values give the noise. Raw path only by default (`--paths`): a lever changes
 the shared model or step, which both paths run alike (compare.py measures their ratio). A DeepCompile run of the
@@ -56,8 +57,8 @@ one after the other on one GPU: every GPU runs the reference configurations name
 first lever first, those named after it last), each other configuration runs once, on the first GPU free, and its
 ratio is against the reference runs of its own GPU, since GPUs of one kind differ in clock (each row records its
 GPU's index and UUID; the table names the GPU). With --keep every reference run measured stays, rating the runs of
-its own GPU, and a GPU of this machine without one runs it again. On 8 GPUs the last-mile set (16 levers, a baseline
-and a baseline again on every GPU) takes 4 runs a GPU, against 18 one after the other on one GPU. The runs of a
+its own GPU, and a GPU of this machine without one runs it again. On 8 GPUs the last-mile set (19 levers, a baseline
+and a baseline again on every GPU) takes at most 5 runs a GPU, against 21 one after the other on one GPU. The runs of a
 round compile at the same time on the host's CPUs, baselines and levers alike.
 """
 
@@ -136,6 +137,7 @@ LAST_MILE = {
     "-device_backward_wait": {"deepcompile_backward_wait": "host"},
     "-device_norm_check": {"grad_norm_check": "host"},
     "+skip_divide_by_one": {"deepcompile_skip_divide_by_one": True},  # no division by the world size of 1
+    "+skip_guard_eval": {"skip_guard_eval": True},  # the forward's guard checks skipped after the compiles
     # the three levers of the default that measured within their baselines' noise alone and a gain together, all off
     "-together": {"vocab_multiple": 1, "triton_loss": False, "triton_dropout": False},
     "baseline_again": {},
