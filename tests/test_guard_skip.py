@@ -78,7 +78,7 @@ def test_a_compile_in_the_checked_step_stops_the_run(fresh):
     guards = GuardSkip(TrainConfig(compile="blocks", skip_guard_eval=True))
     with guards.forward(0):
         f(torch.ones(3))
-    with pytest.raises(RuntimeError, match=r"the training forward of step 1 compiled 1 new graph\(s\) after the last "
+    with pytest.raises(ValueError, match=r"the training forward of step 1 compiled 1 new graph\(s\) after the last "
                                            r"planned compile \(step 0\).*drop --skip_guard_eval"):
         with guards.forward(1):
             f(torch.ones(4))  # a new shape: a new graph

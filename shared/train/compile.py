@@ -75,8 +75,8 @@ class GuardSkip:
     apart, none when there is one: unsafe if the forward would have needed a new graph, which would then not be
     compiled. So the forward of the step after the last planned compile (shared/train/config.last_compile_step,
     counted from the first step this process trains) runs with its guards as the check: if it compiles anything the
-    run stops with a RuntimeError. From the next step on every training forward skips them. Validation, export and
-    the backward run outside `forward` with their guards.
+    run stops with a ValueError (exit status 2, its message, no traceback). From the next step on every training
+    forward skips them. Validation, export and the backward run outside `forward` with their guards.
     """
 
     def __init__(self, train: TrainConfig):
@@ -110,7 +110,7 @@ class GuardSkip:
         yield
         compiled = dynamo_stats()["dynamo_graphs"] - before
         if compiled:
-            raise RuntimeError(
+            raise ValueError(  # exits 2 with this message, as a refused flag does
                 f"--skip_guard_eval: the training forward of step {step} compiled {compiled} new graph(s) after the "
                 f"last planned compile (step {self.first + self.check_at - 1}), so its guards do change between "
                 "steps and skipping them would run a stale graph; drop --skip_guard_eval")
