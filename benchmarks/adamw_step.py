@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from shared.kernels.adamw import adamw_step
+from shared.kernels.adamw import adamw_step, interpreted
+from shared.train.cli import check_out_flag
 from shared.train.results import device_info, versions
 
 HYPER = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -43,6 +44,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.numel < 1 or args.repeats < 1 or args.warmup < 0:
         p.error("--numel and --repeats must be >= 1, --warmup >= 0")
+    if not torch.cuda.is_available() and not interpreted():  # refused before the buffers and the fast mode's steps
+        p.error("the fused mode's Triton kernel needs a CUDA GPU, or on a CPU TRITON_INTERPRET=1 (set before triton "
+                "is imported) to run it in Triton's interpreter")
+    check_out_flag(p, args.out)  # a folder or an unwritable path: refused before it measures
     return args
 
 

@@ -52,6 +52,7 @@ from shared.kernels import blocksparse_attention as bsa
 from shared.model import layouts
 from shared.model.attention import ReferenceAttention, build_attention
 from shared.model.config import GPTConfig
+from shared.train.cli import check_out_flag
 from shared.train.results import device_info, versions
 
 CHECK_HEADS = 4
@@ -283,6 +284,12 @@ def parse_args(argv=None):
         p.error(f"unknown --backends {unknown}; choose from {sorted(known)}")
     if bad := [d for d in args.dropouts if not 0.0 <= d < 1.0]:
         p.error(f"every --dropouts value must be in [0, 1), got {bad}")
+    try:  # an unknown layout or shape: refused now, not after the rows before it
+        for seq, layout in itertools.product([2048] if args.quick else args.seqs, args.layouts):
+            layouts.make_layout(model_cfg(args, seq, layout, "reference"))
+    except ValueError as e:
+        p.error(str(e))
+    check_out_flag(p, args.out)  # a folder or an unwritable path: refused before it measures
     return args
 
 

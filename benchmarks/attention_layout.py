@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from shared.train.cli import check_out_flag
 from shared.train.results import device_info, versions, write_json
 
 LAYOUTS = ("bhtd", "qkv_split", "bthd")
@@ -192,6 +193,7 @@ def parse_args(argv=None):
         p.error(f"every --dropouts value must be in [0, 1), got {bad}")
     if args.rounds < 1 or min(args.batch, args.heads, args.seq, args.head_dim) < 1:
         p.error("--rounds, --batch, --heads, --seq and --head_dim must be positive")
+    check_out_flag(p, args.out)  # a folder or an unwritable path: refused before it measures
     return args
 
 

@@ -14,8 +14,8 @@ different orders, so small bf16 differences are expected; with dropout the mask 
 both ways. `--atomic_dq` also times the one-pass backward at every dk/dv tile (`dkdv_dq` rows: delta, zeroed fp32
 dq, the dk/dv kernel adding dq atomically, the cast back), against the two-kernel backward's best dq + dk/dv.
 
-Layouts whose rows and columns are runs (causal, local) are also timed with the lookup-table path forced
-(`lookup` rows): the ratio says what the affine path gains. The yardstick in the same run is SDPA with the cuDNN
+With `--lookup`, layouts whose rows and columns are runs (causal, local) are also timed with the lookup-table path
+forced (`lookup` rows): the ratio says what the affine path gains. The yardstick in the same run is SDPA with the cuDNN
 kernel (forward, and forward + backward) at the same shape; `best_sum_ms` adds each kernel's fastest tile
 (plus nothing else: the autograd wrapper launches exactly these three kernels).
 
@@ -41,6 +41,7 @@ import triton
 from shared.kernels import blocksparse_attention as bsa
 from shared.model import layouts
 from shared.model.config import GPTConfig
+from shared.train.cli import check_out_flag
 from shared.train.results import device_info, versions, write_json
 
 KINDS = ("fwd", "dq", "dkdv")
@@ -273,6 +274,7 @@ def parse_args(argv=None):
     check_shape_args(p, args)
     if bad := [d for d in args.dropouts if not 0.0 <= d < 1.0]:
         p.error(f"every --dropouts value must be in [0, 1), got {bad}")
+    check_out_flag(p, args.out)  # a folder or an unwritable path: refused before it measures
     return args
 
 

@@ -109,7 +109,12 @@ def parse(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
                              f"{ns.start_profile_step} and {ns.end_profile_step}")
         if ns.repeats <= 0:
             raise ValueError(f"--repeats must be positive, got {ns.repeats}")
+        if ns.tuner_timeout <= 0 or ns.timeout <= 0:  # else every experiment or run is stopped as it starts
+            raise ValueError(f"--tuner_timeout and --timeout must be positive seconds, got {ns.tuner_timeout} and "
+                             f"{ns.timeout}")
         ns.out_dir = Path(ns.out or "reports/ds_autotuner")
+        if ns.out_dir.exists() and not ns.out_dir.is_dir():
+            raise ValueError(f"--out {ns.out_dir} is a file: give the folder to write the autotuner's results in")
         if ns.reuse and (ns.versus is None or not (ns.out_dir / "ds_autotuner.json").is_file()):
             raise ValueError("--reuse needs --versus and a finished autotuner run in --out (ds_autotuner.json)")
         if ns.versus is not None and not Path(ns.versus).is_file():

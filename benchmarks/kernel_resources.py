@@ -46,6 +46,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import attention_tiles  # noqa: E402
 
 from shared.kernels import blocksparse_attention as bsa  # noqa: E402
+from shared.train.cli import check_out_flag  # noqa: E402
 
 KINDS = ("fwd", "dq", "dkdv")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -243,6 +244,7 @@ def parse_args(argv=None):
                 f"seq {args.seq}, batch {args.batch}, heads {args.heads}")
     if args.first < 0:
         p.error(f"--first must be >= 0, got {args.first}")
+    check_out_flag(p, args.out)  # a folder or an unwritable path: refused before it measures
     return args
 
 

@@ -32,6 +32,7 @@ from mlp_tail import time_alternated, write_result  # noqa: E402
 from shared.kernels import cross_entropy
 from shared.model.fused_loss import triton_linear_cross_entropy
 from shared.model.gpt import LMHead
+from shared.train.cli import check_out_flag
 from shared.train.results import device_info, versions
 
 
@@ -51,6 +52,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     for name in ("rows", "hidden", "vocab", "vocab_multiple", "rounds", "warmup", "rep"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    check_out_flag(p, args.out)  # a folder or an unwritable path: refused before it measures
     return args
 
 

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from shared.kernels import bias_gelu_grad
 from shared.model import fused_ops
+from shared.train.cli import _parse_bool, check_out_flag
 from shared.train.results import device_info, versions
 
 VARIANTS = {"inductor": fused_ops.bias_gelu, "matmul_grad": fused_ops.bias_gelu_matmul_grad,
@@ -52,7 +53,7 @@ def timing_parser(doc: str, cols: int, cols_help: str) -> argparse.ArgumentParse
     p.add_argument("--cols", type=int, default=cols, help=cols_help)
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     p.add_argument("--rounds", type=int, default=3, help="times each variant is timed, alternated")
-    p.add_argument("--coordinate_descent_tuning", type=lambda s: s.lower() in ("1", "true", "yes"), default=True,
+    p.add_argument("--coordinate_descent_tuning", type=_parse_bool, default=True,
                    help="inductor's coordinate-descent tuning while compiling (true/false; CUDA only)")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
@@ -64,6 +65,7 @@ def check_sizes(p: argparse.ArgumentParser, args: argparse.Namespace) -> argpars
     for name in ("rows", "cols", "rounds", "warmup", "rep"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    check_out_flag(p, args.out)  # a folder or an unwritable path: refused before it measures
     return args
 
 

@@ -28,7 +28,7 @@ from shared.model.gpt import GPT
 from shared.train import zero3_step
 from shared.train.cli import parse_train_config
 from shared.train.data import train_loader
-from shared.train.distributed import backend_for, ensure_env, pick_device, seed_all
+from shared.train.distributed import backend_for, check_outputs, ensure_env, pick_device, seed_all
 from shared.train.ds_config import build_ds_config
 from shared.train.optim import build_optimizer, build_scheduler
 from shared.train.results import device_info, versions
@@ -82,6 +82,13 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("optimizer_step.py times DeepSpeed's ZeRO-3 optimizer step: use --stage 3")
     if train.steps - train.warmup_steps < 2:
         raise SystemExit("need at least 2 steps after --warmup_steps (one plain, one profiled)")
+    if train.grad_accum != 1:  # its loop runs one micro-batch per engine.step(): most would step nothing
+        raise SystemExit(f"optimizer_step.py times one optimizer step per micro-batch: use --grad_accum 1, got "
+                         f"{train.grad_accum}")
+    try:
+        check_outputs(train)  # a folder in --out's place: refused now, not after the steps ran
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     ensure_env()
     device = pick_device()
     import deepspeed

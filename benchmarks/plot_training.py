@@ -15,19 +15,25 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from shared.train.cli import check_out_flag  # noqa: E402
+
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results", nargs="+", type=Path, help="RunResult JSON files (one curve each)")
     p.add_argument("--out", type=Path, required=True, help="PNG to write")
     ns = p.parse_args(argv)
+    check_out_flag(p, ns.out, "loss.png")  # a folder or an unwritable path: refused before it measures
     fig, ax = plt.subplots(figsize=(8, 4.5))
     title = None
     for path in ns.results:
         if not path.is_file():
             p.error(f"{path} does not exist")
-        r = json.loads(path.read_text())
-        if "losses" not in r or "path" not in r:
+        try:
+            r = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            p.error(f"{path} is not a readable JSON file ({type(e).__name__}: {e})")
+        if not isinstance(r, dict) or "losses" not in r or "path" not in r:
             p.error(f"{path} is not a RunResult JSON (no 'losses'/'path')")
         start = r.get("extra", {}).get("start_step", 0)
         steps = range(start + 1, start + len(r["losses"]) + 1)
@@ -45,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     ax.legend()
     fig.tight_layout()
     ns.out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(ns.out, dpi=110)
+    fig.savefig(ns.out, dpi=110, format=ns.out.suffix[1:] or "png")  # no suffix: a PNG at --out, not --out.png
     print(f"wrote {ns.out}")
 
 

@@ -30,6 +30,7 @@ from shared.train.data import train_loader
 from shared.train.distributed import (
     apply_gc_policy,
     backend_for,
+    check_outputs,
     check_precision,
     dropout_seed,
     ensure_env,
@@ -134,6 +135,7 @@ def cli(argv: list[str] | None = None) -> None:
     ns = parser.parse_args(argv)
     try:
         train = config_from_args(ns)
+        check_outputs(train)  # a folder in --out's place: refused now, not after the row trained
     except ValueError as e:
         parser.error(str(e))
     run_cli(lambda t: main(t, ns.mode), train, "cuda" if torch.cuda.is_available() else "cpu")

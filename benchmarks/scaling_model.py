@@ -30,6 +30,7 @@ from pathlib import Path
 
 from shared.model.config import preset
 from shared.model.flops import megatron_params
+from shared.train.cli import check_out_flag
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=str(RESULTS / "scaling_model.json"))
     ns = p.parse_args(argv)
+    check_out_flag(p, ns.out, "scaling_model.json")  # a folder or an unwritable path: refused before it measures
     cfg = preset("1.5b")
     n_params = megatron_params(cfg.n_layer, cfg.n_embd, cfg.vocab_size, cfg.seq_len)
     volume = lambda n: 3 * 2 * n_params * (n - 1) / n  # bytes per GPU per step
@@ -83,6 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
                         "traffic": "ZeRO-3 bf16: 2 all-gathers of the parameters + 1 reduce-scatter of the gradients"},
         "inputs": inputs, "inputs_caveat": INPUTS_CAVEAT, "predictions": predictions,
     }
+    Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
     Path(ns.out).write_text(json.dumps(report, indent=1))
     print(f"caveat: {INPUTS_CAVEAT}")
     for profile, rows in predictions.items():

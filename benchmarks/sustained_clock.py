@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from harness import telemetry
 from harness.launch import visible_gpu
 from shared.model.config import PRESETS
+from shared.train.cli import check_out_flag
 from shared.train.results import device_info, versions, write_json
 
 
@@ -141,6 +142,10 @@ def parse_args(argv=None):
         p.error(f"--dropout must be in [0, 1), got {args.dropout}")
     if args.batch < 1 or args.seconds <= 0 or args.window <= 0:
         p.error("--batch, --seconds and --window must be positive")
+    if args.seconds < 2 * args.window:  # one window has nothing to be compared with: refused now, not after it ran
+        p.error(f"--seconds {args.seconds:g} must be at least twice --window {args.window:g}: the summary compares "
+                "the first window with the later ones")
+    check_out_flag(p, args.out)  # a folder or an unwritable path: refused before it measures
     return args
 
 

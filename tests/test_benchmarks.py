@@ -12,7 +12,7 @@ import pytest
 
 from harness.budget import kinds_ms
 from shared.train.config import TrainConfig
-from tests.helpers import ROOT, load, run
+from tests.helpers import ROOT, load, python_without_interpreter, run
 from tests.helpers import env as run_env
 
 ABLATION = ROOT / "benchmarks" / "ablation.py"
@@ -160,6 +160,11 @@ def test_plot_training_draws_the_committed_h200_runs(tmp_path):
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     proc = run([sys.executable, PLOT, tmp_path / "missing.json", "--out", tmp_path / "x.png"], check=False)
     assert proc.returncode == 2 and "does not exist" in proc.stderr
+    (tmp_path / "train.log").write_text("step 1 loss 10.8\n")  # not a RunResult JSON: named, no traceback
+    proc = run([sys.executable, PLOT, tmp_path / "train.log", "--out", tmp_path / "x.png"], check=False)
+    assert proc.returncode == 2 and "train.log is not a readable JSON file" in proc.stderr
+    run([sys.executable, PLOT, results[0], "--out", tmp_path / "curves"], timeout=120)  # no suffix: that file, a PNG
+    assert (tmp_path / "curves").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "curves.png").exists()
 
 
 @pytest.mark.slow
@@ -204,10 +209,18 @@ def test_deepspeeds_autotuner_drives_the_raw_loop_and_meets_our_winner(tmp_path)
     (["--versus", "nope/autotune.json"], "--versus 'nope/autotune.json' does not exist"),
     (["--ds_config", "x.json"], "this script writes the autotuner's config itself"),
     (["--reuse"], "--reuse needs --versus and a finished autotuner run in --out"),
+    (["--tuner_timeout", "0"], "--tuner_timeout and --timeout must be positive seconds, got 0 and 900"),
 ])
 def test_ds_autotuner_bad_input_exits_2_before_any_run(tmp_path, args, message):
     proc = run([sys.executable, DS_AUTOTUNER, *args, "--out", tmp_path], check=False, timeout=60)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_ds_autotuner_refuses_a_file_as_its_out_folder(tmp_path, capsys):
+    (tmp_path / "ds.json").write_text("{}")
+    with pytest.raises(SystemExit) as e:
+        _ds_autotuner().parse(["--out", str(tmp_path / "ds.json")])
+    assert e.value.code == 2 and f"--out {tmp_path / 'ds.json'} is a file" in capsys.readouterr().err
 
 
 def load_module(name, path):
@@ -359,11 +372,63 @@ def test_adamw_step_benchmark_times_both_modes_and_they_agree(tmp_path):
     assert r["max_abs_param_difference"] <= 1e-6 * max(1.0, r["max_abs_param"])
     proc = run([sys.executable, ROOT / "benchmarks" / "adamw_step.py", "--numel", "0"], check=False, timeout=60)
     assert proc.returncode != 0 and "--numel and --repeats must be >= 1" in proc.stderr
+    # a CPU without Triton's interpreter: refused before the buffers are made and the fast mode runs
+    proc = python_without_interpreter(f"import runpy, sys; sys.argv = ['adamw_step.py', '--numel', '1000']; "
+                                      f"runpy.run_path({str(ROOT / 'benchmarks' / 'adamw_step.py')!r}, "
+                                      "run_name='__main__')")
+    assert proc.returncode == 2 and "on a CPU TRITON_INTERPRET=1" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_optimizer_step_profile_refuses_what_it_cannot_time(tmp_path):
     proc = run([sys.executable, OPTIMIZER_STEP, "--preset", "tiny", "--stage", "2"], check=False, timeout=60)
     assert proc.returncode != 0 and "use --stage 3" in proc.stderr
+    # more micro-batches than optimizer steps would time engine.step() calls that step nothing
+    proc = run([sys.executable, OPTIMIZER_STEP, "--preset", "tiny", "--grad_accum", "2"], check=False, timeout=60)
+    assert proc.returncode != 0 and "use --grad_accum 1, got 2" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run([sys.executable, OPTIMIZER_STEP, "--preset", "tiny", "--out", tmp_path], check=False, timeout=60)
+    assert proc.returncode != 0 and f"--out {tmp_path} is a folder" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# each benchmark's argument parser (or main, where it parses and writes at once), called with argv
+PARSERS = {"attention": "parse_args", "attention_layout": "parse_args", "attention_tiles": "parse_args",
+           "adamw_step": "parse_args", "lm_loss": "parse", "mlp_tail": "parse", "sustained_clock": "parse_args",
+           "kernel_resources": "parse_args", "scaling_model": "main", "plot_training": "main", "reference": "cli"}
+
+
+@pytest.mark.parametrize("name", sorted(PARSERS))
+def test_a_folder_or_a_file_in_a_folders_place_as_out_is_refused_before_the_benchmark_runs(tmp_path, capsys, name):
+    parse = getattr(load_module(f"{name}_out", ROOT / "benchmarks" / f"{name}.py"), PARSERS[name])
+    first = {"plot_training": [str(ROOT / "benchmarks" / "results" / "kjv350m_1xh200" / "kjv350m_deepspeed.json")],
+             "reference": ["--mode", "ceiling"]}.get(name, [])
+    (tmp_path / "notes.txt").write_text("a file where a folder would be")
+    for out, message in ((tmp_path, f"--out {tmp_path} is a folder"),
+                         (tmp_path / "notes.txt" / "r.json", "notes.txt is a file, not a folder to write it in")):
+        with pytest.raises(SystemExit) as e:
+            parse([*first, "--out", str(out)])
+        assert e.value.code == 2 and message in capsys.readouterr().err, name
+
+
+def test_mlp_tail_refuses_a_flag_value_that_is_not_a_boolean(capsys):
+    mlp_tail = load_module("mlp_tail_bool", ROOT / "benchmarks" / "mlp_tail.py")
+    assert mlp_tail.parse(["--coordinate_descent_tuning", "off"]).coordinate_descent_tuning is False
+    assert mlp_tail.parse(["--coordinate_descent_tuning", "on"]).coordinate_descent_tuning is True  # as training's
+    with pytest.raises(SystemExit) as e:
+        mlp_tail.parse(["--coordinate_descent_tuning", "ture"])  # a typo is not "off"
+    assert e.value.code == 2 and "expected a boolean (true/false), got 'ture'" in capsys.readouterr().err
+
+
+def test_sustained_clock_refuses_a_run_too_short_for_two_windows(capsys):
+    clock = load_module("sustained_clock", ROOT / "benchmarks" / "sustained_clock.py")
+    with pytest.raises(SystemExit) as e:
+        clock.parse_args(["--seconds", "1.5", "--window", "1", "--out", ""])
+    assert e.value.code == 2 and "--seconds 1.5 must be at least twice --window 1" in capsys.readouterr().err
+    assert clock.parse_args(["--seconds", "2", "--window", "1", "--out", ""]).seconds == 2
+
+
+def test_scaling_model_writes_into_a_folder_it_makes(tmp_path):
+    module = load_module("scaling_model_out", ROOT / "benchmarks" / "scaling_model.py")
+    module.main(["--out", str(tmp_path / "new" / "s.json")])
+    assert load(tmp_path / "new" / "s.json")["predictions"]
 
 
 def _attention_bench():
@@ -387,6 +452,17 @@ def test_attention_benchmark_compares_backends_at_the_same_dropout_rate():
         bench.parse_args(["--dropouts", "1.0"])
     args = bench.parse_args(["--backends", "sdpa:cudnn", "blocksparse", "--dropouts", "0", "0.1"])
     assert args.dropouts == [0.0, 0.1] and bench.model_cfg(args, 2048, "causal", "sdpa:cudnn", 0.1).attn_dropout == 0.1
+
+
+def test_attention_benchmark_refuses_an_unknown_layout_before_the_rows_before_it_run(capsys):
+    bench = _attention_bench()
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(["--layouts", "causal", "bigbird", "--out", ""])
+    assert e.value.code == 2 and "unknown layout 'bigbird'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # --quick's seq 2048 is checked against the block too
+        bench.parse_args(["--quick", "--seqs", "1920", "--block", "96", "--out", ""])
+    assert e.value.code == 2 and "seq_len (2048) must be a multiple of sparse_block (96)" in capsys.readouterr().err
+    assert bench.parse_args(["--layouts", "local", "strided", "--out", ""]).layouts == ["local", "strided"]
 
 
 def test_attention_benchmark_keeps_the_bits_mode_apart():

@@ -170,6 +170,16 @@ def test_export_takes_a_step_folder_not_a_resume_keyword(tmp_path, monkeypatch, 
         capsys.readouterr().err)
 
 
+def test_export_refuses_a_folder_as_out_before_it_reads_the_checkpoint(tmp_path, capsys):
+    from shared.tools import export as export_tool
+
+    folder = fake_checkpoint(tmp_path / "ck", 2)  # its shards would fail weights_only: the --out check comes first
+    (tmp_path / "exports").mkdir()
+    with pytest.raises(SystemExit) as e:
+        export_tool.main([str(folder), "--out", str(tmp_path / "exports")])
+    assert e.value.code == 2 and f"--out {tmp_path / 'exports'} is a folder" in capsys.readouterr().err
+
+
 @pytest.fixture
 def exported(tmp_path):
     cfg = GPTConfig()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.train import checkpoint
+from shared.train.distributed import check_output
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ def export(folder: str | Path, out: str | Path, trust: bool = False) -> Path:
     if str(folder) in ("none", "auto") and not Path(folder).exists():
         raise ValueError(f"export takes a stepNNNNNNNN checkpoint folder (e.g. ckpt/step00000200), not "
                          f"{str(folder)!r}: --resume's keywords do not apply here")
+    check_output("--out", out, "model.safetensors")  # refused before the checkpoint is read and consolidated
     folder = checkpoint.step_folder(str(folder))  # a complete step folder whose checksums match
     checkpoint.check_safe_to_load(folder, trust)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint

@@ -22,6 +22,20 @@ ALIASES = {"micro_batch": ["--batch_size_per_gpu", "--batch-size-per-gpu"],
            "ds_config": ["--deepspeed_config", "--deepspeed-config"]}
 
 
+def check_out_flag(parser: argparse.ArgumentParser, path, example: str = "result.json") -> None:
+    """parser.error (exit 2, the problem named) when the file --out `path` (if any) cannot be written: a folder in its
+    place or no writable folder to create it in (shared/train/distributed.check_output). A benchmark calls it while it
+    parses its arguments, so that it refuses the path before it measures instead of failing when it writes."""
+    from shared.train.distributed import check_output
+
+    if not path:  # "": the benchmark writes no file
+        return
+    try:
+        check_output("--out", path, example)
+    except ValueError as e:
+        parser.error(str(e))
+
+
 def _parse_bool(text: str) -> bool:
     if text.lower() in ("1", "true", "yes", "on"):
         return True

@@ -216,17 +216,23 @@ def check_attention(train) -> None:
 def check_outputs(train) -> None:
     """The files a run writes at its end (--out, --export) or along the way (--log_csv), refused before it trains
     when they cannot be written: a folder in a file's place, or no writable folder to create it in."""
-    for flag, path in (("--out", train.out), ("--log_csv", train.log_csv), ("--export", train.export)):
-        if not path:
-            continue
-        p = Path(path)
-        if p.is_dir():
-            raise ValueError(f"{flag} {path} is a folder: give the file to write, e.g. {p / 'result.json'}")
-        parent = next((a for a in [p.parent, *p.parent.parents] if a.exists()), Path("."))
-        if not parent.is_dir():
-            raise ValueError(f"{flag} {path}: {parent} is a file, not a folder to write it in")
-        if not os.access(parent, os.W_OK | os.X_OK):
-            raise ValueError(f"{flag} {path}: the folder {parent} is not writable")
+    for flag, path, example in (("--out", train.out, "result.json"), ("--log_csv", train.log_csv, "metrics.csv"),
+                                ("--export", train.export, "model.safetensors")):
+        if path:
+            check_output(flag, path, example)
+
+
+def check_output(flag: str, path, example: str) -> None:
+    """Raise ValueError, naming the problem, when the file `path` (given as `flag`) cannot be written: a folder in
+    its place (`example` names a file to give instead), or no writable folder to create it in."""
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{flag} {path} is a folder: give the file to write, e.g. {p / example}")
+    parent = next((a for a in [p.parent, *p.parent.parents] if a.exists()), Path("."))
+    if not parent.is_dir():
+        raise ValueError(f"{flag} {path}: {parent} is a file, not a folder to write it in")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: the folder {parent} is not writable")
 
 
 def oom_message(train, device: torch.device) -> str:
