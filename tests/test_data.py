@@ -59,6 +59,11 @@ def test_token_file_errors(tmp_path, corpus):
         TokenFile(tmp_path / "c", "train", vocab_size=128, seq_len=32, micro_batch=1, seed=0, rank=0, length=1)
     with pytest.raises(ValueError, match="metadata .* not found"):
         TokenFile(tmp_path / "missing", "train", 256, 32, 1, 0, 0, 1)
+    # a metadata file cut short, or written by another tool: named, not a traceback (KeyError, TypeError)
+    for text in ("", '{"vocab_size": 256}', '{"vocab_size": 256, "dtype": "int77"}', "[]"):
+        (tmp_path / "c.meta.json").write_text(text)
+        with pytest.raises(ValueError, match=r"metadata '.*c\.meta\.json' is not what prepare_data writes"):
+            TokenFile(tmp_path / "c", "train", 256, 32, 1, 0, 0, 1)
 
 
 def test_prepare_cli_errors(tmp_path, capsys):

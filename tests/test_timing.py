@@ -376,3 +376,22 @@ def test_a_resumed_run_too_short_for_its_profiled_step_profiles_none_and_still_t
     timer.finish()
     assert timer.summary(skip=min(train.warmup_steps, 20 - 17 - 1))["n"] == 1
     assert profile_step_left(TrainConfig(steps=20, warmup_steps=5), 19) is None  # none asked: none, no warning
+
+
+def test_the_progress_lines_step_time_is_the_median_of_the_interval(tmp_path):
+    import csv
+
+    from shared.train.progress import Progress
+
+    timer = PhaseTimer(torch.device("cpu"))
+    progress = Progress(4, torch.device("cpu"), timer, flops_per_step_per_gpu=1e12, log_every=2, enabled=True,
+                        csv_path=str(tmp_path / "log.csv"))
+    for step, totals in enumerate(([0.1, 0.3], [0.1, 0.3, 0.2, 0.6])):
+        timer.steps = [{"total": t} for t in totals]  # the steps the timer has resolved by this line
+        progress.record(2 * step, torch.tensor(1.0))
+        progress.record(2 * step + 1, torch.tensor(1.0))
+    progress.finish()
+    rows = list(csv.DictReader((tmp_path / "log.csv").read_text().splitlines()))
+    # an even interval: the mean of its middle two, as statistics.median (and the result JSON) takes it
+    assert [float(r["step_ms"]) for r in rows] == pytest.approx([200.0, 400.0])
+    assert [float(r["tflops_per_gpu"]) for r in rows] == pytest.approx([5.0, 2.5])

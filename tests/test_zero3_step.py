@@ -24,6 +24,12 @@ def test_flat_region_is_the_buffer_span_that_the_views_tile_in_order():
     assert _flat_region(buffer, [views[0], views[1].clone()]) is None  # another storage
     assert _flat_region(buffer.to(torch.bfloat16), views) is None  # another dtype
     assert _flat_region(None, views) is None and _flat_region(buffer, []) is None
+    assert _flat_region(buffer, [None, views[1]]) is None  # a parameter without a gradient
+    # the same storage but outside the buffer's span: not a region of it (before, the wrong span or an error)
+    storage = torch.arange(12.0)
+    assert _flat_region(storage[4:8], [storage[0:2], storage[2:4]]) is None
+    assert _flat_region(storage[4:8], [storage[6:8], storage[8:10]]) is None
+    assert torch.equal(_flat_region(storage[4:8], [storage[5:7]]), storage[5:7])
 
 
 def test_zero3_step_flag_is_validated():

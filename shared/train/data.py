@@ -48,7 +48,14 @@ def read_meta(prefix: str | Path) -> dict:
             f"token file metadata {str(meta_path)!r} not found; make it with "
             f"`python -m shared.tools.prepare_data TEXT --out {prefix}`"
         )
-    return json.loads(meta_path.read_text())
+    try:
+        meta = json.loads(meta_path.read_text())
+        np.dtype(meta["dtype"])
+        int(meta["vocab_size"])
+    except (ValueError, TypeError, KeyError) as e:  # e.g. a file cut short, or written by another tool
+        raise ValueError(f"token file metadata {str(meta_path)!r} is not what prepare_data writes ({e!r}); make it "
+                         f"again with `python -m shared.tools.prepare_data TEXT --out {prefix}`") from e
+    return meta
 
 
 def check_token_file(prefix: str | Path, split: str, vocab_size: int, seq_len: int) -> dict:

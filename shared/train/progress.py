@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import math
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -128,7 +129,7 @@ class Progress:
         done = step + 1 - self.first_step
         line = f"{self.prefix}{_bar(step + 1, self.steps)} step {step + 1}/{self.steps} | loss {loss:.4f}"
         if recent:
-            step_s = sorted(recent)[len(recent) // 2]
+            step_s = statistics.median(recent)  # the median of the last log_every steps, as the result JSON takes it
             tflops = self.flops / step_s / 1e12
             row.update(step_ms=step_s * 1e3, tflops_per_gpu=tflops,
                        mfu=tflops * 1e12 / self.peak if self.peak else None)

@@ -62,7 +62,7 @@ _DEFERRED: dict = {"opt": None, "invalid": None}
 
 def _flat_region(buffer: torch.Tensor | None, grads) -> torch.Tensor | None:
     """The region of `buffer` that the tensors `grads` tile, in order and without gaps; None if they do not."""
-    if buffer is None or not grads or buffer.dim() != 1:
+    if buffer is None or not grads or grads[0] is None or buffer.dim() != 1 or buffer.stride(0) != 1:
         return None
     storage = buffer.untyped_storage().data_ptr()
     start = grads[0].storage_offset()
@@ -72,6 +72,9 @@ def _flat_region(buffer: torch.Tensor | None, grads) -> torch.Tensor | None:
                 or g.storage_offset() != offset or g.untyped_storage().data_ptr() != storage):
             return None
         offset += g.numel()
+    # the same storage, but outside the buffer's own span: narrow() would count a negative start from the end
+    if start < buffer.storage_offset() or offset > buffer.storage_offset() + buffer.numel():
+        return None
     return buffer.narrow(0, start - buffer.storage_offset(), offset - start)
 
 
