@@ -364,18 +364,38 @@ def test_the_host_lead_is_negative_where_the_device_waited_and_the_least_over_mi
 
 def test_a_resumed_run_too_short_for_its_profiled_step_profiles_none_and_still_times_a_step():
     from shared.train.config import TrainConfig
-    from shared.train.loop import profile_step_left
+    from shared.train.loop import slowed_step_left
 
     train = TrainConfig(steps=20, warmup_steps=5, profile_step=1)
-    assert profile_step_left(train, 0) == 1 and profile_step_left(train, 17) == 1  # 3 left: step 2 is timed
+    left = lambda first: slowed_step_left(train, first, "profile_step")
+    assert left(0) == 1 and left(17) == 1  # 3 left: step 2 is timed
     with pytest.warns(UserWarning, match="resumes with 2 step\\(s\\) left, and profiling step 1 of them would leave"):
-        assert profile_step_left(train, 18) is None
-    timer = PhaseTimer(torch.device("cpu"), profile_step=profile_step_left(train, 17))
+        assert left(18) is None
+    timer = PhaseTimer(torch.device("cpu"), profile_step=left(17))
     timer.start()
     _steps(timer, 3)
     timer.finish()
     assert timer.summary(skip=min(train.warmup_steps, 20 - 17 - 1))["n"] == 1
-    assert profile_step_left(TrainConfig(steps=20, warmup_steps=5), 19) is None  # none asked: none, no warning
+    assert slowed_step_left(TrainConfig(steps=20, warmup_steps=5), 19, "profile_step") is None  # none asked: none
+
+
+def test_the_sync_checked_step_is_never_timed_and_a_resumed_run_too_short_for_it_checks_none(monkeypatch):
+    from shared.model import config as model_config
+    from shared.train.config import TrainConfig
+    from shared.train.loop import slowed_step_left
+
+    monkeypatch.setattr(model_config, "cuda_available", lambda: True)  # --sync_check_step is CUDA's
+    train = TrainConfig(steps=20, warmup_steps=5, sync_check_step=3)
+    assert slowed_step_left(train, 15, "sync_check_step") == 3  # 5 left: step 3 is checked, step 4 timed
+    # 4 left: the warm-up excluded is 3 steps, so the checked step 3 would have been the one timed
+    with pytest.warns(UserWarning, match="checking the syncs of step 3 of them would leave none to time"):
+        assert slowed_step_left(train, 16, "sync_check_step") is None
+    timer = PhaseTimer(torch.device("cpu"))
+    timer.start()
+    _steps(timer, 6)
+    timer.finish()
+    timer.sync_check_step, timer.syncs = 3, {"total": 0}  # as a CUDA run that checked step 3 records it
+    assert timer.summary(skip=2)["n"] == 2  # steps 4 and 5: the checked step is left out like the warm-up
 
 
 def test_the_progress_lines_step_time_is_the_median_of_the_interval(tmp_path):

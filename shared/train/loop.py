@@ -16,25 +16,27 @@ from shared.train.progress import Progress
 from shared.train.timing import PhaseTimer
 
 
-def profile_step_left(train: TrainConfig, first_step: int) -> int | None:
-    """--profile_step, unless this run (resumed at first_step) is too short for it: a profiled step is never timed,
-    and profiling one of the last steps left would leave no step to time (and no result); then none, with a
-    warning."""
-    left = train.steps - first_step
-    if train.profile_step is not None and train.profile_step + 1 >= left:
-        warnings.warn(f"--profile_step {train.profile_step}: this run resumes with {left} step(s) left, and profiling "
-                      f"step {train.profile_step} of them would leave none to time: no step is profiled", stacklevel=2)
+def slowed_step_left(train: TrainConfig, first_step: int, flag: str) -> int | None:
+    """--profile_step or --sync_check_step (`flag`), unless this run (resumed at first_step) is too short for it:
+    the step they slow is never timed, and slowing one of the last steps left would leave no step to time (and no
+    result); then none, with a warning."""
+    step, left = getattr(train, flag), train.steps - first_step
+    if step is not None and step + 1 >= left:
+        doing = "profiling" if flag == "profile_step" else "checking the syncs of"
+        warnings.warn(f"--{flag} {step}: this run resumes with {left} step(s) left, and {doing} step {step} of them "
+                      f"would leave none to time: it is not done", stacklevel=2)
         return None
-    return train.profile_step
+    return step
 
 
 def start_progress(train: TrainConfig, device: torch.device, rank: int, prefix: str, scheduler, engine,
                    first_step: int) -> tuple[PhaseTimer, Progress]:
     """The run's PhaseTimer and the Progress that reads it: per-GPU FLOPs of a step, the device's peak (CUDA only),
     progress lines on rank 0, the CSV log, LR / grad norm / memory extras."""
-    timer = PhaseTimer(device, micro_steps=train.grad_accum, profile_step=profile_step_left(train, first_step),
+    timer = PhaseTimer(device, micro_steps=train.grad_accum,
+                       profile_step=slowed_step_left(train, first_step, "profile_step"),
                        profile_stack=train.profile_stack, profile_sync=train.profile_sync,
-                       sync_check_step=train.sync_check_step)
+                       sync_check_step=slowed_step_left(train, first_step, "sync_check_step"))
     per_gpu_flops = flops.step_flops(train.model(), train.micro_batch * train.grad_accum, train.flops_factor)
     cuda = device.type == "cuda"
     peak = flops.peak_flops(torch.cuda.get_device_name(device), train.precision) if cuda else None

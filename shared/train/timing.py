@@ -156,8 +156,11 @@ class PhaseTimer:
 
     def summary(self, skip: int) -> dict:
         """Median and spread of step time and each phase over the steps after the first `skip` (warmup)."""
-        if self.profile is not None:  # never time the profiled step (a resumed run may exclude fewer steps)
+        # never time the profiled or the sync-checked step (a resumed run may exclude fewer steps)
+        if self.profile is not None:
             skip = max(skip, self.profile_step + 1)
+        if self.syncs is not None:
+            skip = max(skip, self.sync_check_step + 1)
         timed = self.steps[skip:]
         if not timed:
             raise ValueError(f"no timed steps: {len(self.steps)} recorded, {skip} skipped as warmup"
