@@ -125,3 +125,23 @@ def test_the_blocksparse_kernel_in_bf16_is_refused_where_only_tritons_interprete
     assert TrainConfig(attention="blocksparse", precision="fp32").model().attention == "blocksparse"
     monkeypatch.setattr(model_config, "cuda_available", lambda: True)
     assert TrainConfig(attention="blocksparse").precision == "bf16"  # on a GPU the compiled kernel is right
+
+
+def test_the_logged_learning_rate_is_the_one_the_last_step_used():
+    import types
+
+    import torch
+
+    from shared.train.ds_runtime import progress_extras
+    from shared.train.optim import build_scheduler, lr_at
+
+    train = TrainConfig(steps=20, lr_warmup_steps=4)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=train.lr)
+    scheduler = build_scheduler(optimizer, train)
+    engine = types.SimpleNamespace(get_global_grad_norm=lambda: None)
+    extras = progress_extras(scheduler, engine, device=torch.device("cpu"))
+    for step in range(6):
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(lr_at(step, train))  # what step `step` runs with
+        optimizer.step()
+        scheduler.step()  # as the engine does after each optimizer step, before the progress line is written
+        assert extras()["lr"] == pytest.approx(lr_at(step, train)), step  # not the next step's

@@ -55,11 +55,14 @@ def grad_norm(engine) -> float | None:
 
 
 def progress_extras(scheduler, engine, device):
-    """What progress lines and the CSV log add to the loss: LR, grad norm, peak memory (read per interval)."""
+    """What progress lines and the CSV log add to the loss: the learning rate the last step used, its grad norm, the
+    peak memory (read per interval). The scheduler (shared/train/optim.build_scheduler's LambdaLR) has already
+    stepped past that step, so its get_last_lr() is the next step's rate; the last step's is recomputed."""
     import torch
 
     cuda = device.type == "cuda"
-    return lambda: {"lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm(engine),
+    used_lr = lambda: scheduler.base_lrs[0] * scheduler.lr_lambdas[0](max(0, scheduler.last_epoch - 1))
+    return lambda: {"lr": used_lr(), "grad_norm": grad_norm(engine),
                     "mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None}
 
 

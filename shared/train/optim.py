@@ -49,7 +49,8 @@ def build_optimizer(model: nn.Module, train: TrainConfig, device: torch.device) 
 
 
 def lr_at(step: int, train: TrainConfig) -> float:
-    """Linear warmup to lr over lr_warmup_steps, then cosine decay to min_lr at the last step."""
+    """The learning rate of step `step` (0-based): linear warmup to lr over lr_warmup_steps, then cosine decay toward
+    min_lr, reached at step `steps` (one past the last step, which trains just above it)."""
     if step < train.lr_warmup_steps:
         return train.lr * (step + 1) / train.lr_warmup_steps
     decay_steps = max(1, train.steps - train.lr_warmup_steps)
