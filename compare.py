@@ -48,7 +48,7 @@ from shared.model.config import GRAPH_BREAKING_BACKENDS
 from shared.train.cli import add_config_args, config_from_args
 from shared.train.config import TrainConfig, device_norm_check_refusal, normalize_precision
 from shared.train.distributed import check_before_start
-from shared.train.results import RunResult, differences, versions
+from shared.train.results import RunResult, differences, replace_text, versions
 
 # What compare.py runs on a machine with GPUs when these flags are not given (the study's model and a longer run)
 GPU_DEFAULTS = {"preset": "1.5b", "micro_batch": 8, "steps": 30, "warmup_steps": 10}
@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> dict:
                 break
     report = build_report(train, ns, results, cross, argv)
     report["kept_runs"] = sorted(f"{row}_{i}" for row, i in ns.kept)  # --keep_runs: made by an earlier invocation
-    (out_dir / "report.json").write_text(json.dumps(report, indent=1))
+    replace_text(out_dir / "report.json", json.dumps(report, indent=1))
     plot_phases(report, out_dir / "phases.png")
     write_markdown(report, out_dir / "report.md", "phases.png")
     print()

@@ -98,7 +98,7 @@ from harness.launch import (
 )
 from harness.report import measured
 from shared.train.config import TrainConfig
-from shared.train.results import device_info, versions
+from shared.train.results import device_info, replace_text, versions
 
 SWITCHES = {
     "native_linear": {"memory_efficient_linear": False},
@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> dict:
                 n: max([base.micro_batch] + [r["micro_batch"] for r in rs if r["ok"]]) for n, rs in sweeps.items()},
             "wall_s": time.perf_counter() - t0,
         }
-        (out / "ablation.json").write_text(json.dumps(report, indent=2))
+        replace_text(out / "ablation.json", json.dumps(report, indent=2))  # --keep reads it
         (out / "ablation.md").write_text(table(report))
         return report
 

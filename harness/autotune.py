@@ -57,7 +57,7 @@ from harness.launch import CompareError
 from shared.model import config as model_config
 from shared.train.config import TrainConfig, normalize_precision
 from shared.train.ds_config import build_ds_config
-from shared.train.results import device_info, differences, versions
+from shared.train.results import device_info, differences, replace_text, versions
 
 PREFETCH = (50_000_000, 200_000_000, 500_000_000, 1_000_000_000)
 REDUCE = (50_000_000, 200_000_000, 500_000_000)
@@ -143,7 +143,7 @@ class Search:
         self.report.update(complete=complete, elapsed_s=time.perf_counter() - self.t0,
                            ranking=sorted(self.tried, key=lambda r: -r.get("tokens_per_s_per_gpu", -1.0)),
                            winner=self.best(), budget_stopped_before=self.stopped_before)
-        (self.out_dir / "autotune.json").write_text(json.dumps(self.report, indent=1))
+        replace_text(self.out_dir / "autotune.json", json.dumps(self.report, indent=1))  # --keep_runs reads it
         return self.report
 
     def run(self, cfg: TrainConfig) -> dict | None:

@@ -174,3 +174,32 @@ def test_a_diverged_run_exits_1_with_its_message_and_bad_input_exits_2(monkeypat
     assert codes == [1, 0, 2, 0]  # each run_cli ends with exit_process(0), here not leaving the process
     err = capsys.readouterr().err
     assert "error: loss is nan at step 5" in err and "error: micro_batch 0" in err and "Traceback" not in err
+
+
+def test_a_writer_killed_mid_write_leaves_the_previous_report_whole(tmp_path, monkeypatch):
+    """autotune.json, ablation.json, compare's report.json and every run JSON are replaced through a temporary file
+    (results.replace_text): --keep / --keep_runs read them back, so a half-written file would stop the next call."""
+    from pathlib import Path
+
+    from harness.autotune import Search
+    from shared.train.results import replace_text
+
+    search = Search(TrainConfig(), SimpleNamespace(budget_s=60), launch=None, out_dir=tmp_path)
+    search.report = {"command": "python compare.py --autotune"}
+    search.write(complete=False)
+    before = (tmp_path / "autotune.json").read_text()
+    real = Path.write_text
+
+    def killed(self, text, *args, **kwargs):  # half the text reaches the disk, then the process dies
+        real(self, text[:len(text) // 2])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "write_text", killed)
+    with pytest.raises(KeyboardInterrupt):
+        search.write(complete=True)
+    with pytest.raises(KeyboardInterrupt):
+        replace_text(tmp_path / "autotune.json", "{}")
+    monkeypatch.undo()
+    assert (tmp_path / "autotune.json").read_text() == before and not json.loads(before)["complete"]
+    replace_text(tmp_path / "r.json", "{}")
+    assert (tmp_path / "r.json").read_text() == "{}"

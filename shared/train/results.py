@@ -41,6 +41,15 @@ def versions() -> dict[str, str | None]:
     return out
 
 
+def replace_text(path: str | Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file renamed over it: a reader (a --keep or --keep_runs that
+    continues from the file) sees the old file or the new one, never half of one, whenever the writer is killed."""
+    path = Path(path)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 def write_json(path: str | Path, result: dict, **dumps) -> None:
     """A benchmark's JSON result at `path` (its folder made), and a line saying where."""
     path = Path(path)
@@ -115,9 +124,7 @@ class RunResult:
     def to_json(self, path: str | Path) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(dataclasses.asdict(self), indent=1, allow_nan=False))
-        tmp.replace(path)  # a reader never sees a half-written result
+        replace_text(path, json.dumps(dataclasses.asdict(self), indent=1, allow_nan=False))
 
     @classmethod
     def from_json(cls, path: str | Path) -> RunResult:
