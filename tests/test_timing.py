@@ -398,14 +398,14 @@ def test_the_sync_checked_step_is_never_timed_and_a_resumed_run_too_short_for_it
     assert timer.summary(skip=2)["n"] == 2  # steps 4 and 5: the checked step is left out like the warm-up
 
 
-def test_the_progress_lines_step_time_is_the_median_of_the_interval(tmp_path):
+def test_the_progress_lines_step_time_is_the_median_of_the_interval(tmp_path, capsys):
     import csv
 
     from shared.train.progress import Progress
 
     timer = PhaseTimer(torch.device("cpu"))
     progress = Progress(4, torch.device("cpu"), timer, flops_per_step_per_gpu=1e12, log_every=2, enabled=True,
-                        csv_path=str(tmp_path / "log.csv"))
+                        csv_path=str(tmp_path / "log.csv"), convention="dense-attention formula, k=3")
     for step, totals in enumerate(([0.1, 0.3], [0.1, 0.3, 0.2, 0.6])):
         timer.steps = [{"total": t} for t in totals]  # the steps the timer has resolved by this line
         progress.record(2 * step, torch.tensor(1.0))
@@ -415,3 +415,7 @@ def test_the_progress_lines_step_time_is_the_median_of_the_interval(tmp_path):
     # an even interval: the mean of its middle two, as statistics.median (and the result JSON) takes it
     assert [float(r["step_ms"]) for r in rows] == pytest.approx([200.0, 400.0])
     assert [float(r["tflops_per_gpu"]) for r in rows] == pytest.approx([5.0, 2.5])
+    lines = capsys.readouterr().out.splitlines()  # the figures' convention, said once before the first of them
+    assert lines[0] == ("ms/step: the median of the last 2 steps (warm-up steps too, the first lines); TFLOPs/GPU: "
+                        "dense-attention formula, k=3, over that median")
+    assert len(lines) == 3 and "ms/step" in lines[1] and "TFLOPs/GPU" in lines[2]

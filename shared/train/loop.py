@@ -42,7 +42,8 @@ def start_progress(train: TrainConfig, device: torch.device, rank: int, prefix: 
     peak = flops.peak_flops(torch.cuda.get_device_name(device), train.precision) if cuda else None
     progress = Progress(train.steps, device, timer, per_gpu_flops, train.log_every, enabled=rank == 0,
                         prefix=prefix, peak_flops=peak, csv_path=train.log_csv, first_step=first_step,
-                        stop_on_nan=train.nan_policy == "stop", extras=progress_extras(scheduler, engine, device))
+                        stop_on_nan=train.nan_policy == "stop", extras=progress_extras(scheduler, engine, device),
+                        convention=f"dense-attention formula, k={train.flops_factor} (shared/model/flops.py)")
     return timer, progress
 
 

@@ -72,7 +72,7 @@ class Progress:
     def __init__(self, steps: int, device: torch.device, timer: PhaseTimer, flops_per_step_per_gpu: float,
                  log_every: int, enabled: bool, prefix: str = "", peak_flops: float | None = None,
                  csv_path: str | None = None, extras: Callable[[], dict] | None = None, first_step: int = 0,
-                 stop_on_nan: bool = True):
+                 stop_on_nan: bool = True, convention: str = "dense-attention formula"):
         self.steps, self.device, self.timer = steps, device, timer
         self.flops, self.peak = flops_per_step_per_gpu, peak_flops
         self.log_every, self.enabled, self.prefix = log_every, enabled, prefix
@@ -83,6 +83,8 @@ class Progress:
         self.cuda = device.type == "cuda"
         self._pending: list[tuple[int, torch.Tensor, object]] = []
         self._t0 = time.perf_counter()
+        self.convention = convention  # how TFLOPs/GPU is counted, said once before the first line that has it
+        self._legend = enabled
         self._csv = None
         if csv_path and enabled:
             path = Path(csv_path)
@@ -129,6 +131,10 @@ class Progress:
         done = step + 1 - self.first_step
         line = f"{self.prefix}{_bar(step + 1, self.steps)} step {step + 1}/{self.steps} | loss {loss:.4f}"
         if recent:
+            if self._legend:
+                print(f"{self.prefix}ms/step: the median of the last {self.log_every} steps (warm-up "
+                      f"steps too, the first lines); TFLOPs/GPU: {self.convention}, over that median", flush=True)
+                self._legend = False
             step_s = statistics.median(recent)  # the median of the last log_every steps, as the result JSON takes it
             tflops = self.flops / step_s / 1e12
             row.update(step_ms=step_s * 1e3, tflops_per_gpu=tflops,
