@@ -164,11 +164,11 @@ class TrainConfig(FusedSwitches):
     skip_guard_eval: bool = False
     """after the warm-up's compiles, the training forward skips torch.compile's guard checks
     (torch.compiler.set_stance(skip_guard_eval_unsafe=True); shared/train/compile.GuardSkip): dynamo checks every
-    input of a compiled function before each call, under DeepCompile every parameter of the model (2.4 ms of host time
-    a 1.5b forward in a profiled step, the device idle meanwhile: docs/results.md). The forward of the step after the
-    last planned compile runs with its guards and must compile nothing, else the run stops with an error; later
-    training forwards skip them. Validation, export and the backward keep them. Needs something compiled (--compile
-    blocks or deepcompile, or the compiled bias + dropout / GELU switches). Not yet timed on a GPU"""
+    input of a compiled function before each call, under DeepCompile every parameter of the model (in the 1.5b
+    forwards profiled in flight the device waited 0.07-2.98 ms on it, median 1.69: docs/results.md). The forward of
+    the step after the last planned compile runs with its guards and must compile nothing, else the run stops with an
+    error; later training forwards skip them. Validation, export and the backward keep them. Needs something compiled
+    (--compile blocks or deepcompile, or the compiled bias + dropout / GELU switches). Not yet timed on a GPU"""
     coordinate_descent_tuning: bool = False
     """inductor's coordinate-descent tuning (torch._inductor.config.coordinate_descent_tuning): each generated
     Triton kernel's block sizes and warps are benchmarked around the default at its first compile and the best is
