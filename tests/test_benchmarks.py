@@ -158,10 +158,10 @@ def test_plot_training_draws_the_committed_h200_runs(tmp_path):
     assert len(results) == 2
     run([sys.executable, PLOT, *results, "--out", tmp_path / "loss.png"], timeout=120)
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    proc = run([sys.executable, PLOT, tmp_path / "missing.json", "--out", tmp_path / "x.png"], check=False)
+    proc = run([sys.executable, PLOT, tmp_path / "missing.json", "--out", tmp_path / "x.png"], check=False, timeout=120)
     assert proc.returncode == 2 and "does not exist" in proc.stderr
     (tmp_path / "train.log").write_text("step 1 loss 10.8\n")  # not a RunResult JSON: named, no traceback
-    proc = run([sys.executable, PLOT, tmp_path / "train.log", "--out", tmp_path / "x.png"], check=False)
+    proc = run([sys.executable, PLOT, tmp_path / "train.log", "--out", tmp_path / "x.png"], check=False, timeout=120)
     assert proc.returncode == 2 and "train.log is not a readable JSON file" in proc.stderr
     run([sys.executable, PLOT, results[0], "--out", tmp_path / "curves"], timeout=120)  # no suffix: that file, a PNG
     assert (tmp_path / "curves").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "curves.png").exists()
