@@ -191,16 +191,25 @@ class CheckpointCallback(pl.Callback):
         saved = checkpoint.due(self.train, done)
         if saved:
             self.save(trainer, done)
-        if self.preemption.should_stop(done - 1):
+        # the last step is the run's end, not a preemption: the run finishes (result, export, exit 0), as the raw loop
+        if done < self.train.steps and self.preemption.should_stop(done - 1):
             if self.train.ckpt_dir and not saved:
                 self.save(trainer, done)
             if trainer.global_rank == 0:
                 print(f"[lightning] SIGTERM: stopped after step {done}", flush=True)
             self.preempted = True
             trainer.should_stop = True
+            if not (self.train.val_every and done % self.train.val_every == 0):
+                # Lightning validates when should_stop is set (training_epoch_loop._should_check_val_fx); the raw
+                # loop leaves at once: no validation but the one due at this step
+                trainer.limit_val_batches = 0
 
     def on_train_end(self, trainer, pl_module):
         self.preemption.restore()
+
+    def on_exception(self, trainer, pl_module, exception):
+        if hasattr(self, "preemption"):  # SIGTERM terminates again, as after the raw loop's `finally`
+            self.preemption.restore()
 
 
 def effective_settings(trainer: pl.Trainer, pl_module: GPTModule, sigterm: SigtermCheck) -> dict:

@@ -29,8 +29,10 @@ def check_overheads(train) -> None:
     unknown = set(train.overheads) - set(LIGHTNING_OVERHEADS)
     if unknown:
         raise ValueError(f"unknown lightning_overheads {sorted(unknown)}; choose from {sorted(LIGHTNING_OVERHEADS)}")
-    if "pl_default_ds_config" in train.overheads and train.compile != "none" and train.stage == 3:
+    # blocks need the dict's leaf module and linear setting under ZeRO-3 only; DeepCompile its compile section always
+    if "pl_default_ds_config" in train.overheads and train.compile != "none" and (
+            train.stage == 3 or train.compile == "deepcompile"):
         raise ValueError(f"lightning_overheads pl_default_ds_config cannot run with --compile {train.compile} "
-                         "under ZeRO-3: Lightning's own DeepSpeed dict has no compile section, leaf module or "
-                         "linear setting, so the Lightning path would compile differently from the raw one; "
-                         "pass --compile none")
+                         f"at ZeRO stage {train.stage}: Lightning's own DeepSpeed dict has no compile section, leaf "
+                         "module or linear setting, so the Lightning path would compile differently from the raw "
+                         "one; pass --compile none")

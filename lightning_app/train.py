@@ -82,9 +82,11 @@ def build_strategy(train: TrainConfig) -> ZeroStrategy:
     precision = ZeroPrecision(LIGHTNING_PRECISION[train.precision])
     if "pl_default_ds_config" in train.overheads:
         # What `Trainer(strategy="deepspeed_stage_3")` gives: Lightning's defaults (buckets of 2e8, DeepSpeed's
-        # stage-3 defaults for prefetch and persistence, DeepSpeed's synchronized throughput timer).
+        # stage-3 defaults for prefetch and persistence, DeepSpeed's synchronized throughput timer). The dict only:
+        # the run's ZeRO-3 step (--zero3_step, --grad_norm_check) is the raw loop's still (check_overheads refuses
+        # a compile mode that would need the dict).
         return ZeroStrategy(stage=train.stage, logging_batch_size_per_gpu=train.micro_batch,
-                            precision_plugin=precision)
+                            precision_plugin=precision, train=train)
     return ZeroStrategy(config=lightning_ds_config(train), precision_plugin=precision, train=train)
 
 

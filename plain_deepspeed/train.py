@@ -90,6 +90,9 @@ def main(train: TrainConfig) -> RunResult:
         checkpoint.check_resumable(resume_from, "deepspeed", dataclasses.asdict(train.model()),
                                    int(os.environ["WORLD_SIZE"]))
         checkpoint.check_safe_to_load(resume_from, train.trust_checkpoint)
+        saved_step = checkpoint.read_marker(resume_from)["step"]  # before DeepSpeed builds and loads anything
+        if saved_step >= train.steps:
+            raise ValueError(f"checkpoint {resume_from} is at step {saved_step}, not before --steps {train.steps}")
     import deepspeed  # after the device is set: DeepSpeed picks its accelerator at import
 
     deepspeed.init_distributed(dist_backend=backend_for(device))
@@ -114,8 +117,6 @@ def main(train: TrainConfig) -> RunResult:
         start = int(client["step"])
         if rank == 0:
             print(f"[deepspeed] resumed from {resume_from} at step {start}", flush=True)
-    if start >= train.steps:
-        raise ValueError(f"checkpoint {resume_from} is at step {start}, not before --steps {train.steps}")
     # after the resume: DeepCompile registers the loaded shards
     compile_engine(engine, train, rank)
     zero3_step.apply(engine, train.zero3_step, train.grad_norm_check)
@@ -173,7 +174,8 @@ def main(train: TrainConfig) -> RunResult:
             if saved:
                 save(engine, train, done, progress, rank)
                 timer.start()
-            if preemption.should_stop(step):
+            # the last step is the run's end, not a preemption: the run finishes (result, export, exit 0)
+            if done < train.steps and preemption.should_stop(step):
                 if train.ckpt_dir and not saved:
                     save(engine, train, done, progress, rank)
                 if rank == 0:

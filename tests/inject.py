@@ -3,7 +3,8 @@
     python tests/inject.py {raw,lightning} FAULT -- TRAIN FLAGS...
 
 Faults in the model (either path): `nan@STEP` makes the training loss NaN on the STEP-th training forward
-(1-based) of every rank; `oom` raises torch.OutOfMemoryError on the first training forward, as a micro-batch that
+(1-based) of every rank; `sigterm@STEP` sends the process SIGTERM in its STEP-th training forward, as a
+scheduler's preemption would; `oom` raises torch.OutOfMemoryError on the first training forward, as a micro-batch that
 does not fit would. Faults of a path's training semantics (the Lightning path; loss parity must catch them):
 `noclip` drops gradient clipping from the DeepSpeed dict, `double_scale` lets DeepSpeed divide the loss by the
 accumulation steps again after Lightning did (the bug lightning_app/strategy.ZeroPrecision fixes), `lr2x` builds
@@ -11,6 +12,8 @@ the optimizer with twice the learning rate.
 """
 
 import dataclasses
+import os
+import signal
 import sys
 
 import torch
@@ -34,6 +37,9 @@ def faulty(self, x, targets=None):
     if fault == "oom":
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (injected)")
     if calls["n"] == int(fault.split("@")[1]):
+        if fault.startswith("sigterm"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            return out
         return out * float("nan")
     return out
 

@@ -115,6 +115,12 @@ def test_a_run_refuses_a_ckpt_dir_whose_checkpoints_it_would_overwrite_or_prune(
     fake_checkpoint(other, 1)
     with pytest.raises(ValueError, match="at steps 1: this run resumes from .*step00000006', another folder"):
         checkpoint.check_ckpt_dir(dataclasses.replace(older, ckpt_dir=str(other)), ck / "step00000006")
+    # a file where the folder (or one above it) would go: DeepSpeed once failed at the first save, after training
+    (tmp_path / "file").write_text("notes")
+    for where in (tmp_path / "file", tmp_path / "file" / "ck"):
+        for resume in ("none", "auto"):
+            with pytest.raises(ValueError, match=f"--ckpt_dir '{where}': '{tmp_path / 'file'}' is a file, not a"):
+                checkpoint.check_ckpt_dir(dataclasses.replace(fresh, ckpt_dir=str(where), resume=resume), None)
 
 
 def test_commit_never_deletes_the_checkpoint_it_just_wrote_nor_later_ones(tmp_path, capsys):
@@ -156,6 +162,33 @@ def test_both_paths_check_the_ckpt_dir_and_world_size_before_starting(tmp_path, 
         main(train)
     with pytest.raises(ValueError, match="saved by 2 processes, this run has 1"):
         main(dataclasses.replace(train, resume=str(ck / "step00000002")))
+
+
+@pytest.mark.parametrize("path", ["raw", "lightning"])
+def test_both_paths_refuse_a_checkpoint_at_the_last_step_before_deepspeed_starts(tmp_path, monkeypatch, path):
+    # The raw loop once found out only after deepspeed.initialize and the checkpoint's load (minutes at 1.5b)
+    import deepspeed
+
+    if path == "raw":
+        from plain_deepspeed.train import main
+    else:
+        from lightning_app.train import main
+    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1").items():
+        monkeypatch.setenv(key, value)
+
+    def started(*args, **kwargs):
+        raise AssertionError("DeepSpeed started")
+
+    monkeypatch.setattr(deepspeed, "init_distributed", started)
+    monkeypatch.setattr(deepspeed, "initialize", started)
+    folder = tmp_path / "ck" / checkpoint.tag_for(3)  # a finished 3-step run, as each path saves its step
+    (folder / "checkpoint").mkdir(parents=True)
+    torch.save({"global_step": 3, "step": 3}, folder / "checkpoint" / "mp_rank_00_model_states.pt")
+    checkpoint.save_rng(folder, 0)
+    checkpoint.write_marker(folder, 3, {"path": "deepspeed" if path == "raw" else "lightning", "model_config": TINY})
+    train = TrainConfig(steps=3, warmup_steps=1, ckpt_dir=str(tmp_path / "ck"), resume="auto")
+    with pytest.raises(ValueError, match="is at step 3, not before --steps 3"):
+        main(train)
 
 
 @pytest.mark.parametrize("keyword", ["none", "auto"])

@@ -348,6 +348,27 @@ def test_the_lightning_strategy_hands_every_deepcompile_option_to_compile_engine
     assert zs._setup_model_and_optimizer("model", "optimizer") == ("engine", "optimizer")
     assert calls == [("engine", train, zs.global_rank), ("zero3_step", "fused", "device")]
     assert calls[0][1] is train
+    # Lightning's own DeepSpeed dict (compare.py --explain's pl_default_ds_config) changes the dict only: the ZeRO-3
+    # step stays the run's, which it once silently dropped for DeepSpeed's own
+    calls.clear()
+    default_dict = dataclasses.replace(train, lightning_overheads="pl_default_ds_config")
+    zs = build_strategy(default_dict)
+    monkeypatch.setattr(zs, "_initialize", lambda model, optimizer, scheduler=None: ("engine", "optimizer"))
+    zs._setup_model_and_optimizer("model", "optimizer")
+    assert calls[-1] == ("zero3_step", "fused", "device")
+
+
+def test_lightnings_own_dict_refuses_deepcompile_at_every_stage(pretend_cuda):
+    # its dict has no compile section: at stage 1 or 2 the Lightning run once trained eager under --compile deepcompile
+    from lightning_app.overheads import check_overheads
+
+    for stage in (1, 2, 3):
+        train = TrainConfig(compile="deepcompile", stage=stage, zero3_step="deepspeed", warmup_steps=6,
+                            lightning_overheads="pl_default_ds_config")
+        with pytest.raises(ValueError, match=f"pl_default_ds_config cannot run with --compile deepcompile at ZeRO "
+                                             f"stage {stage}"):
+            check_overheads(train)
+    check_overheads(TrainConfig(compile="blocks", stage=2, lightning_overheads="pl_default_ds_config"))
 
 
 def _train(script, tmp_path, name, kjv, *args, steps=30, gpus=1):

@@ -56,6 +56,9 @@ def test_user_json_replaces_the_built_dict(tmp_path):
     # the commands an autotune winner records are how it was made, not DeepSpeed's: dropped, not refused
     path.write_text(json.dumps({**user, "command": "python compare.py --autotune", "commands": ["python ..."]}))
     assert build_ds_config(TrainConfig(ds_config=str(path))) == cfg
+    # DeepSpeed still reads bf16 under its older name "bfloat16": a bf16 run takes it
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3}, "bfloat16": {"enabled": True}}))
+    assert build_ds_config(TrainConfig(ds_config=str(path)))["bfloat16"] == {"enabled": True}
 
 
 @pytest.mark.parametrize(
@@ -65,6 +68,9 @@ def test_user_json_replaces_the_built_dict(tmp_path):
         ({"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}, {},
          "train_micro_batch_size_per_gpu=4 but the run uses micro_batch=2"),
         ({"zero_optimization": {"stage": 3}, "fp16": {"enabled": True}}, {}, "enables fp16 but the run asks for bf16"),
+        # DeepSpeed's older name for bf16, which it still reads
+        ({"zero_optimization": {"stage": 3}, "bfloat16": {"enabled": True}}, {"precision": "fp32"},
+         "enables bf16 but the run asks for fp32"),
         ({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}, {}, "ZeRO stage 2 but the run asks for 3"),
         ({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}, "gradient_clipping": 0.5}, {},
          r"clips gradients at 0.5 \(gradient_clipping\) but the run asks for --grad_clip 1.0; .* --grad_clip 0.5"),
@@ -75,6 +81,9 @@ def test_user_json_replaces_the_built_dict(tmp_path):
         ({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}, {"max_live_parameters": 7},
          "set zero_optimization.stage3_max_live_parameters in the JSON instead"),
         ("[1, 2]", {}, "must hold a JSON object"),
+        # DeepSpeed's deprecated boolean form once failed here with an AttributeError's traceback
+        ({"zero_optimization": True, "bf16": {"enabled": True}}, {}, "zero_optimization must be a JSON object"),
+        ({"zero_optimization": {"stage": 3}, "bf16": True}, {}, "bf16 must be a JSON object .*got true"),
         ("{not json", {}, "not valid JSON"),
     ],
 )

@@ -102,3 +102,18 @@ def test_devices_that_disagree_with_the_launchers_processes_are_refused(monkeypa
     assert default_devices(TrainConfig()) == 1 and default_devices(TrainConfig(devices=1)) == 1
     with pytest.raises(ValueError, match="--devices 2: this launcher already started 1 process"):
         default_devices(TrainConfig(devices=2))
+
+
+def test_a_failed_fit_gives_sigterm_back_to_its_previous_handler():
+    # the raw loop restores it in a `finally`; Lightning calls no on_train_end after an exception
+    import signal
+    from types import SimpleNamespace
+
+    from lightning_app.callbacks import CheckpointCallback
+
+    before = signal.getsignal(signal.SIGTERM)
+    ckpt = CheckpointCallback(TrainConfig(), timing=None)
+    ckpt.on_train_start(None, SimpleNamespace(device=torch.device("cpu")))
+    assert signal.getsignal(signal.SIGTERM) != before
+    ckpt.on_exception(None, None, ValueError("micro_batch 64 does not fit"))
+    assert signal.getsignal(signal.SIGTERM) == before

@@ -143,6 +143,27 @@ def test_sigterm_saves_a_checkpoint_and_exits(tmp_path, path):
 
 
 @pytest.mark.parametrize("path", ["raw", "lightning"])
+def test_sigterm_in_the_last_step_lets_the_run_finish_on_both_paths(tmp_path, path):
+    # Checked at the last step, a SIGTERM once made the raw loop exit 143 without its result while Lightning wrote
+    # it, and the saved step was the last: the same command with --resume auto could never finish either run.
+    ck = tmp_path / "ck"
+    run([sys.executable, ROOT / "tests" / "inject.py", path, "sigterm@3", "--", *BASE, "--steps", "3",
+         "--sigterm_check_every", "1", "--ckpt_dir", ck, "--out", tmp_path / "r.json"])
+    assert len(load(tmp_path / "r.json")["losses"]) == 3
+    assert checkpoint.latest_complete(ck).name == "step00000003"
+
+
+@pytest.mark.parametrize("path", ["raw", "lightning"])
+def test_a_preempted_run_leaves_without_a_validation_that_is_not_due(tmp_path, path):
+    # Lightning validates whenever trainer.should_stop is set: a preempted Lightning run once ran a validation the
+    # raw loop does not, in the scheduler's grace period (validation every 3 steps, SIGTERM in step 2)
+    proc = run([sys.executable, ROOT / "tests" / "inject.py", path, "sigterm@2", "--", *BASE, "--steps", "4",
+                "--val_every", "3", "--sigterm_check_every", "1", "--out", tmp_path / "r.json"], check=False)
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    assert "SIGTERM: stopped after step 2" in proc.stdout and "validation at step" not in proc.stdout
+
+
+@pytest.mark.parametrize("path", ["raw", "lightning"])
 def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, path):
     ck = tmp_path / "ck"
     proc = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

@@ -168,8 +168,18 @@ def check_ckpt_dir(train, resume_from: Path | None) -> None:
     """Refuse, before training, a --ckpt_dir holding finished checkpoints that this run would overwrite, or delete
     as it prunes to --keep_last: with --resume none any; resuming from step N of that folder any after N (any at
     all, resuming from another folder). Not with --resume auto: every folder after the one it resumes from failed
-    its check and was named as skipped. A folder without a marker is a save that never finished, not a checkpoint."""
-    if not train.ckpt_dir or train.resume == "auto":
+    its check and was named as skipped. A folder without a marker is a save that never finished, not a checkpoint.
+    Any --resume: a --ckpt_dir that cannot be written (a file in its place or in its path, a folder not writable),
+    which DeepSpeed would find only at the first save, after training."""
+    if not train.ckpt_dir:
+        return
+    root = Path(train.ckpt_dir)
+    existing = next((a for a in [root, *root.parents] if a.exists()), Path("."))
+    if not existing.is_dir():
+        raise ValueError(f"--ckpt_dir {train.ckpt_dir!r}: {str(existing)!r} is a file, not a folder to save in")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--ckpt_dir {train.ckpt_dir!r}: the folder {str(existing)!r} is not writable")
+    if train.resume == "auto":
         return
     start = (read_marker(resume_from) or {}).get("step", 0) if resume_from is not None else 0
     same = resume_from is not None and resume_from.resolve().parent == Path(train.ckpt_dir).resolve()

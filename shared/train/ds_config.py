@@ -201,6 +201,10 @@ def load_user_ds_config(source: str | Path, train: TrainConfig) -> dict:
     unknown = sorted(set(cfg) - KNOWN_TOP_LEVEL_KEYS)
     if unknown:
         raise ValueError(f"unknown key(s) {unknown} in DeepSpeed config {name}; DeepSpeed would ignore them")
+    for key in ("zero_optimization", "bf16", "bfloat16", "fp16"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], dict):  # e.g. the deprecated "zero_optimization": true
+            raise ValueError(f"DeepSpeed config {name}: {key} must be a JSON object (e.g. {{\"enabled\": true}}, "
+                             f"{{\"stage\": 3}}), got {json.dumps(cfg[key])}")
     mb = cfg.get("train_micro_batch_size_per_gpu", train.micro_batch)
     if mb != train.micro_batch:
         raise ValueError(
@@ -213,12 +217,13 @@ def load_user_ds_config(source: str | Path, train: TrainConfig) -> dict:
             f"DeepSpeed config {name} sets gradient_accumulation_steps={ga} but the run uses "
             f"grad_accum={train.grad_accum}"
         )
-    cfg_precision = "bf16" if _enabled(cfg, "bf16") else "fp16" if _enabled(cfg, "fp16") else "fp32"
+    bf16 = "bf16" if cfg.get("bf16") is not None else "bfloat16"  # DeepSpeed reads its older name without "bf16"
+    cfg_precision = "bf16" if _enabled(cfg, bf16) else "fp16" if _enabled(cfg, "fp16") else "fp32"
     if cfg_precision != train.precision:
         raise ValueError(
             f"DeepSpeed config {name} enables {cfg_precision} but the run asks for {train.precision}"
         )
-    stage = cfg.get("zero_optimization", {}).get("stage", 0)
+    stage = (cfg.get("zero_optimization") or {}).get("stage", 0)
     if stage != train.stage:
         raise ValueError(f"DeepSpeed config {name} sets ZeRO stage {stage} but the run asks for {train.stage}")
     clip = cfg.get("gradient_clipping", 0.0)  # DeepSpeed's default: no clipping
