@@ -85,6 +85,8 @@ def test_user_json_replaces_the_built_dict(tmp_path):
         ({"zero_optimization": True, "bf16": {"enabled": True}}, {}, "zero_optimization must be a JSON object"),
         ({"zero_optimization": {"stage": 3}, "bf16": True}, {}, "bf16 must be a JSON object .*got true"),
         ("{not json", {}, "not valid JSON"),
+        ({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}, "torch_autocast": {"enabled": True}}, {},
+         "enables torch_autocast, which runs the forward in another precision than the run's --precision bf16"),
     ],
 )
 def test_user_json_errors(tmp_path, content, flags, message):

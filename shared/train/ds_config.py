@@ -201,7 +201,7 @@ def load_user_ds_config(source: str | Path, train: TrainConfig) -> dict:
     unknown = sorted(set(cfg) - KNOWN_TOP_LEVEL_KEYS)
     if unknown:
         raise ValueError(f"unknown key(s) {unknown} in DeepSpeed config {name}; DeepSpeed would ignore them")
-    for key in ("zero_optimization", "bf16", "bfloat16", "fp16"):
+    for key in ("zero_optimization", "bf16", "bfloat16", "fp16", "torch_autocast"):
         if cfg.get(key) is not None and not isinstance(cfg[key], dict):  # e.g. the deprecated "zero_optimization": true
             raise ValueError(f"DeepSpeed config {name}: {key} must be a JSON object (e.g. {{\"enabled\": true}}, "
                              f"{{\"stage\": 3}}), got {json.dumps(cfg[key])}")
@@ -223,6 +223,10 @@ def load_user_ds_config(source: str | Path, train: TrainConfig) -> dict:
         raise ValueError(
             f"DeepSpeed config {name} enables {cfg_precision} but the run asks for {train.precision}"
         )
+    if _enabled(cfg, "torch_autocast"):  # the forward would run in the autocast dtype under another label
+        raise ValueError(f"DeepSpeed config {name} enables torch_autocast, which runs the forward in another precision "
+                         f"than the run's --precision {train.precision} names; remove it and choose the precision with "
+                         "--precision (and the JSON's bf16 or fp16 section)")
     stage = (cfg.get("zero_optimization") or {}).get("stage", 0)
     if stage != train.stage:
         raise ValueError(f"DeepSpeed config {name} sets ZeRO stage {stage} but the run asks for {train.stage}")
