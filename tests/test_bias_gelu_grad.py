@@ -45,6 +45,16 @@ def test_kernel_matches_its_reference(shape, dtype):
     torch.testing.assert_close(db.float(), rb.float(), rtol=1e-4, atol=1e-4 * shape[0])
 
 
+def test_strided_inputs_give_the_numbers_of_contiguous_ones():
+    """A bias that is a view of every other element, and x and dy column-major: the same dz and db as contiguous."""
+    dy, x, b = _inputs((40, 2 * BLOCK_N + 3), torch.float32, seed=5)
+    strided_b = torch.stack([b, torch.full_like(b, float("nan"))], dim=1).reshape(-1)[::2]  # b, stride 2
+    dz, db = bias_gelu_grad(dy.t().contiguous().t(), x.t().contiguous().t(), strided_b)
+    rz, rb = reference_bias_gelu_grad(dy, x, b)
+    torch.testing.assert_close(dz, rz, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(db, rb, rtol=1e-4, atol=1e-3)
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "x".join(map(str, c)))
 def test_every_configuration_overwrites_every_row_of_the_partial_sums(config):
     """The autotuner runs each configuration on the same buffers: whatever the buffer of partial sums holds before

@@ -326,6 +326,18 @@ def test_fixed_tiles_must_name_every_kernel():
         blocksparse_attention(q, k, v, lut, tiles={"dkdv": bsa.interpreter_tiles(64)["dkdv"]})
 
 
+@pytest.mark.parametrize("tile", [Tile(128, 128, 4, 1), Tile(64, 128, 4, 1), Tile(48, 16, 4, 1), Tile(64, 8, 4, 1)],
+                         ids=["wider_than_the_block", "keys_wider", "not_a_power_of_two", "below_16"])
+def test_fixed_tiles_must_fit_the_sparse_block(tile):
+    """A tile wider than the sparse block would read the next block's keys with this block's table (wrong numbers,
+    no error); one that does not divide it would skip keys: refused by name, before anything runs."""
+    q, k, v, _ = inputs(1, 2, 256, 64, torch.float32)
+    lut = BlockLUT.from_layout(layouts.causal(4), 64).to(DEVICE)
+    tiles = {**bsa.interpreter_tiles(64), "dkdv": tile}
+    with pytest.raises(ValueError, match=r"tile dkdv .*powers of two from 16 .* to the sparse block 64"):
+        blocksparse_attention(q, k, v, lut, tiles=tiles)
+
+
 def test_tma_tiles_refuse_inputs_descriptors_cannot_read():
     q, k, v, do = inputs(1, 2, 128, 64, torch.float16)
     assert bsa.tma_ok(q, k, v, do) is None
@@ -361,6 +373,20 @@ def test_dropout_keep_rate_and_streams():
     for shift in (1, 2, 3, 4, 5, 6, 7, 8):
         assert (a[..., :-shift] != a[..., shift:]).float().mean() > 0.4, f"columns {shift} apart agree"
     assert (a[..., :-1, :] != a[..., 1:, :]).float().mean() > 0.4  # and rows
+
+
+def test_the_attention_mask_is_philox_of_the_numpy_reference():
+    """The keep mask every check above compares with comes from the kernels' own `_keep`: tie it to the NumPy Philox
+    4x32-10 of shared/kernels/dropout_mask.py. Head bh's score (q, k) is element q * T + k of that reference's flat
+    mask with the key (seed, bh), i.e. the 64-bit seed seed + bh * 2^32."""
+    from shared.kernels.dropout_mask import reference_keep_mask
+
+    B, H, T = 2, 3, 128
+    for p, seed in ((0.3, 1234), (0.1, 2**31 - 2)):
+        keep = bsa.dropout_keep_mask(B, H, T, p, seed, DEVICE).cpu()
+        for bh in range(B * H):
+            ref = reference_keep_mask(T * T, p, seed + (bh << 32)).reshape(T, T)
+            assert torch.equal(keep[bh // H, bh % H], ref), (p, seed, bh)
 
 
 def test_applied_dropout_is_the_rate_rounded_to_sixteen_bits():

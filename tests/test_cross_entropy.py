@@ -40,6 +40,17 @@ def test_kernel_matches_its_reference(rows, vocab, padded, dtype):
     assert not grad[:, vocab:].any()  # the padding is outside the softmax: no gradient
 
 
+def test_strided_logits_and_targets_give_the_numbers_of_contiguous_ones():
+    """Column-major logits and a view of every other target (stride 2): each row's loss and gradient are those of
+    the same values laid out contiguously, not of a neighbour's target."""
+    logits = _logits(40, 4, torch.float32).t()  # (4, 40), stride (1, 4)
+    targets = torch.randint(0, 33, (8,), generator=torch.Generator().manual_seed(4))[::2]
+    loss, grad = cross_entropy_rows(logits, targets, 33)
+    ref_loss, ref_grad = reference_cross_entropy_rows(logits.contiguous(), targets.contiguous(), 33)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7)
+
+
 def test_the_reference_is_autograd_of_the_mean_cross_entropy():
     logits = _logits(6, 40, torch.float64).requires_grad_()
     targets = torch.randint(0, 33, (6,), generator=torch.Generator().manual_seed(2))

@@ -127,3 +127,13 @@ def test_prepare_refuses_a_split_of_only_empty_documents(tmp_path):
     (folder / "b.txt").write_text("")  # the one validation document of seed 0's order
     with pytest.raises(ValueError, match=r"the val split of .* has 0 tokens \(2 documents, val_fraction 0.1\)"):
         prepare(folder, tmp_path / "d", val_fraction=0.1)
+
+
+def test_prepare_reads_files_not_folders_named_txt(tmp_path):
+    """A sub-folder whose name ends in .txt is walked into, not read as a document."""
+    folder = tmp_path / "docs"
+    (folder / "notes.txt").mkdir(parents=True)
+    (folder / "notes.txt" / "a.txt").write_text("words " * 300)
+    (folder / "b.txt").write_text("more words " * 100)
+    meta = prepare(folder, tmp_path / "d", val_fraction=0.1)
+    assert meta["documents"] == 2

@@ -23,7 +23,15 @@ from shared.kernels.dropout_mask import (
 )
 from shared.model import fused_ops
 from shared.model.config import preset
-from tests.helpers import FAST, LIGHTNING, RAW, assert_refused_without_interpreter, load, run
+from tests.helpers import (
+    FAST,
+    LIGHTNING,
+    RAW,
+    assert_refused_without_interpreter,
+    load,
+    python_without_interpreter,
+    run,
+)
 from tests.test_fused_ops import P, _keep_rate_and_mask
 
 
@@ -88,6 +96,34 @@ def test_a_cpu_without_the_interpreter_refuses_the_kernel():
     code = ("import torch; from shared.kernels.dropout_mask import dropout_keep_mask; "
             "dropout_keep_mask(torch.ones(2, 3), 0.1, torch.tensor([1]))")
     assert_refused_without_interpreter(code, "--triton_dropout")
+
+
+# The kernel compiled for sm_90 as its launcher would compile it for these arguments (Triton's own binder gives the
+# specialization: an int argument of value 1 becomes a constant), on a CPU: no GPU runs, Triton's compiler does.
+COMPILE_FOR_SM90 = """
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
+from shared.kernels.dropout_mask import CONFIGS, _dropout_mask, threshold
+target = GPUTarget("cuda", 90, 32)
+backend = make_backend(target)
+bind = create_function_from_signature(_dropout_mask.signature, _dropout_mask.params, backend)
+kwargs = {"BLOCK": CONFIGS[0][0]}
+n, p = %d, %r
+keep, seed = torch.empty(n, dtype=torch.uint8), torch.zeros(1, dtype=torch.int64)
+bound, spec, opts = bind(keep, seed, n, threshold(p), **kwargs)
+options, signature, constexprs, attrs = _dropout_mask._pack_args(backend, kwargs, bound, spec, opts)
+triton.compile(ASTSource(_dropout_mask, signature, constexprs, attrs), target=target, options=options.__dict__)
+"""
+
+
+@pytest.mark.parametrize("n, p", [(4096, 1 / 65536), (1, 0.1)], ids=["threshold_1", "one_element"])
+def test_the_kernel_compiles_for_a_gpu_when_an_argument_is_1(n, p):
+    """p = 1/65536 gives the threshold 1, which Triton would turn into a constant (one with no .to): the kernel
+    still compiles. The interpreter specializes nothing, so only a compile shows it."""
+    proc = python_without_interpreter(COMPILE_FOR_SM90 % (n, p), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_the_compiled_residual_dropout_keeps_scales_and_masks_like_dropout():

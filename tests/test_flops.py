@@ -42,6 +42,8 @@ def test_sparse_flops_scale_only_the_attention_term():
         flops.sparse_model_flops(8, 2048, 24, 2304, 50257, 3, 0.0)
     with pytest.raises(ValueError, match="k must be 3"):
         flops.megatron_flops(1, 1, 1, 1, 1, k=2)
+    with pytest.raises(ValueError, match="k must be 3"):
+        flops.sparse_model_flops(1, 1, 1, 1, 1, 2, 0.5)
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,8 @@
 """shared.tools.generate: the tokenizer it picks for an export, and refusals of bad flags with a message."""
 
 import dataclasses
+import json
+import sys
 
 import pytest
 import torch
@@ -53,3 +55,19 @@ def test_tiny_temperature_samples_the_argmax_instead_of_nan():
     idx = torch.tensor([[1, 2, 3]])
     greedy = generate.generate(model, idx, 4, temperature=0)
     assert torch.equal(generate.generate(model, idx, 4, temperature=1e-45, top_k=0), greedy)
+
+
+def test_an_empty_prompt_is_refused_not_replaced_by_a_token(tmp_path, capsys):
+    weights = _export(tmp_path / "m.safetensors", "synthetic")
+    err = generate_error(capsys, [str(weights), "--tokens", "2", "--device", "cpu", "--prompt", ""])
+    assert "--prompt '' encodes to no tokens" in err
+
+
+def test_bpe_data_without_tokenizers_is_a_message(tmp_path, monkeypatch, capsys):
+    """A model trained on bpe token files, sampled where Hugging Face's tokenizers is not installed."""
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # as if it were not installed
+    (tmp_path / "d.meta.json").write_text(json.dumps({"tokenizer": "bpe", "tokenizer_file": "d.tokenizer.json"}))
+    (tmp_path / "d.tokenizer.json").write_text("{}")
+    weights = _export(tmp_path / "m.safetensors", str(tmp_path / "d"))
+    err = generate_error(capsys, [str(weights), "--tokens", "2", "--device", "cpu"])
+    assert "tokenizer 'bpe' needs Hugging Face's tokenizers package" in err

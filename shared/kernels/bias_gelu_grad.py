@@ -82,6 +82,7 @@ def _launch(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, config: tuple
         x2 = x2.contiguous()
     if dy2.stride(-1) != 1:
         dy2 = dy2.contiguous()
+    bias = bias.contiguous()  # the kernel reads column c's bias at bias + c
     m = x2.shape[0]
     dz = torch.empty((m, n), dtype=x.dtype, device=x.device)
     g = triton.cdiv(m, MIN_ROWS)

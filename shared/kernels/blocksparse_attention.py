@@ -1199,6 +1199,13 @@ def blocksparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lut
         seed = _seed_arg(seed, dropout_p, q, lut.row_off)
     if tiles is not None and (missing := {"fwd", "dq", "dkdv"} - set(tiles)):
         raise ValueError(f"tiles must give a Tile for each of fwd, dq and dkdv; missing {sorted(missing)}")
+    for kind, t in (tiles or {}).items():
+        # a program reads the table of one sparse block: a tile wider than the block would visit its neighbour's
+        # keys with that block's table, and a width that does not divide the block would skip some
+        sizes = (t.block_m, t.block_n)
+        if any(n < 16 or n > lut.block or n & (n - 1) for n in sizes):
+            raise ValueError(f"tile {kind} {t}: block_m and block_n must be powers of two from 16 (tl.dot's "
+                             f"smallest) to the sparse block {lut.block}, got {sizes}")
     if tiles is None and _interpreted():
         tiles = interpreter_tiles(lut.block)
     if not torch.compiler.is_compiling():

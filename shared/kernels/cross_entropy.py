@@ -86,6 +86,7 @@ def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, vocab: int) 
     rows, vp = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
+    targets = targets.contiguous()  # the kernel reads row r's target at targets + r
     loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
     grad = torch.empty((rows, vp), dtype=logits.dtype, device=logits.device)
     if rows:

@@ -50,7 +50,7 @@ def keep_halves(r0, r1, r2, r3, t):
     return tl.interleave((r << 16) >= t, r >= t)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["threshold"])  # Triton makes an int of value 1 (p = 1/65536) a constant, with no .to
 def _dropout_mask(keep, seed, n, threshold, BLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     counters = pid * (BLOCK // 8) + tl.arange(0, BLOCK // 8)

@@ -56,6 +56,8 @@ def megatron_flops(batch: int, seq: int, n_layer: int, hidden: int, vocab: int, 
 
 def sparse_model_flops(batch: int, seq: int, n_layer: int, hidden: int, vocab: int, k: int, density: float) -> float:
     """As megatron_flops, with the attention term s/(6h) scaled by the layout density (1.0 = dense)."""
+    if k not in (3, 4):
+        raise ValueError(f"k must be 3 (no recompute) or 4 (activation checkpointing), got {k}")
     if not 0.0 < density <= 1.0:
         raise ValueError(f"layout density must be in (0, 1], got {density}")
     return 24.0 * k * batch * seq * n_layer * hidden**2 * (

@@ -96,8 +96,10 @@ def main(argv: list[str] | None = None) -> str:
               "trained on token files)", file=sys.stderr)
     if vocab > model.cfg.vocab_size:
         p.error(f"the tokenizer has {vocab} tokens but the model only {model.cfg.vocab_size}")
+    ids = encode(ns.prompt)
+    if not ids:  # no token to condition on: refused rather than replaced by token 0 (a NUL byte, or GPT-2's "!")
+        p.error(f"--prompt {ns.prompt!r} encodes to no tokens: give at least one character (the default is a newline)")
     model.to(ns.device)
-    ids = encode(ns.prompt) or [0]
     idx = torch.tensor([ids], dtype=torch.long, device=ns.device)
     g = torch.Generator(device=ns.device).manual_seed(ns.seed)
     out = generate(model, idx, ns.tokens, ns.temperature, ns.top_k, g)

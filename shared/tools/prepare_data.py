@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 
 TOKENIZERS = ("byte", "gpt2", "bpe")
+NO_TOKENIZERS = ("tokenizer 'bpe' needs Hugging Face's tokenizers package, an optional dependency (it brings "
+                 "huggingface_hub): pip install 'zero3-bench[bpe]' or pip install tokenizers")
 
 
 def byte_encode(text: str) -> list[int]:
@@ -53,9 +55,7 @@ def train_bpe(texts: list[str], vocab_size: int):
     try:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     except ImportError as e:
-        raise ValueError("tokenizer 'bpe' needs Hugging Face's tokenizers package, an optional dependency (it "
-                         "brings huggingface_hub): pip install 'zero3-bench[bpe]' or pip install tokenizers; "
-                         "or use --tokenizer byte") from e
+        raise ValueError(NO_TOKENIZERS + "; or use --tokenizer byte") from e
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -74,8 +74,10 @@ def get_tokenizer(name: str, tokenizer_file: str | Path | None = None):
         enc = gpt2_encoding()
         return (lambda t: enc.encode_ordinary(t)), enc.decode, enc.n_vocab
     if name == "bpe":
-        from tokenizers import Tokenizer
-
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as e:  # generating from a model trained on bpe token files, without the package
+            raise ValueError(NO_TOKENIZERS) from e
         if tokenizer_file is None or not Path(tokenizer_file).is_file():
             raise ValueError(f"tokenizer 'bpe' needs its tokenizer file, {str(tokenizer_file)!r} not found")
         tok = Tokenizer.from_file(str(tokenizer_file))
@@ -87,7 +89,7 @@ def read_documents(source: Path) -> list[str]:
     if source.is_file():
         return [source.read_text(encoding="utf-8", errors="replace")]
     if source.is_dir():
-        files = sorted(source.rglob("*.txt"))
+        files = sorted(f for f in source.rglob("*.txt") if f.is_file())  # a folder named x.txt is no document
         if not files:
             raise ValueError(f"folder {str(source)!r} holds no .txt files")
         return [f.read_text(encoding="utf-8", errors="replace") for f in files]
