@@ -147,14 +147,20 @@ def test_a_checkpoint_of_another_world_size_is_refused_before_deepspeed_starts(t
     checkpoint.check_resumable(two, "deepspeed", TINY, world=2)
 
 
-@pytest.mark.parametrize("path", ["raw", "lightning"])
-def test_both_paths_check_the_ckpt_dir_and_world_size_before_starting(tmp_path, monkeypatch, path):
+def path_main(path: str, monkeypatch):
+    """The path's main(), as one process of a launcher would call it."""
     if path == "raw":
         from plain_deepspeed.train import main
     else:
         from lightning_app.train import main
     for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1").items():
         monkeypatch.setenv(key, value)
+    return main
+
+
+@pytest.mark.parametrize("path", ["raw", "lightning"])
+def test_both_paths_check_the_ckpt_dir_and_world_size_before_starting(tmp_path, monkeypatch, path):
+    main = path_main(path, monkeypatch)
     ck = tmp_path / "ck"
     fake_checkpoint(ck, 2, path="deepspeed" if path == "raw" else "lightning", world=2)
     train = TrainConfig(steps=3, warmup_steps=1, ckpt_dir=str(ck), save_every=1)
@@ -169,12 +175,7 @@ def test_both_paths_refuse_a_checkpoint_at_the_last_step_before_deepspeed_starts
     # The raw loop once found out only after deepspeed.initialize and the checkpoint's load (minutes at 1.5b)
     import deepspeed
 
-    if path == "raw":
-        from plain_deepspeed.train import main
-    else:
-        from lightning_app.train import main
-    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1").items():
-        monkeypatch.setenv(key, value)
+    main = path_main(path, monkeypatch)
 
     def started(*args, **kwargs):
         raise AssertionError("DeepSpeed started")
