@@ -190,7 +190,7 @@ def check_build_locks(min_age_s: float = 10.0) -> None:
 def check_before_start(train, device: torch.device, world: int, local_world: int) -> None:
     """Everything that can be refused before a process group or DeepSpeed starts: the precision on this device,
     the token files, a user DeepSpeed JSON, a size that clearly cannot fit, the attention backend with its layout,
-    a JIT-build lock left behind, output files that cannot be written."""
+    the Triton kernels asked for, a JIT-build lock left behind, output files that cannot be written."""
     from shared.train.data import check_data
     from shared.train.ds_config import build_ds_config
 
@@ -202,6 +202,35 @@ def check_before_start(train, device: torch.device, world: int, local_world: int
         build_ds_config(train)  # reads and checks the user's JSON
     check_fits(train, device, world, local_world)
     check_attention(train)  # after check_fits: a backend's masks grow with seq_len squared
+    check_kernels(train, device)
+
+
+# The model's Triton-kernel switches: (flag, module in shared/kernels, the op its refusal names)
+TRITON_SWITCHES = (("triton_loss", "cross_entropy", "cross_entropy_rows"),
+                   ("triton_gelu_grad", "bias_gelu_grad", "bias_gelu_grad"),
+                   ("triton_dropout", "dropout_mask", "dropout_keep_mask"))
+
+
+def check_kernels(train, device: torch.device) -> None:
+    """The model's Triton kernels that this run asks for, refused before DeepSpeed starts where they cannot run (a
+    CPU without Triton's interpreter) instead of in the first forward."""
+    import importlib
+    import importlib.util
+
+    from shared.kernels import require_cuda_or_interpreter
+
+    model = train.model()
+    for flag, module, op in TRITON_SWITCHES:
+        if getattr(model, flag):
+            kernel = importlib.import_module(f"shared.kernels.{module}")
+            require_cuda_or_interpreter(op, device, kernel.interpreted(), f"--{flag}")
+    if model.fused_layernorm:
+        if device.type != "cuda":
+            raise ValueError(f"--fused_layernorm runs liger-kernel's Triton LayerNorm, which needs a CUDA GPU; this "
+                             f"run's device is {device.type}: drop it")
+        if importlib.util.find_spec("liger_kernel") is None:
+            raise ValueError("--fused_layernorm needs liger-kernel, which is not installed: pip install "
+                             "liger-kernel==0.8.5, or drop it")
 
 
 def check_attention(train) -> None:
