@@ -45,7 +45,7 @@ from harness.order import round_order
 from harness.report import build_report, format_table, plot_phases, write_markdown
 from lightning_app.overheads import check_overheads
 from shared.model.config import GRAPH_BREAKING_BACKENDS
-from shared.train.cli import add_config_args, config_from_args
+from shared.train.cli import Parser, add_config_args, config_from_args
 from shared.train.config import TrainConfig, device_norm_check_refusal, normalize_precision
 from shared.train.distributed import check_before_start
 from shared.train.results import RunResult, differences, replace_text, versions
@@ -104,7 +104,7 @@ def _fill_unset(ns: argparse.Namespace, defaults: dict) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__)
     add_config_args(p)
     for action in p._actions:  # the help says what compare.py changes on GPUs (see parse)
         if action.dest == "compile":

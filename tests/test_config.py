@@ -80,7 +80,20 @@ def test_cli_bad_value_exits_2(capsys):
     with pytest.raises(SystemExit) as e:
         parse_train_config(["--stage", "4"], "test")
     assert e.value.code == 2
-    assert "ZeRO stage must be 0, 1, 2 or 3, got 4" in capsys.readouterr().err
+    err = capsys.readouterr().err.splitlines()  # the message and where the flags are, not ~50 lines of usage first
+    assert len(err) == 2 and "ZeRO stage must be 0, 1, 2 or 3, got 4" in err[0] and "--help" in err[1]
+    with pytest.raises(SystemExit) as e:
+        parse_train_config(["--micro_batch", "two"], "test")  # argparse's own type errors too
+    assert e.value.code == 2 and len(capsys.readouterr().err.splitlines()) == 2
+
+
+def test_cli_help_keeps_the_examples_lines(capsys):
+    doc = "Train.\n\n    torchrun --nproc_per_node 2 train.py --preset tiny\n    python train.py   # one process\n"
+    with pytest.raises(SystemExit) as e:
+        parse_train_config(["--help"], doc)
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "\n    torchrun --nproc_per_node 2 train.py --preset tiny\n" in out
+    assert "\n    python train.py   # one process\n" in out
 
 
 def test_to_argv_round_trips():

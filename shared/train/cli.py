@@ -98,9 +98,20 @@ def config_from_args(ns: argparse.Namespace, cls=TrainConfig, **fixed):
     return cls(**kwargs)
 
 
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser for commands with many flags: the description's examples keep their lines in --help, and a
+    bad value exits 2 with its one-line message and a pointer to --help, not the whole usage block before it."""
+
+    def __init__(self, **kwargs):
+        super().__init__(formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n(all flags: {self.prog} --help)\n")
+
+
 def parse_train_config(argv: list[str] | None, description: str) -> TrainConfig:
     """Parse argv into a TrainConfig; a bad value exits with status 2 and a message naming it."""
-    parser = argparse.ArgumentParser(description=description)
+    parser = Parser(description=description)
     add_config_args(parser)
     # Launchers pass these; DeepSpeed's launcher adds --local_rank=N.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
