@@ -158,9 +158,8 @@ def main(train: TrainConfig) -> RunResult | None:
     if resume_from is not None:
         checkpoint.check_resumable(resume_from, "lightning", dataclasses.asdict(train.model()), world)
         checkpoint.check_safe_to_load(resume_from, train.trust_checkpoint)
-        start = checkpoint.client_state_of(resume_from).get("global_step", 0)
-        if start >= train.steps:
-            raise ValueError(f"checkpoint {resume_from} is at step {start}, not before --steps {train.steps}")
+        checkpoint.check_steps_left(resume_from, checkpoint.client_state_of(resume_from).get("global_step", 0),
+                                    train.steps)
     configure_inductor(train)
     timing = TimingCallback(train)
     run = RunCallback(train, timing, resume_from)

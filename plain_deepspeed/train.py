@@ -90,9 +90,8 @@ def main(train: TrainConfig) -> RunResult:
         checkpoint.check_resumable(resume_from, "deepspeed", dataclasses.asdict(train.model()),
                                    int(os.environ["WORLD_SIZE"]))
         checkpoint.check_safe_to_load(resume_from, train.trust_checkpoint)
-        saved_step = checkpoint.read_marker(resume_from)["step"]  # before DeepSpeed builds and loads anything
-        if saved_step >= train.steps:
-            raise ValueError(f"checkpoint {resume_from} is at step {saved_step}, not before --steps {train.steps}")
+        # before DeepSpeed builds and loads anything
+        checkpoint.check_steps_left(resume_from, checkpoint.read_marker(resume_from)["step"], train.steps)
     import deepspeed  # after the device is set: DeepSpeed picks its accelerator at import
 
     deepspeed.init_distributed(dist_backend=backend_for(device))

@@ -400,6 +400,14 @@ def load_exported(path: str | Path, attention: str | None = None):
     return model.eval(), meta
 
 
+def check_steps_left(folder: Path, step: int, steps: int) -> None:
+    """Refuse to resume from `folder`, saved at `step`, a run of `steps` steps that it has already finished."""
+    if step >= steps:
+        raise ValueError(f"checkpoint {folder} is at step {step}: a run of --steps {steps} has none left to train "
+                         f"(it finished there); raise --steps to train on from it, or start afresh with --resume none "
+                         "and another --ckpt_dir")
+
+
 def client_state_of(folder: Path) -> dict:
     """The non-tensor state a path stored in its checkpoint (step, model config, data), read with weights_only."""
     candidates = sorted(folder.rglob("*mp_rank_00_model_states.pt"))
