@@ -158,8 +158,9 @@ def main(train: TrainConfig) -> RunResult | None:
     if resume_from is not None:
         checkpoint.check_resumable(resume_from, "lightning", dataclasses.asdict(train.model()), world)
         checkpoint.check_safe_to_load(resume_from, train.trust_checkpoint)
-        checkpoint.check_steps_left(resume_from, checkpoint.client_state_of(resume_from).get("global_step", 0),
-                                    train.steps)
+        saved_step = checkpoint.client_state_of(resume_from).get("global_step", 0)
+        checkpoint.check_steps_left(resume_from, saved_step, train.steps)
+        checkpoint.warn_schedule_change(resume_from, saved_step, train)
     configure_inductor(train)
     timing = TimingCallback(train)
     run = RunCallback(train, timing, resume_from)

@@ -91,7 +91,9 @@ def main(train: TrainConfig) -> RunResult:
                                    int(os.environ["WORLD_SIZE"]))
         checkpoint.check_safe_to_load(resume_from, train.trust_checkpoint)
         # before DeepSpeed builds and loads anything
-        checkpoint.check_steps_left(resume_from, checkpoint.read_marker(resume_from)["step"], train.steps)
+        saved_step = checkpoint.read_marker(resume_from)["step"]
+        checkpoint.check_steps_left(resume_from, saved_step, train.steps)
+        checkpoint.warn_schedule_change(resume_from, saved_step, train)
     import deepspeed  # after the device is set: DeepSpeed picks its accelerator at import
 
     deepspeed.init_distributed(dist_backend=backend_for(device))

@@ -242,3 +242,22 @@ def test_bpe_without_tokenizers_is_a_message(tmp_path, monkeypatch):
     src.write_text("words and more words. " * 400)
     with pytest.raises(ValueError, match=r"needs Hugging Face's tokenizers package.*zero3-bench\[bpe\]"):
         prepare(src, tmp_path / "t", "bpe")
+
+
+def test_resuming_with_another_learning_rate_schedule_warns_with_the_jump(tmp_path, recwarn):
+    from shared.train.optim import lr_at
+
+    saved = TrainConfig(steps=60, warmup_steps=1, lr=3e-3, min_lr=3e-4)
+    folder = tmp_path / "ck" / checkpoint.tag_for(60)
+    folder.mkdir(parents=True)
+    checkpoint.write_marker(folder, 40, {"path": "deepspeed", "schedule": checkpoint.schedule_of(saved)})
+    checkpoint.warn_schedule_change(folder, 40, saved)  # the same schedule: nothing to say
+    assert not recwarn.list
+    longer = dataclasses.replace(saved, steps=80)
+    with pytest.warns(UserWarning, match=r"another learning-rate schedule \(--steps 60 -> 80\): step 40 runs at lr "
+                                         f"{lr_at(40, longer):.3g} where the saved run would have used "
+                                         f"{lr_at(40, saved):.3g}"):
+        checkpoint.warn_schedule_change(folder, 40, longer)
+    checkpoint.write_marker(folder, 40, {"path": "deepspeed"})  # a marker from before schedules were recorded
+    checkpoint.warn_schedule_change(folder, 40, longer)
+    assert not recwarn.list

@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import sys
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -263,7 +264,8 @@ def commit(folder: Path, step: int, rank: int, train, path: str, barrier) -> Non
     save_rng(folder, rank)
     barrier()
     if rank == 0:
-        write_marker(folder, step, {"path": path, "model_config": dataclasses.asdict(train.model())})
+        write_marker(folder, step, {"path": path, "model_config": dataclasses.asdict(train.model()),
+                                    "schedule": schedule_of(train)})
         pruned = prune(train.ckpt_dir, train.keep_last, step)
         deleted = f"; deleted {', '.join(p.name for p in pruned)} (--keep_last {train.keep_last})" if pruned else ""
         print(f"[{path}] saved checkpoint {folder}{deleted}", flush=True)
@@ -398,6 +400,28 @@ def load_exported(path: str | Path, attention: str | None = None):
     if missing or unexpected:
         raise ValueError(f"{str(path)!r} does not match the model: missing {missing}, unexpected {unexpected}")
     return model.eval(), meta
+
+
+SCHEDULE_FIELDS = ("steps", "lr", "min_lr", "lr_warmup_steps")  # what the learning-rate schedule is planned from
+
+
+def schedule_of(train) -> dict:
+    return {name: getattr(train, name) for name in SCHEDULE_FIELDS}
+
+
+def warn_schedule_change(folder: Path, step: int, train) -> None:
+    """Warn when a run resumed from `folder` (saved at `step`) plans its learning-rate schedule otherwise than the run
+    that saved it (e.g. a larger --steps stretches the cosine decay): the rate then jumps at the resume."""
+    from shared.train.optim import lr_at
+
+    saved = (read_marker(folder) or {}).get("schedule")
+    if not saved or saved == schedule_of(train):
+        return
+    changed = ", ".join(f"--{k} {saved[k]} -> {getattr(train, k)}" for k in SCHEDULE_FIELDS
+                        if saved.get(k) != getattr(train, k))
+    before = lr_at(step, dataclasses.replace(train, **{k: saved[k] for k in SCHEDULE_FIELDS if k in saved}))
+    warnings.warn(f"resuming {folder} with another learning-rate schedule ({changed}): step {step} runs at lr "
+                  f"{lr_at(step, train):.3g} where the saved run would have used {before:.3g}", stacklevel=2)
 
 
 def check_steps_left(folder: Path, step: int, steps: int) -> None:
