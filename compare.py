@@ -306,8 +306,14 @@ def main(argv: list[str] | None = None) -> dict:
     out_dir: Path = ns.report_dir
     (out_dir / "runs").mkdir(parents=True, exist_ok=True)
     where = f"{ns.world} GPU(s)" if torch.cuda.is_available() else f"{ns.world} CPU process(es), gloo"
-    print(f"compare: preset {train.preset}, ZeRO-{train.stage} {train.precision}, micro-batch {train.micro_batch}, "
-          f"{train.steps} steps ({train.warmup_steps} warmup), {ns.repeats} repeats, {where}", flush=True)
+    if ns.autotune:  # what the mode runs: autotune one run per candidate, explain rounds of the factors
+        runs = f"--autotune over micro-batches {ns.mb_grid}, one run per candidate"
+    elif ns.explain:
+        runs = f"--explain, micro-batch {train.micro_batch}, factors in {ns.factor_repeats} round(s)"
+    else:
+        runs = f"micro-batch {train.micro_batch}, {ns.repeats} repeats"
+    print(f"compare: preset {train.preset}, ZeRO-{train.stage} {train.precision}, {runs}, {train.steps} steps "
+          f"({train.warmup_steps} warmup), {where}", flush=True)
     run = lambda path, cfg, out, log: launch(path, cfg, ns.world, out, log, ns.timeout)
     if ns.autotune:
         ns.commands = [*ns.kept_commands, " ".join(["python", "compare.py", *argv])]

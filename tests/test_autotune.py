@@ -497,3 +497,16 @@ def test_autotune_sweep_on_cpu_and_both_paths_accept_the_winner(tmp_path):
     assert load(tmp_path / "raw.json")["ds_config"] == load(tmp_path / "pl.json")["ds_config"]
     assert load(tmp_path / "raw.json")["ds_config"]["zero_optimization"]["reduce_bucket_size"] == \
         report["winner"]["knobs"]["reduce_bucket_size"]
+
+
+def test_the_header_says_what_the_search_runs(tmp_path, monkeypatch, capsys):
+    import compare
+
+    def stop(*args, **kwargs):
+        raise SystemExit(0)
+
+    monkeypatch.setattr(compare.autotune, "run_autotune", stop)
+    with pytest.raises(SystemExit):
+        compare.main(["--autotune", "--mb_grid", "1,2", "--steps", "3", "--warmup_steps", "1", "--out", str(tmp_path)])
+    header = capsys.readouterr().out.splitlines()[0]
+    assert "--autotune over micro-batches 1,2, one run per candidate" in header and "repeats" not in header
