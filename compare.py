@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import math
+import re
 import signal
 import sys
 import time
@@ -299,6 +300,20 @@ def kept_runs(ns: argparse.Namespace, train: TrainConfig) -> dict[tuple[str, int
     return kept
 
 
+def clear_previous_report(out_dir: Path) -> list[Path]:
+    """Delete what an earlier compare left in `out_dir` (its report, plot, runs and logs, by their names) so that a
+    compare that fails midway leaves only its own files, never its logs beside another run's report; returns what
+    it deleted. Other files of the folder stay."""
+    ours = re.compile(rf"^({'|'.join(PATHS + REFERENCES)})_(\d+|breakdown)\.")
+    gone = [out_dir / name for name in ("report.json", "report.md", "phases.png") if (out_dir / name).is_file()]
+    for sub in ("runs", "logs"):
+        if (out_dir / sub).is_dir():
+            gone += [f for f in sorted((out_dir / sub).iterdir()) if f.is_file() and ours.match(f.name)]
+    for f in gone:
+        f.unlink()
+    return gone
+
+
 def main(argv: list[str] | None = None) -> dict:
     t0 = time.monotonic()
     argv = sys.argv[1:] if argv is None else argv
@@ -332,6 +347,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(explain.format_explain(report))
         print(f"\nwrote {out_dir / 'explain.json'}, {out_dir / 'explain.md'}")
         return report
+    if not ns.keep_runs and (gone := clear_previous_report(out_dir)):
+        print(f"compare: replaced the earlier compare's {len(gone)} file(s) in {out_dir} (--keep_runs continues one "
+              "instead)", flush=True)
     results: dict[str, list[RunResult]] = {p: [] for p in (*PATHS, *ns.references)}
     plan = []  # (round, the paths run together)
     for i in range(ns.repeats):

@@ -563,3 +563,15 @@ def test_a_failed_runs_reason_is_its_last_exception_line(tmp_path, monkeypatch, 
     with pytest.raises(launch.CompareError) as e:
         launch.launch("deepspeed", TrainConfig(), 1, tmp_path / "r.json", tmp_path / "r.log", 60)
     assert e.value.reason == f"reason: {reason}"
+
+
+def test_a_new_compare_clears_the_earlier_ones_report_runs_and_logs_only(tmp_path):
+    for name in ("report.json", "report.md", "phases.png", "notes.txt", "runs/deepspeed_0.json",
+                 "runs/lightning_1.json", "runs/ceiling_0.json", "runs/deepspeed_breakdown.json",
+                 "logs/fsdp2_0.log", "runs/mine.json", "logs/deepspeed_old.log"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("earlier")
+    gone = compare.clear_previous_report(tmp_path)
+    assert len(gone) == 8 and not (tmp_path / "report.json").exists()
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert left == ["logs/deepspeed_old.log", "notes.txt", "runs/mine.json"]  # not a compare's: kept
