@@ -61,9 +61,9 @@ def write_marker(folder: Path, step: int, extra: dict | None = None) -> None:
     paths = _files(folder)
     files = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "blake2b": d}
              for p, d in zip(paths, _digests(paths))}
-    tmp = folder / (MARKER + ".tmp")
-    tmp.write_text(json.dumps({"step": step, "files": files, **(extra or {})}, indent=1))
-    os.replace(tmp, folder / MARKER)
+    from shared.train.results import replace_text  # the model's imports come with it: only when a save is made
+
+    replace_text(folder / MARKER, json.dumps({"step": step, "files": files, **(extra or {})}, indent=1))
 
 
 def read_marker(folder: Path) -> dict | None:

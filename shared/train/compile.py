@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 
+import torch
 from torch import nn
 
 from shared.train.config import TrainConfig, last_compile_step
@@ -29,8 +30,6 @@ from shared.train.config import TrainConfig, last_compile_step
 @functools.cache
 def compiled_block_forward():
     """Block.forward compiled once per process (dynamic=False: one graph for every block of the model)."""
-    import torch
-
     from shared.model.gpt import Block
 
     return torch.compile(Block.forward, dynamic=False)
@@ -98,8 +97,6 @@ class GuardSkip:
         global GUARD_SKIP_FROM
         if GUARD_SKIP_FROM is None:
             GUARD_SKIP_FROM = step
-        import torch
-
         return torch.compiler.set_stance(skip_guard_eval_unsafe=True)
 
     @contextlib.contextmanager
