@@ -405,7 +405,7 @@ def test_the_progress_lines_step_time_is_the_median_of_the_interval(tmp_path, ca
 
     timer = PhaseTimer(torch.device("cpu"))
     progress = Progress(4, torch.device("cpu"), timer, flops_per_step_per_gpu=1e12, log_every=2, enabled=True,
-                        csv_path=str(tmp_path / "log.csv"), convention="dense-attention formula, k=3")
+                        csv_path=str(tmp_path / "log.csv"), convention="dense-attention formula, k=3, median step")
     for step, totals in enumerate(([0.1, 0.3], [0.1, 0.3, 0.2, 0.6])):
         timer.steps = [{"total": t} for t in totals]  # the steps the timer has resolved by this line
         progress.record(2 * step, torch.tensor(1.0))
@@ -417,5 +417,5 @@ def test_the_progress_lines_step_time_is_the_median_of_the_interval(tmp_path, ca
     assert [float(r["tflops_per_gpu"]) for r in rows] == pytest.approx([5.0, 2.5])
     lines = capsys.readouterr().out.splitlines()  # the figures' convention, said once before the first of them
     assert lines[0] == ("ms/step: the median of the last 2 steps (warm-up steps too, the first lines); TFLOPs/GPU: "
-                        "dense-attention formula, k=3, over that median")
+                        "dense-attention formula, k=3, median step")
     assert len(lines) == 3 and "ms/step" in lines[1] and "TFLOPs/GPU" in lines[2]

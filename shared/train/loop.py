@@ -13,6 +13,7 @@ from shared.model import flops
 from shared.train.config import TrainConfig
 from shared.train.ds_runtime import progress_extras
 from shared.train.progress import Progress
+from shared.train.results import tflops_convention
 from shared.train.timing import PhaseTimer
 
 
@@ -43,7 +44,7 @@ def start_progress(train: TrainConfig, device: torch.device, rank: int, prefix: 
     progress = Progress(train.steps, device, timer, per_gpu_flops, train.log_every, enabled=rank == 0,
                         prefix=prefix, peak_flops=peak, csv_path=train.log_csv, first_step=first_step,
                         stop_on_nan=train.nan_policy == "stop", extras=progress_extras(scheduler, engine, device),
-                        convention=f"dense-attention formula, k={train.flops_factor} (shared/model/flops.py)")
+                        convention=tflops_convention(train.flops_factor))
     return timer, progress
 
 

@@ -72,7 +72,7 @@ class Progress:
     def __init__(self, steps: int, device: torch.device, timer: PhaseTimer, flops_per_step_per_gpu: float,
                  log_every: int, enabled: bool, prefix: str = "", peak_flops: float | None = None,
                  csv_path: str | None = None, extras: Callable[[], dict] | None = None, first_step: int = 0,
-                 stop_on_nan: bool = True, convention: str = "dense-attention formula"):
+                 stop_on_nan: bool = True, *, convention: str):
         self.steps, self.device, self.timer = steps, device, timer
         self.flops, self.peak = flops_per_step_per_gpu, peak_flops
         self.log_every, self.enabled, self.prefix = log_every, enabled, prefix
@@ -133,7 +133,7 @@ class Progress:
         if recent:
             if self._legend:
                 print(f"{self.prefix}ms/step: the median of the last {self.log_every} steps (warm-up "
-                      f"steps too, the first lines); TFLOPs/GPU: {self.convention}, over that median", flush=True)
+                      f"steps too, the first lines); TFLOPs/GPU: {self.convention}", flush=True)
                 self._legend = False
             step_s = statistics.median(recent)  # the median of the last log_every steps, as the result JSON takes it
             tflops = self.flops / step_s / 1e12
