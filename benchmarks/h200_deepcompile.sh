@@ -103,7 +103,7 @@ compare_one() {  # 1-GPU compare, both paths with DeepCompile, ceiling + FSDP2 r
 }
 gpu_tests() {  # the deepcompile GPU tests; $2...: pytest flags
   local gpu=$1; shift
-  CUDA_VISIBLE_DEVICES=$gpu timeout -k 10 "$(left)" python3 -m pytest -m gpu tests/test_deepcompile.py -q "$@" \
+  CUDA_VISIBLE_DEVICES=$gpu timeout -k 10 "$(left)" python3 -m pytest -m gpu tests/test_deepcompile.py -v "$@" \
     -p no:cacheprovider > "$W/gpu_tests_deepcompile.log" 2>&1
 }
 explain_one() {  # compare.py --explain, eager, tuned profile, micro-batch 8, 2 rounds per factor
@@ -147,7 +147,7 @@ attention_dropout() {  # GPU $1: attention forward + backward at the 1.5b model'
     --out "$W/attention_dropout.json" > "$W/attention_dropout.log" 2>&1
 }
 kernel_tests() {  # GPU $1: the block-sparse kernel's GPU tests
-  CUDA_VISIBLE_DEVICES=$1 timeout -k 10 "$(left)" python3 -m pytest -m gpu tests/test_blocksparse.py -q -rA \
+  CUDA_VISIBLE_DEVICES=$1 timeout -k 10 "$(left)" python3 -m pytest -m gpu tests/test_blocksparse.py -v -rA \
     -k "${TEST_K:-dropout and not no_dropout}" -p no:cacheprovider > "$W/gpu_tests_blocksparse.log" 2>&1
 }
 last_mile() {  # GPU $1: the lever table on top of the DeepCompile default (benchmarks/ablation.py --set last_mile)
@@ -159,7 +159,7 @@ REFS=(--reference ${REFROUNDS:+--reference_rounds "$REFROUNDS"})
 gpu_test_each() {  # GPU $1: each named deepcompile GPU test in its own pytest, so every one reports even if cut
   local gpu=$1; shift
   for t in "$@"; do
-    CUDA_VISIBLE_DEVICES=$gpu timeout -k 10 "$(left)" python3 -m pytest -m gpu "tests/test_deepcompile.py::$t" -q -s \
+    CUDA_VISIBLE_DEVICES=$gpu timeout -k 10 "$(left)" python3 -m pytest -m gpu "tests/test_deepcompile.py::$t" -v -s \
       --tb=short -p no:cacheprovider >> "$W/gpu_tests_deepcompile_$gpu.log" 2>&1
   done
 }
@@ -229,7 +229,7 @@ case "$STAGE" in
       [ -d "$A" ] || { echo "KEEP=warm: no $A on this machine (a fresh one)"; exit 2; }
       cp -r "$A" "$W/ablation"
     else
-      CUDA_VISIBLE_DEVICES=0 timeout -k 5 120 python3 -m pytest -m gpu -q tests/test_dropout_mask.py \
+      CUDA_VISIBLE_DEVICES=0 timeout -k 5 120 python3 -m pytest -m gpu -v tests/test_dropout_mask.py \
         -p no:cacheprovider > "$W/gpu_tests_dropout_mask.log" 2>&1
       CUDA_VISIBLE_DEVICES=0 timeout -k 5 180 python3 benchmarks/residual_dropout.py --coordinate_descent_tuning false \
         --out "$W/residual_dropout.json" > "$W/residual_dropout.log" 2>&1
@@ -256,7 +256,7 @@ case "$STAGE" in
     echo "ablation exit $? (3: stopped before a run that would not fit; KEEP=warm continues it)"
     rm -rf "$A" && cp -r "$W/ablation" "$A"
     if [ -n "${TESTS:-}" ]; then  # GPU tests after the timed runs, in the TESTS_S seconds kept for them
-      CUDA_VISIBLE_DEVICES=0 timeout -k 10 "$(left)" python3 -m pytest -m gpu -q $TESTS -p no:cacheprovider \
+      CUDA_VISIBLE_DEVICES=0 timeout -k 10 "$(left)" python3 -m pytest -m gpu -v $TESTS -p no:cacheprovider \
         > "$W/gpu_tests_lever.log" 2>&1
     fi ;;
   headline)
@@ -270,7 +270,7 @@ case "$STAGE" in
     echo "compare exit $? (3: stopped before a run that would not fit; KEEP=warm or KEEP=<this folder> continues it)"
     rm -rf "$WARM.new" && cp -r "$W/$C" "$WARM.new" && rm -rf "$WARM" && mv "$WARM.new" "$WARM"
     if [ -n "${TESTS:-}" ]; then  # GPU tests after the timed runs, in the TESTS_S seconds kept for them
-      CUDA_VISIBLE_DEVICES=0 timeout -k 10 "$(left)" python3 -m pytest -m gpu -q $TESTS -p no:cacheprovider \
+      CUDA_VISIBLE_DEVICES=0 timeout -k 10 "$(left)" python3 -m pytest -m gpu -v $TESTS -p no:cacheprovider \
         > "$W/gpu_tests_headline.log" 2>&1
     fi ;;
   autotune)

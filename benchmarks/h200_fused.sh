@@ -9,7 +9,7 @@ shift
 W="$OUT/work"
 mkdir -p "$W"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$W/nvidia-smi.txt"
-timeout 150 python3 -m pytest -q -m gpu tests/test_fused_ops.py tests/test_fused_loss.py > "$W/gpu_tests.log" 2>&1
+timeout 150 python3 -m pytest -v -m gpu tests/test_fused_ops.py tests/test_fused_loss.py > "$W/gpu_tests.log" 2>&1
 echo "gpu tests rc=$?"; tail -3 "$W/gpu_tests.log"
 timeout 460 python3 benchmarks/ablation.py --preset 1.5b --micro_batch 8 --out "$W/ablation" "$@"
 echo "ablation rc=$?"
