@@ -19,6 +19,8 @@ kernel, CUDA only. It refuses CPU tensors with an error instead of running somet
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 import torch.nn.functional as F
 
@@ -121,16 +123,25 @@ bias_gelu_triton_grad = _bias_gelu_with(
     "kernel.")
 
 
+def liger_refusal(device_type: str) -> str | None:
+    """Why liger-kernel's LayerNorm (--fused_layernorm) cannot run on a `device_type` device here, or None: the one
+    check that the preflight (shared/train/distributed.check_kernels) and layer_norm itself make."""
+    if device_type != "cuda":
+        return (f"--fused_layernorm runs liger-kernel's Triton LayerNorm, which needs a CUDA tensor; this run's are on "
+                f"{device_type}: drop --fused_layernorm on this machine")
+    if importlib.util.find_spec("liger_kernel") is None:
+        return ("--fused_layernorm needs liger-kernel, which is not installed: pip install liger-kernel==0.8.5, or "
+                "drop it")
+    return None
+
+
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
     """liger-kernel's fused LayerNorm; raises on CPU tensors or without liger-kernel installed."""
-    if x.device.type != "cuda":
-        raise RuntimeError(
-            f"fused_layernorm runs liger-kernel's Triton LayerNorm, which needs a CUDA tensor; got one on "
-            f"{x.device.type}. Drop --fused_layernorm on this machine."
-        )
+    if reason := liger_refusal(x.device.type):
+        raise RuntimeError(reason)
     try:
         from liger_kernel.ops.layer_norm import LigerLayerNormFunction
-    except ImportError as e:
+    except ImportError as e:  # installed, yet its import fails
         raise RuntimeError(
             "fused_layernorm needs liger-kernel (pip install liger-kernel==0.8.5); it is not importable: " + str(e)
         ) from e

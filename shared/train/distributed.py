@@ -215,7 +215,6 @@ def check_kernels(train, device: torch.device) -> None:
     """The model's Triton kernels that this run asks for, refused before DeepSpeed starts where they cannot run (a
     CPU without Triton's interpreter) instead of in the first forward."""
     import importlib
-    import importlib.util
 
     from shared.kernels import require_cuda_or_interpreter
 
@@ -225,12 +224,10 @@ def check_kernels(train, device: torch.device) -> None:
             kernel = importlib.import_module(f"shared.kernels.{module}")
             require_cuda_or_interpreter(op, device, kernel.interpreted(), f"--{flag}")
     if model.fused_layernorm:
-        if device.type != "cuda":
-            raise ValueError(f"--fused_layernorm runs liger-kernel's Triton LayerNorm, which needs a CUDA GPU; this "
-                             f"run's device is {device.type}: drop it")
-        if importlib.util.find_spec("liger_kernel") is None:
-            raise ValueError("--fused_layernorm needs liger-kernel, which is not installed: pip install "
-                             "liger-kernel==0.8.5, or drop it")
+        from shared.model.fused_ops import liger_refusal
+
+        if reason := liger_refusal(device.type):
+            raise ValueError(reason)
 
 
 def check_attention(train) -> None:
