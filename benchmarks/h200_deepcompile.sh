@@ -34,10 +34,10 @@
 #   STAGE=autotune  compare.py --autotune on GPUS GPUs (default 1) over GRID (default 16,24), each candidate STEPS /
 #               WARMUP steps, its budget what is left of the call; KEEP=<an earlier call's autotune folder, in the repo>
 #               continues that search (--keep_runs): candidates measured there are not run again
-#   STAGE=lever benchmarks/ablation.py --set last_mile over CONFIGS (comma-separated) on GPUS GPUs (default 1;
-#               more: --gpus, each GPU running its own baselines), step PROFILE_STEP (default 9) profiled as a step
-#               in flight runs, as many runs as fit before the TESTS_S seconds kept for TESTS (pytest node ids, gpu
-#               marker), which run after the timed runs on GPU 0; KEEP=warm continues the ablation from the copy the
+#   STAGE=lever benchmarks/ablation.py --set last_mile over CONFIGS (comma-separated) at micro-batch MB (default 16)
+#               on GPUS GPUs (default 1; more: --gpus, each GPU running its own baselines), step PROFILE_STEP (default 9)
+#               profiled as a step in flight runs, as many runs as fit before the TESTS_S seconds kept for TESTS
+#               (pytest node ids, gpu marker), which run after the timed runs on GPU 0; KEEP=warm continues the ablation from the copy the
 #               last call left in /tmp on the same machine (calls back to back), KEEP=<an earlier call's ablation
 #               folder, in the repo> from that folder
 #   STAGE=headline  compare.py's GPU default on GPUS GPUs (default 1): both paths, REPEATS rounds (default 2), the
@@ -249,7 +249,7 @@ case "$STAGE" in
     fi
     G=${GPUS:-1}  # GPUs the runs are spread over (ablation.py --gpus), from GPU 0
     CUDA_VISIBLE_DEVICES=$(seq -s, 0 $(( G - 1 ))) timeout -k 25 "$(left)" python3 benchmarks/ablation.py \
-      --set last_mile --gpus "$G" \
+      --set last_mile --gpus "$G" --micro_batch "$MB" \
       --configs="${CONFIGS:?CONFIGS=<comma-separated configurations>}" --profile_step "${PROFILE_STEP:-9}" \
       --profile_sync false --keep --timeout 400 --time_limit "$(( $(left) - 20 - ${TESTS_S:-0} ))" \
       --out "$W/ablation" > "$W/ablation.log" 2>&1

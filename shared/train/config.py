@@ -159,8 +159,9 @@ class TrainConfig(FusedSwitches):
     preset on one GPU, 4.4-4.6 ms of device time on the op's reduce-scatter stream in its profiles (docs/results.md).
     true: the op built from DeepSpeed's sources with that division skipped where the world size is 1, where it changes
     no bit; with more GPUs it divides as DeepSpeed's does (shared/train/deepcompile_op.py; built on first use, ~1 min,
-    together with --deepcompile_backward_wait device's patch when both are on). Not yet timed on a GPU. Only with
-    --compile deepcompile"""
+    together with --deepcompile_backward_wait device's patch when both are on). Timed on one H100 at micro-batch 8:
+    0.997x its baselines, whose spread was 0.12% (docs/results.md), so off by default. Only with --compile
+    deepcompile"""
     skip_guard_eval: bool = False
     """after the warm-up's compiles, the training forward skips torch.compile's guard checks
     (torch.compiler.set_stance(skip_guard_eval_unsafe=True); shared/train/compile.GuardSkip): dynamo checks every
@@ -168,7 +169,8 @@ class TrainConfig(FusedSwitches):
     forwards profiled in flight the device waited 0.07-2.98 ms on it, median 1.69: docs/results.md). The forward of
     the step after the last planned compile runs with its guards and must compile nothing, else the run stops with an
     error; later training forwards skip them. Validation, export and the backward keep them. Needs something compiled
-    (--compile blocks or deepcompile, or the compiled bias + dropout / GELU switches). Not yet timed on a GPU"""
+    (--compile blocks or deepcompile, or the compiled bias + dropout / GELU switches). Timed on one H100 at micro-batch
+    8: 1.001x its baselines, whose spread was 0.12% (docs/results.md), so off by default"""
     coordinate_descent_tuning: bool = False
     """inductor's coordinate-descent tuning (torch._inductor.config.coordinate_descent_tuning): each generated
     Triton kernel's block sizes and warps are benchmarked around the default at its first compile and the best is
