@@ -35,11 +35,11 @@
 #               WARMUP steps, its budget what is left of the call; KEEP=<an earlier call's autotune folder, in the repo>
 #               continues that search (--keep_runs): candidates measured there are not run again
 #   STAGE=lever benchmarks/ablation.py --set last_mile over CONFIGS (comma-separated) at micro-batch MB (default 16)
-#               on GPUS GPUs (default 1; more: --gpus, each GPU running its own baselines), step PROFILE_STEP (default 9)
-#               profiled as a step in flight runs, as many runs as fit before the TESTS_S seconds kept for TESTS
-#               (pytest node ids, gpu marker), which run after the timed runs on GPU 0; KEEP=warm continues the ablation from the copy the
-#               last call left in /tmp on the same machine (calls back to back), KEEP=<an earlier call's ablation
-#               folder, in the repo> from that folder
+#               on GPUS GPUs (default 1; more: --gpus, each GPU running its own baselines), step PROFILE_STEP
+#               (default 9) profiled as a step in flight runs, as many runs as fit before the TESTS_S seconds
+#               kept for TESTS (pytest node ids, gpu marker), which run after the timed runs on GPU 0; KEEP=warm
+#               continues the ablation from the copy the last call left in /tmp on the same machine (calls back to
+#               back), KEEP=<an earlier call's ablation folder, in the repo> from that folder
 #   STAGE=headline  compare.py's GPU default on GPUS GPUs (default 1): both paths, REPEATS rounds (default 2), the
 #               ceiling in round 1, step PROFILE_STEP (default 9) profiled, over as many calls as it takes: each call
 #               runs what fits in it (--time_limit; exit status 3 when it stopped before a run) and KEEP=<the last
