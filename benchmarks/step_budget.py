@@ -3,7 +3,8 @@
     python benchmarks/step_budget.py benchmarks/results/coordinate_descent_compare_1xh200/runs/*_0.json --target 560
 
 Reads run JSONs written with `--profile_step` and reports, for each run (harness/budget.py): the matmuls' and the
-attention kernels' achieved rate in the profiled step, as TFLOP/s and as a share of the device's peak; the time of
+attention kernels' achieved rate in the profiled step, as TFLOP/s and as a share of the device's peak, and of the
+peak at the SM clock the GPU held over the run's timed steps (its telemetry, where the run has one); the time of
 the kinds that do no model FLOPs (inductor's generated elementwise kernels, the optimizer, copies) and the device's
 idle time; the median step a target TFLOPs/GPU needs (the reported convention: the Megatron formula) and the gap;
 two what-ifs, each the median step with one change: the attention at the matmuls' achieved rate, and no idle time.
@@ -36,6 +37,10 @@ def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _pct(share: float | None) -> str:
+    return _fmt(None if share is None else share * 100, ".0f")
+
+
 def against_baseline(rows: list[dict], baseline: list[dict]) -> None:
     """Adds `vs_baseline_ms` to each row: its ms minus the baselines' mean, per kind, idle and median step."""
     def parts(r: dict) -> dict:
@@ -55,13 +60,19 @@ def table(rows: list[dict]) -> str:
         kinds = kinds_ms(r["by_kind_ms"])
 
         def cell(d):
-            return (f"{_fmt(d['ms'], '.1f')} ({_fmt(d['tflops'], '.0f')}, "
-                    f"{_fmt(d['of_peak'] * 100 if d['of_peak'] is not None else None, '.0f')}%)")
+            return f"{_fmt(d['ms'], '.1f')} ({_fmt(d['tflops'], '.0f')}, {_pct(d['of_peak'])}%)"
 
         lines.append(f"{r['row']:<{width}} {r['tflops_per_gpu']:>7.1f} {r['median_step_ms']:>8.1f} "
                      f"{cell(r['matmul']):>27} {cell(r['attention']):>30} "
                      f"{kinds['compiled (triton)']:>9.1f} {kinds['other']:>8.1f} "
                      f"{r['idle_ms']:>7.1f} {r['needed_step_ms']:>13.1f} {r['gap_ms']:>7.1f}")
+    if any(r["held_peak_tflops"] for r in rows):
+        lines.append("at the clock the GPU held over the timed steps (nvidia-smi's median; the datasheet peak assumes "
+                     "a higher one): held-clock peak, then the matmuls' and the attention's share of it")
+        for r in rows:
+            if r["held_peak_tflops"]:
+                lines.append(f"  {r['row']:<{width}} {r['sm_mhz']:.0f} MHz: {r['held_peak_tflops']:.1f} TFLOP/s; "
+                             + ", ".join(f"{k} {_pct(r[k]['of_held_peak'])}%" for k in ("matmul", "attention")))
     if any(not r.get("profile_synced", True) for r in rows):
         lines.append("profiled without syncs (idle as a step in flight idles): "
                      + ", ".join(r["row"] for r in rows if not r.get("profile_synced", True)))

@@ -62,24 +62,36 @@ def _shape(run: RunResult) -> tuple[int, int, int, int]:
     return t["micro_batch"] * t["grad_accum"] * run.world_size, m["seq_len"], m["n_layer"], m["n_embd"]
 
 
+def held_sm_mhz(run: RunResult) -> float | None:
+    """The median SM clock nvidia-smi read beside the run's timed steps (extra.gpu_telemetry), or None."""
+    telemetry = (run.extra or {}).get("gpu_telemetry") or {}
+    return (telemetry.get("sm_mhz") or {}).get("median")
+
+
 def kernel_rates(run: RunResult, source: str = "this run") -> dict:
     """Per GPU: the model FLOPs, device ms, TFLOP/s and share of the device's peak of the matmuls and the attention
     kernels in the profiled step of a GPU run (TFLOP/s None where the profile has no kernel of that kind, the share
-    None where the device is not in flops.PEAK_FLOPS)."""
+    None where the device is not in flops.PEAK_FLOPS); and the share of the peak at the clock the GPU held over the
+    timed steps (`of_held_peak`; None without telemetry or where flops.PEAK_CLOCK_MHZ lacks the device): how far the
+    kernels are from what the power cap leaves, apart from the clock it costs."""
     by_kind = _profiled_step(run, source)["by_kind_ms"]
     density, shape = attention_density(run), _shape(run)
     attention = flops.attention_flops(*shape, run.flops_factor, density)
     linear = flops.matmul_flops(*shape, run.model["vocab_size"], run.flops_factor, density) - attention
-    peak = flops.peak_flops(run.device.get("name"), run.train["precision"])
+    name, precision, sm_mhz = run.device.get("name"), run.train["precision"], held_sm_mhz(run)
+    peak = flops.peak_flops(name, precision)
+    held = flops.peak_flops_at_clock(name, precision, sm_mhz)
 
     def rate(model_flops: float, kind: str) -> dict:
         per_gpu, ms = model_flops / run.world_size, by_kind.get(kind)
         tflops = per_gpu / (ms * 1e-3) / 1e12 if ms else None
         return {"model_flops": per_gpu, "ms": ms, "tflops": tflops,
-                "of_peak": tflops * 1e12 / peak if tflops is not None and peak else None}
+                "of_peak": tflops * 1e12 / peak if tflops is not None and peak else None,
+                "of_held_peak": tflops * 1e12 / held if tflops is not None and held else None}
 
-    return {"peak_tflops": peak / 1e12 if peak else None, "matmul": rate(linear, "matmul"),
-            "attention": rate(attention, "attention")}
+    return {"peak_tflops": peak / 1e12 if peak else None, "sm_mhz": sm_mhz,
+            "held_peak_tflops": held / 1e12 if held else None,
+            "matmul": rate(linear, "matmul"), "attention": rate(attention, "attention")}
 
 
 def step_budget(run: RunResult, target: float, source: str = "this run") -> dict:

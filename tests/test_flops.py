@@ -79,6 +79,19 @@ def test_an_unknown_device_gets_no_peak_and_one_warning_naming_it(name):
         assert flops.peak_flops(name, "fp32") is None
 
 
+def test_the_peak_at_a_held_clock_scales_the_datasheets_by_its_own_clock():
+    # the datasheet's arithmetic: 132 SMs x 4096 dense bf16 FLOP per clock x 1830 MHz
+    assert 132 * 4096 * flops.PEAK_CLOCK_MHZ["NVIDIA H200"] * 1e6 == pytest.approx(989.4e12, rel=1e-4)
+    assert flops.peak_flops_at_clock("NVIDIA H200", "bf16", 1830.0) == pytest.approx(989.4e12)
+    assert flops.peak_flops_at_clock("NVIDIA H100 80GB HBM3", "bf16", 1525.0) == pytest.approx(989.4e12 * 1525 / 1830)
+    assert flops.peak_flops_at_clock("NVIDIA H200", "fp32", 915.0) == pytest.approx(494.7e12 / 2)
+    # unknown: the clock a peak is quoted at (never guessed), no clock read, or no such precision
+    assert flops.peak_flops_at_clock("NVIDIA A100-SXM4-80GB", "bf16", 1400.0) is None
+    for mhz in (None, 0.0, -5.0, float("nan")):
+        assert flops.peak_flops_at_clock("NVIDIA H200", "bf16", mhz) is None
+    assert flops.peak_flops_at_clock(None, "bf16", 1500.0) is None
+
+
 def test_mfu_is_null_for_unknown_devices():
     with pytest.warns(UserWarning, match="Mystery Accelerator"):
         assert flops.mfu(500.0, "Mystery Accelerator", "bf16") is None

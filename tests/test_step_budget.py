@@ -60,6 +60,7 @@ def test_a_target_equal_to_the_runs_own_throughput_leaves_no_gap(tmp_path, capsy
 def test_a_sparse_layout_counts_its_blocks_and_an_unknown_device_has_no_peak(tmp_path):
     path, data = _run(tmp_path, model={"layout": "local"}, layout_density=0.25,
                       device={"type": "cuda", "name": "Some Future GPU", "count": 1})
+    flops._warned.discard("Some Future GPU")  # warned once per process: an earlier test may have met the name
     with pytest.warns(UserWarning, match="no peak FLOP/s known"):
         row = step_budget.main([str(path)])["runs"][0]
     m = data["model"]
@@ -121,6 +122,30 @@ def test_a_step_profiled_without_syncs_lists_the_hosts_time_and_lead_per_phase(t
     assert row["host"]["data"]["host_lead_ms"] is None
     out = capsys.readouterr().out
     assert "data 10.0 / -, forward 11.0 / +1.0, backward 12.0 / -3.0, step 13.0 / -7.0" in out
+
+
+def test_the_rates_against_the_peak_at_the_clock_the_gpu_held(tmp_path, capsys):
+    path, data = _run(tmp_path)
+    assert "gpu_telemetry" not in data["extra"]  # the template has none: no held clock, no share of it
+    row = step_budget.main([str(path)])["runs"][0]
+    assert row["sm_mhz"] is None and row["held_peak_tflops"] is None and row["matmul"]["of_held_peak"] is None
+    assert "at the clock the GPU held" not in capsys.readouterr().out
+    telemetry = {"readings": 12, "sm_mhz": {"median": 1525.0, "min": 1400.0, "max": 1700.0}}
+    held, _ = _run(tmp_path, "held.json", extra={"gpu_telemetry": telemetry})
+    row = step_budget.main([str(held)])["runs"][0]
+    assert row["sm_mhz"] == 1525.0 and row["held_peak_tflops"] == pytest.approx(989.4 * 1525 / 1830)
+    for kind in ("matmul", "attention"):  # the same rates, against the lower peak
+        assert row[kind]["of_held_peak"] == pytest.approx(row[kind]["tflops"] / row["held_peak_tflops"])
+        assert row[kind]["of_held_peak"] == pytest.approx(row[kind]["of_peak"] * 1830 / 1525)
+    out = capsys.readouterr().out
+    assert (f"1525 MHz: {989.4 * 1525 / 1830:.1f} TFLOP/s; matmul {row['matmul']['of_held_peak'] * 100:.0f}%, "
+            f"attention {row['attention']['of_held_peak'] * 100:.0f}%") in out
+    # a device whose datasheet clock is not known gets the datasheet share only, never a guessed held one
+    a100, _ = _run(tmp_path, "a100.json", extra={"gpu_telemetry": telemetry},
+                   device={"type": "cuda", "name": "NVIDIA A100-SXM4-80GB", "count": 1})
+    row = step_budget.main([str(a100)])["runs"][0]
+    assert row["matmul"]["of_peak"] is not None and row["held_peak_tflops"] is None
+    assert row["matmul"]["of_held_peak"] is None
 
 
 @pytest.mark.parametrize("target", ["nan", "inf", "-1"])

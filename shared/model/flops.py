@@ -142,6 +142,10 @@ PEAK_FLOPS: dict[str, dict[str, float]] = {
     "Tesla V100-PCIE-32GB": {"fp16": 112e12, "fp32": 14e12},
     "NVIDIA GeForce RTX 4090": {"bf16": 165.2e12, "fp16": 165.2e12, "fp32": 82.6e12},
 }
+# The SM clock (MHz) each datasheet peak above is quoted at, where its arithmetic is known: 132 SMs x 4096 dense
+# bf16 FLOP per clock x 1830 MHz = 989.4 TFLOP/s (H100 SXM and H200). Under its power cap a GPU holds a lower clock
+# in training (the run's telemetry, harness/telemetry.py), and its peak falls with it: peak_flops_at_clock.
+PEAK_CLOCK_MHZ: dict[str, float] = {"NVIDIA H100 80GB HBM3": 1830.0, "NVIDIA H200": 1830.0}
 _warned: set[str] = set()
 
 
@@ -158,6 +162,17 @@ def peak_flops(device_name: str | None, precision: str = "bf16") -> float | None
                           "and datasheet peaks to shared/flops.PEAK_FLOPS)", stacklevel=2)
         return None
     return table.get(precision)
+
+
+def peak_flops_at_clock(device_name: str | None, precision: str, sm_mhz: float | None) -> float | None:
+    """peak_flops at the SM clock `sm_mhz` instead of the datasheet's (a tensor core's FLOP per clock is fixed, so the
+    peak scales with the clock); None where the peak, the clock it is quoted at (PEAK_CLOCK_MHZ) or sm_mhz is
+    unknown."""
+    quoted = PEAK_CLOCK_MHZ.get((device_name or "").strip())
+    peak = peak_flops(device_name, precision) if quoted else None
+    if peak is None or sm_mhz is None or not sm_mhz > 0:
+        return None
+    return peak * sm_mhz / quoted
 
 
 def mfu(tflops_per_gpu: float | None, device_name: str | None, precision: str) -> float | None:
