@@ -393,7 +393,10 @@ def test_parity_catches_a_missing_clip_double_scaled_gradients_and_a_doubled_lr_
 def test_the_gpu_defaults_kernels_train_alike_on_every_row(tmp_path):
     """The padded vocabulary, the Triton loss and the Triton dropout masks (compare.py's GPU default; here on a CPU,
     the kernels in Triton's interpreter, fp32, a vocabulary of 300 padded to 384): both paths and both reference rows
-    record them, keep the real vocabulary and train to the same losses, bit for bit."""
+    record them, keep the real vocabulary and train to the same losses: the two DeepSpeed paths bit for bit, the
+    reference rows to fp32 rounding. Their weights are not ZeRO-3's flat-buffer views, and the interpreter runs the
+    kernels' matrix products through numpy: with Triton 3.9.0 and numpy 2.4.6 on one thread the ceiling's third loss
+    came out 9.5e-7 from the DeepSpeed paths' (equal on two threads)."""
     out = tmp_path / "report"
     flags = ["--vocab_size", "300", "--vocab_multiple", "128", "--triton_loss", "true", "--triton_dropout", "true",
              "--fused_bias_dropout_add", "true"]
@@ -405,7 +408,8 @@ def test_the_gpu_defaults_kernels_train_alike_on_every_row(tmp_path):
     for name, r in runs.items():
         assert r["fused"]["triton_linear_cross_entropy"] and r["fused"]["dropout_triton_mask"], name
         assert (r["model"]["vocab_size"], r["model"]["vocab_multiple"]) == (300, 128), name
-        assert r["losses"] == runs["deepspeed"]["losses"], name
+        assert r["losses"] == pytest.approx(runs["deepspeed"]["losses"], rel=1e-6, abs=0), name
+    assert runs["lightning"]["losses"] == runs["deepspeed"]["losses"]
     assert report["loss_parity"]["ok"] and set(report["reference"]) == {"ceiling", "fsdp2"}
 
 
