@@ -418,14 +418,20 @@ def format_profiles(profiles: dict, step: int | None, rates: dict | None = None)
                              f"by {lead} when the phase began (negative: the device waited)")
         if rates and name in rates:
             lines.append(f"  {'':<9} {'':<10} model FLOPs over the kernels' time: "
-                         + ", ".join(_rate(kind, rates[name][kind]) for kind in ("matmul", "attention")))
+                         + ", ".join(_rate(kind, rates[name][kind], rates[name].get("sm_mhz"))
+                                     for kind in ("matmul", "attention")))
     return "\n".join(lines)
 
 
-def _rate(kind: str, r: dict) -> str:
+def _rate(kind: str, r: dict, sm_mhz: float | None = None) -> str:
+    """A kind's achieved rate, its share of the datasheet peak and, where the run's telemetry read the clock the GPU
+    held (harness/budget.kernel_rates), its share of the peak at that clock."""
     if r["tflops"] is None:
         return f"{kind} -"
-    return f"{kind} {r['tflops']:.3g} TFLOP/s" + (f" ({r['of_peak']:.0%} of peak)" if r["of_peak"] is not None else "")
+    shares = [f"{r['of_peak']:.0%} of peak"] if r["of_peak"] is not None else []
+    if r.get("of_held_peak") is not None:
+        shares.append(f"{r['of_held_peak']:.0%} of the peak at the {sm_mhz:.0f} MHz held")
+    return f"{kind} {r['tflops']:.3g} TFLOP/s" + (f" ({', '.join(shares)})" if shares else "")
 
 
 def format_parity(lp: dict) -> str:

@@ -290,6 +290,16 @@ def test_profiled_steps_are_reported_per_row():
     assert rates["matmul"]["tflops"] == pytest.approx(matmul_tflops)
     assert (f"model FLOPs over the kernels' time: matmul {matmul_tflops:.3g} TFLOP/s "
             f"({matmul_tflops / 989.4:.0%} of peak), attention -") in text
+    # with the run's telemetry: the share of the peak at the clock the GPU held too (989.4 TFLOP/s at 1830 MHz)
+    profiled.extra = {**profiled.extra, "gpu_telemetry": {"readings": 9, "sm_mhz": {"median": 1525.0}}}
+    report = reports.build_report(train, SimpleNamespace(world=1, repeats=1),
+                                  {"deepspeed": [profiled], "lightning": [_run(2.0)]}, {}, [])
+    held = report["kernel_rates"]["deepspeed"]
+    assert held["sm_mhz"] == 1525.0 and held["matmul"]["of_held_peak"] == pytest.approx(
+        matmul_tflops / (989.4 * 1525 / 1830))
+    assert (f"matmul {matmul_tflops:.3g} TFLOP/s ({matmul_tflops / 989.4:.0%} of peak, "
+            f"{matmul_tflops / (989.4 * 1525 / 1830):.0%} of the peak at the 1525 MHz held), attention -"
+            ) in reports.format_table(report)
     # a CPU profile times nested operators, not kernels: no rates from it
     profiled.extra = {"profile": summarize([("aten::mm", 20, 90)], ranges, "cpu")}
     report = reports.build_report(train, SimpleNamespace(world=1, repeats=1),
