@@ -14,6 +14,7 @@ benchmarks/step_budget.py adds the target and the what-ifs.
 
 from __future__ import annotations
 
+from harness import telemetry
 from shared.model import flops
 from shared.train.results import RunResult
 
@@ -62,12 +63,6 @@ def _shape(run: RunResult) -> tuple[int, int, int, int]:
     return t["micro_batch"] * t["grad_accum"] * run.world_size, m["seq_len"], m["n_layer"], m["n_embd"]
 
 
-def held_sm_mhz(run: RunResult) -> float | None:
-    """The median SM clock nvidia-smi read beside the run's timed steps (extra.gpu_telemetry), or None."""
-    telemetry = (run.extra or {}).get("gpu_telemetry") or {}
-    return (telemetry.get("sm_mhz") or {}).get("median")
-
-
 def kernel_rates(run: RunResult, source: str = "this run") -> dict:
     """Per GPU: the model FLOPs, device ms, TFLOP/s and share of the device's peak of the matmuls and the attention
     kernels in the profiled step of a GPU run (TFLOP/s None where the profile has no kernel of that kind, the share
@@ -78,7 +73,7 @@ def kernel_rates(run: RunResult, source: str = "this run") -> dict:
     density, shape = attention_density(run), _shape(run)
     attention = flops.attention_flops(*shape, run.flops_factor, density)
     linear = flops.matmul_flops(*shape, run.model["vocab_size"], run.flops_factor, density) - attention
-    name, precision, sm_mhz = run.device.get("name"), run.train["precision"], held_sm_mhz(run)
+    name, precision, sm_mhz = run.device.get("name"), run.train["precision"], telemetry.held_sm_mhz(run.extra)
     peak = flops.peak_flops(name, precision)
     held = flops.peak_flops_at_clock(name, precision, sm_mhz)
 

@@ -191,9 +191,9 @@ def launch(path: str, train: TrainConfig, world: int, out: Path, log: Path, time
                                          telemetry.summarize(tele.csv_path, result.extra.get("timed_wall"), gpus,
                                                              tele.interval_ms))
         result.to_json(out)
-    clock = (result.extra.get("gpu_telemetry") or {}).get("sm_mhz")
+    clock = telemetry.held_sm_mhz(result.extra)
     print(f"  {path:<9} {result.tflops_per_gpu:9.3f} TFLOPs/GPU  step {result.step_time_s['median'] * 1e3:8.1f} ms"
-          + (f"  SM {clock['median']:.0f} MHz" if clock else "")
+          + (f"  SM {clock:.0f} MHz" if clock else "")
           + f"  ({time.perf_counter() - t0:.0f}s incl. start-up)", flush=True)
     return result
 

@@ -137,3 +137,9 @@ def in_window(readings: list[dict], window: list[float]) -> dict:
     out["temp_c_max"] = max(temps) if temps else None
     out["clock_event_reasons"] = sorted({r["reasons"] for r in inside if "reasons" in r})
     return out
+
+
+def held_sm_mhz(extra: dict | None) -> float | None:
+    """The median SM clock of a run's timed steps from its JSON's `extra` (extra.gpu_telemetry, as `summarize` wrote
+    it), or None where no clock was read."""
+    return (((extra or {}).get("gpu_telemetry") or {}).get("sm_mhz") or {}).get("median")
