@@ -220,16 +220,19 @@ def _keep(key, rows, col0, N: tl.constexpr, T, dropout_p):
 
 
 @triton.jit
-def _keep_tile(key, bits, rows, col0, N: tl.constexpr, T, dropout_p, FROM_BITS: tl.constexpr):
-    """The keep mask (len(rows), N) of `_keep`: drawn here from Philox, or with FROM_BITS read from the bits
-    `_dropout_bits_kernel` packed (`bits` is the (batch, head)'s (T, T / 8) bytes): the same mask either way, one
-    byte load per eight scores instead of an eighth of a Philox call per score."""
-    if FROM_BITS:
-        words = tl.load(bits + rows[:, None] * (T // 8) + (col0 // 8 + tl.arange(0, N // 8))[None, :]).to(tl.int32)
-        keep = tl.reshape((words[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1, (rows.shape[0], N)) != 0
-    else:
-        keep = _keep(key, rows, col0, N, T, dropout_p)
-    return keep
+def _bits_words(bits, rows, col0, N: tl.constexpr, T):
+    """The packed keep mask of the scores (rows, col0 .. col0 + N - 1), col0 a multiple of 8, as (len(rows), N / 8)
+    int32 words of one byte each (`bits` is the (batch, head)'s (T, T / 8) bytes that `_dropout_bits_kernel` packed).
+    The tile functions issue this load first, before their products, so that it is in flight while they run
+    (`benchmarks/results/attention_bits_early_1xh100/`); `_unpack_words` makes the mask where it is applied."""
+    return tl.load(bits + rows[:, None] * (T // 8) + (col0 // 8 + tl.arange(0, N // 8))[None, :]).to(tl.int32)
+
+
+@triton.jit
+def _unpack_words(words, M: tl.constexpr, N: tl.constexpr):
+    """The (M, N) keep mask of `_bits_words`' words: the same mask `_keep` draws, one byte load per eight scores
+    instead of an eighth of a Philox call per score."""
+    return tl.reshape((words[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1, (M, N)) != 0
 
 
 @triton.jit
@@ -313,6 +316,8 @@ def _fwd_tile(acc_a, acc_b, l_i, m_i, q_a, q_b, K_a, K_b, V_a, V_b, start_n, off
               PADDED: tl.constexpr, TMA: tl.constexpr, FROM_BITS: tl.constexpr):
     """One (BLOCK_M x BLOCK_N) step of the online softmax (FA2 algorithm 1), in base 2. With TMA, K_*/V_* are
     tensor descriptors of (BLOCK_N, part) tiles instead of rows of addresses."""
+    if DROPOUT and FROM_BITS:
+        words = _bits_words(bits, offs_m, start_n, offs_n.shape[0], T)  # issued before the products
     cols_k = (start_n + offs_n)[None, :] * stride_kt
     if TMA:
         kT_a = K_a.load([start_n, 0]).T
@@ -337,7 +342,11 @@ def _fwd_tile(acc_a, acc_b, l_i, m_i, q_a, q_b, K_a, K_b, V_a, V_b, start_n, off
     alpha = tl.math.exp2(m_i - m_ij)
     l_i = l_i * alpha + tl.sum(p, 1)  # the normalizer counts dropped probabilities too
     if DROPOUT:
-        p = tl.where(_keep_tile(key, bits, offs_m, start_n, offs_n.shape[0], T, dropout_p, FROM_BITS), p, 0.0)
+        if FROM_BITS:
+            keep = _unpack_words(words, offs_m.shape[0], offs_n.shape[0])
+        else:
+            keep = _keep(key, offs_m, start_n, offs_n.shape[0], T, dropout_p)
+        p = tl.where(keep, p, 0.0)
     p = p.to(q_a.dtype)
     rows_v = (start_n + offs_n)[:, None] * stride_vt
     v_a = _load_rows(V_a, rows_v, start_n, dm_row, PADDED, TMA)  # (BLOCK_N, DA)
@@ -435,6 +444,8 @@ def _dq_tile(dq_a, dq_b, q_a, q_b, do_a, do_b, lse, delta, K_a, K_b, V_a, V_b, s
              DB: tl.constexpr, MASK: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr, PADDED: tl.constexpr,
              TMA: tl.constexpr, FROM_BITS: tl.constexpr):
     """dq += dS K for one (BLOCK_M x BLOCK_N) tile, with P recomputed from the saved log-sum-exp."""
+    if DROPOUT and FROM_BITS:
+        words = _bits_words(bits, offs_m, start_n, offs_n.shape[0], T)
     rows_k = (start_n + offs_n)[:, None] * stride_kt
     rows_v = (start_n + offs_n)[:, None] * stride_vt
     k_a = _load_rows(K_a, rows_k, start_n, dm_row, PADDED, TMA)  # (BLOCK_N, DA)
@@ -450,7 +461,10 @@ def _dq_tile(dq_a, dq_b, q_a, q_b, do_a, do_b, lse, delta, K_a, K_b, V_a, V_b, s
     if MASK:
         p = tl.where(offs_m[:, None] >= (start_n + offs_n)[None, :], p, 0.0)
     if DROPOUT:
-        keep = _keep_tile(key, bits, offs_m, start_n, offs_n.shape[0], T, dropout_p, FROM_BITS)
+        if FROM_BITS:
+            keep = _unpack_words(words, offs_m.shape[0], offs_n.shape[0])
+        else:
+            keep = _keep(key, offs_m, start_n, offs_n.shape[0], T, dropout_p)
         dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
     ds = (p * (dp - delta[:, None])).to(q_a.dtype)
     dq_a = tl.dot(ds, k_a, dq_a, input_precision=PREC)
@@ -548,6 +562,8 @@ def _dkdv_tile(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, Q_a, Q_b, DO_a, DO_b,
                PADDED: tl.constexpr, TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr, FROM_BITS: tl.constexpr):
     """dv += P^T dO and dk += dS^T Q for one (BLOCK_N keys x BLOCK_M queries) tile, computed transposed; with
     DQ_ATOMIC also dq += dS K, added atomically."""
+    if DROPOUT and FROM_BITS:
+        words = _bits_words(bits, start_m + offs_m, start_n, offs_n.shape[0], T)
     rows_q = (start_m + offs_m)[:, None] * stride_qt
     rows_do = (start_m + offs_m)[:, None] * stride_dot
     q_a = _load_rows(Q_a, rows_q, start_m, dm_row, PADDED, TMA)  # (BLOCK_M, DA)
@@ -566,7 +582,10 @@ def _dkdv_tile(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, Q_a, Q_b, DO_a, DO_b,
     if MASK:
         pT = tl.where(q_idx[None, :] >= offs_n[:, None], pT, 0.0)
     if DROPOUT:
-        keep = tl.trans(_keep_tile(key, bits, q_idx, start_n, offs_n.shape[0], T, dropout_p, FROM_BITS))  # (N, M)
+        if FROM_BITS:
+            keep = tl.trans(_unpack_words(words, offs_m.shape[0], offs_n.shape[0]))  # (N, M)
+        else:
+            keep = tl.trans(_keep(key, q_idx, start_n, offs_n.shape[0], T, dropout_p))  # (N, M)
         ppT = tl.where(keep, pT, 0.0)  # dv is scaled by 1/(1-p) once, at the end
         dpT = tl.where(keep, dpT * (1.0 / (1.0 - dropout_p)), 0.0)
     else:
