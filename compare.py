@@ -73,10 +73,21 @@ GPU_DEEPCOMPILE_DEFAULTS = {"compile": "deepcompile", "deepcompile_schedule": "o
                             "coordinate_descent_tuning": True, "triton_gelu_grad": True, "zero3_step": "fused",
                             "deepcompile_backward_wait": "device", "grad_norm_check": "device",
                             **autotune.DEFAULT_KERNELS}
+# The GPU default's peak memory at the 1.5b preset on one GPU, GiB by micro-batch: the largest row of a run of this
+# default (benchmarks/results/together_1xh200/compare/runs/ceiling_0.json at 16 on an H200, 91.7 for both paths;
+# levers_1xh100_mb8/runs/*.json at 8 on an H100). On more GPUs ZeRO-3 shards the model and optimizer state (16 bytes a
+# parameter; the unsharded ceiling row keeps it all): at 16 on two H200s the paths peaked at 79.7
+# (deepcompile_2xh200/runs), where peak_gib_expected gives 80.2. Where the default's 16 is not expected to fit in
+# MEMORY_SHARE of the GPU, the default is the largest micro-batch here that is.
+DEFAULT_PEAK_GIB = {16: 92.5, 8: 59.8}
+MEMORY_SHARE = 0.95
+# the flags that change the model's shape: with any of them the peaks above do not apply
+SHAPE_FLAGS = ("seq_len", "n_layer", "n_head", "n_embd", "vocab_size", "activation_checkpointing")
 # Attention backends DeepCompile runs (no graph break) but that no GPU measurement under it backs: asked for, they
 # keep compare.py's eager default; `--compile deepcompile` runs them.
 UNMEASURED_UNDER_DEEPCOMPILE = ("blocksparse",)
-DEEPCOMPILE_DEFAULT_HELP = ("(default on GPUs: deepcompile, with --deepcompile_schedule once, --micro_batch 16, "
+DEEPCOMPILE_DEFAULT_HELP = ("(default on GPUs: deepcompile, with --deepcompile_schedule once, --micro_batch 16 "
+                            "(at the 1.5b preset: 8 where 16's measured peak is not expected to fit the GPU), "
                             "--vocab_multiple 128, --triton_loss (bf16, without --fused_loss), --triton_dropout "
                             "(with the fused bias + dropout + add), "
                             "--coordinate_descent_tuning, --triton_gelu_grad (without --matmul_bias_grad), "
@@ -95,6 +106,43 @@ def deepcompile_by_default(ns: argparse.Namespace) -> bool:
     return (ns.compile is None and ns.ds_config is None and not (ns.explain or ns.autotune)
             and (ns.stage is None or ns.stage >= 1) and not ns.val_every and not ns.save_every
             and not ns.fused_layernorm and ns.attention not in not_default)
+
+
+def gpu_memory_gib() -> float:
+    """The first GPU's memory, GiB (what the default micro-batch is chosen for)."""
+    from shared.train.distributed import GiB, memory_capacity
+
+    return memory_capacity(torch.device("cuda", 0), 1)[0] / GiB
+
+
+def peak_gib_expected(micro_batch: int, world: int) -> float:
+    """The GPU default's expected peak per GPU at the 1.5b preset (DEFAULT_PEAK_GIB, measured on one GPU), with
+    ZeRO-3's state (16 bytes a parameter) divided over `world` GPUs."""
+    from shared.model.config import PRESETS
+    from shared.model.flops import megatron_params
+    from shared.train.distributed import GiB
+
+    m = PRESETS["1.5b"]
+    state = 16 * megatron_params(m["n_layer"], m["n_embd"], m["vocab_size"], m["seq_len"]) / GiB
+    return DEFAULT_PEAK_GIB[micro_batch] - state * (1 - 1 / world)
+
+
+def default_micro_batch(world: int, memory_gib: float) -> tuple[int, str]:
+    """(the GPU default's micro-batch at the 1.5b preset on `world` GPUs of `memory_gib` each, what the line says
+    about it): the largest of DEFAULT_PEAK_GIB whose expected peak fits in MEMORY_SHARE of the memory. None fits:
+    ValueError naming the numbers, before anything starts."""
+    fits = {mb: peak_gib_expected(mb, world) for mb in sorted(DEFAULT_PEAK_GIB, reverse=True)}
+    best = max(DEFAULT_PEAK_GIB)
+    for mb, peak in fits.items():
+        if peak <= MEMORY_SHARE * memory_gib:
+            note = "" if mb == best else (
+                f" (micro-batch {best} would peak at about {fits[best]:.0f} GiB per GPU, over {MEMORY_SHARE:.0%} "
+                f"of this GPU's {memory_gib:.0f} GiB)")
+            return mb, note
+    expected = ", ".join(f"{mb}: {peak:.0f} GiB" for mb, peak in fits.items())
+    raise ValueError(f"the GPU default (1.5b preset, DeepCompile) does not fit in {MEMORY_SHARE:.0%} of this GPU's "
+                     f"{memory_gib:.0f} GiB on {world} GPU(s) (expected peaks per GPU by micro-batch: {expected}): "
+                     f"pass a smaller --micro_batch (it is then run as given), a smaller --preset, or more --gpus")
 
 
 def _fill_unset(ns: argparse.Namespace, defaults: dict) -> None:
@@ -235,6 +283,12 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
             norm_check = ns.world == 1 and device_norm_check_refusal(
                 ns.stage or TrainConfig.stage, ns.zero3_step or TrainConfig.zero3_step,
                 normalize_precision(ns.precision or TrainConfig.precision)) is None
+            memory_note = ""
+            if ns.micro_batch is None and ns.preset in (None, GPU_DEFAULTS["preset"]) and all(
+                    getattr(ns, f) in (None, False) for f in SHAPE_FLAGS):
+                # the ceiling row runs unsharded on one GPU with the same micro-batch
+                ns.micro_batch, memory_note = default_micro_batch(
+                    1 if "ceiling" in ns.references else ns.world, gpu_memory_gib())
             _fill_unset(ns, {**GPU_DEEPCOMPILE_DEFAULTS,
                              **({} if fused_step else {"zero3_step": TrainConfig.zero3_step}),
                              **({} if gelu_kernel else {"triton_gelu_grad": TrainConfig.triton_gelu_grad}),
@@ -247,7 +301,7 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
                   f"--coordinate_descent_tuning {str(ns.coordinate_descent_tuning).lower()} "
                   f"--triton_gelu_grad {str(ns.triton_gelu_grad).lower()}{step} "
                   f"--deepcompile_backward_wait {ns.deepcompile_backward_wait} "
-                  f"(the GPU default; --compile none or blocks for the others)", flush=True)
+                  f"(the GPU default; --compile none or blocks for the others){memory_note}", flush=True)
         if n_gpus:
             _fill_unset(ns, GPU_DEFAULTS)
         ns.report_dir = Path(ns.out or "reports/latest")

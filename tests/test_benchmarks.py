@@ -723,6 +723,7 @@ def _fake_cuda_ablation(monkeypatch, uuids: list[str]):
     monkeypatch.setattr(model_config, "cuda_available", lambda: True)
     monkeypatch.setattr(ablation, "device_info", lambda: {"name": "FakeGPU"})
     monkeypatch.setattr(ablation, "gpu_uuids", lambda n: uuids[:n])
+    monkeypatch.setattr(ablation, "gpu_memory_gib", lambda: 139.8)  # an H200's: compare.py's default micro-batch 16
     ran = []
 
     def fake_run(base, name, flags, path, out, gpu, timeout, suffix=""):
@@ -760,6 +761,21 @@ def test_ablation_over_gpus_rates_each_lever_against_its_own_gpus_baselines(tmp_
             in text, text
     assert "vs baseline of its GPU" in text
     assert "raw baseline runs on GPU 0: 500.0, 500.0" in text and "raw baseline runs on GPU 1: 550.0, 550.0" in text
+
+
+def test_ablation_last_mile_starts_from_compares_micro_batch_for_the_gpus_memory(tmp_path, monkeypatch, capsys):
+    ablation, ran, fake_run = _fake_cuda_ablation(monkeypatch, ["GPU-a0"])
+    monkeypatch.setattr(ablation, "run_one", fake_run)
+    args = ["--set", "last_mile", "--configs", "baseline", "--out", str(tmp_path)]
+    assert ablation.main(args)["rows"][0]["micro_batch"] == 16
+    monkeypatch.setattr(ablation, "gpu_memory_gib", lambda: 79.2)  # an 80 GB GPU: 16's measured peak does not fit
+    assert ablation.main(args)["rows"][0]["micro_batch"] == 8
+    assert "ablation.py: --micro_batch 8 (micro-batch 16 would peak at about 92 GiB" in capsys.readouterr().out
+    assert ablation.main([*args, "--micro_batch", "12"])["rows"][0]["micro_batch"] == 12  # asked for: kept
+    monkeypatch.setattr(ablation, "gpu_memory_gib", lambda: 39.4)
+    with pytest.raises(SystemExit):
+        ablation.main(args)
+    assert "does not fit in 95% of this GPU's 39 GiB" in capsys.readouterr().err
 
 
 def test_ablation_over_gpus_stops_in_time_and_keep_runs_a_gpus_baselines_again_only_where_it_has_none(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 
 import pytest
@@ -603,9 +604,58 @@ def pretend_gpus(monkeypatch, pretend_cuda):
 
     monkeypatch.setattr(compare.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(compare.torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(compare, "gpu_memory_gib", lambda: 139.8)  # an H200's, where the default was measured
     monkeypatch.setattr(compare, "check_before_start", lambda *a, **k: None)
     monkeypatch.setattr(compare, "check_overheads", lambda *a, **k: None)
     return compare
+
+
+def test_the_gpu_defaults_micro_batch_follows_the_gpus_memory(pretend_gpus, monkeypatch, capsys):
+    # 16 where its measured peak fits (an H200), 8 on an 80 GB GPU alone or in pairs, the line saying why
+    assert pretend_gpus.parse(["--gpus", "1"])[0].micro_batch == 16
+    assert "would peak" not in capsys.readouterr().out
+    monkeypatch.setattr(pretend_gpus, "gpu_memory_gib", lambda: 79.2)
+    for args in (["--gpus", "1"], [], ["--gpus", "1", "--parallel"]):
+        assert pretend_gpus.parse(args)[0].micro_batch == 8, args
+        assert "--micro_batch 8 " in (out := capsys.readouterr().out), args
+        assert "(micro-batch 16 would peak at about " in out and "over 95% of this GPU's 79 GiB)" in out, args
+    # on eight such GPUs ZeRO-3's state is divided eightfold and 16 is expected to fit; the ceiling row is unsharded
+    monkeypatch.setattr(pretend_gpus.torch.cuda, "device_count", lambda: 8)
+    assert pretend_gpus.parse([])[0].micro_batch == 16
+    assert pretend_gpus.parse(["--reference", "ceiling"])[0].micro_batch == 8
+    # the peaks are the 1.5b preset's: another preset or shape, or a micro-batch asked for, is left as it was
+    for args, mb in ((["--preset", "760m"], 16), (["--seq_len", "1024"], 16), (["--activation_checkpointing"], 16),
+                     (["--micro_batch", "16"], 16), (["--micro_batch", "4"], 4)):
+        monkeypatch.setattr(pretend_gpus.torch.cuda, "device_count", lambda: 1)
+        assert pretend_gpus.parse(args)[0].micro_batch == mb, args
+    # nothing measured fits: refused before anything starts, with the numbers and the ways out
+    monkeypatch.setattr(pretend_gpus, "gpu_memory_gib", lambda: 39.4)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        pretend_gpus.parse([])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "does not fit in 95% of this GPU's 39 GiB on 1 GPU(s)" in err and "16: 92 GiB, 8: 60 GiB" in err
+    assert "pass a smaller --micro_batch" in err
+    assert pretend_gpus.parse(["--micro_batch", "2"])[0].micro_batch == 2
+
+
+def test_the_default_micro_batchs_expected_peaks_match_the_measured_runs():
+    import compare
+
+    root = ROOT / "benchmarks" / "results"
+    peaks = {}
+    for sub, mb, world in (("together_1xh200/compare/runs", 16, 1), ("levers_1xh100_mb8/runs", 8, 1),
+                           ("deepcompile_2xh200/runs", 16, 2)):
+        for f in (root / sub).glob("*.json"):
+            run = json.loads(f.read_text())
+            if run["world_size"] == world and not f.name.startswith("fsdp2"):  # FSDP2's row is another stack
+                peaks.setdefault((mb, world), []).append(run["peak_mem_gib"])
+    # the table holds the largest one-GPU peak of each micro-batch, rounded up to 0.1 GiB
+    assert compare.DEFAULT_PEAK_GIB == {16: math.ceil(max(peaks[16, 1]) * 10) / 10,
+                                        8: math.ceil(max(peaks[8, 1]) * 10) / 10}
+    # with the state sharded over two GPUs it comes within 1 GiB of the two-GPU runs, above them
+    assert 0 < compare.peak_gib_expected(16, 2) - max(peaks[16, 2]) < 1.0
 
 
 def test_compare_on_gpus_defaults_to_deepcompile_where_it_can_run(pretend_gpus, capsys):
