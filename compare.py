@@ -81,7 +81,7 @@ GPU_DEEPCOMPILE_DEFAULTS = {"compile": "deepcompile", "deepcompile_schedule": "o
 # MEMORY_SHARE of the GPU, the default is the largest micro-batch here that is.
 DEFAULT_PEAK_GIB = {16: 92.5, 8: 59.8}
 MEMORY_SHARE = 0.95
-# the flags that change the model's shape: with any of them the peaks above do not apply
+# the flags that change the model's shape: with any of them, or in fp32, the peaks above do not apply
 SHAPE_FLAGS = ("seq_len", "n_layer", "n_head", "n_embd", "vocab_size", "activation_checkpointing")
 # Attention backends DeepCompile runs (no graph break) but that no GPU measurement under it backs: asked for, they
 # keep compare.py's eager default; `--compile deepcompile` runs them.
@@ -115,23 +115,25 @@ def gpu_memory_gib() -> float:
     return memory_capacity(torch.device("cuda", 0), 1)[0] / GiB
 
 
-def peak_gib_expected(micro_batch: int, world: int) -> float:
-    """The GPU default's expected peak per GPU at the 1.5b preset (DEFAULT_PEAK_GIB, measured on one GPU), with
-    ZeRO-3's state (16 bytes a parameter) divided over `world` GPUs."""
+def peak_gib_expected(micro_batch: int, world: int, stage: int = 3) -> float:
+    """The GPU default's expected peak per GPU at the 1.5b preset in bf16 (DEFAULT_PEAK_GIB, measured on one GPU),
+    with the state that the ZeRO stage shards divided over `world` GPUs: of the 16 bytes a parameter (bf16 weights
+    and gradients, fp32 master weights and AdamW's two moments), 12 at stage 1, 14 at stage 2, all 16 at stage 3."""
     from shared.model.config import PRESETS
     from shared.model.flops import megatron_params
     from shared.train.distributed import GiB
 
     m = PRESETS["1.5b"]
-    state = 16 * megatron_params(m["n_layer"], m["n_embd"], m["vocab_size"], m["seq_len"]) / GiB
-    return DEFAULT_PEAK_GIB[micro_batch] - state * (1 - 1 / world)
+    sharded = {1: 12, 2: 14, 3: 16}[stage] * megatron_params(m["n_layer"], m["n_embd"], m["vocab_size"],
+                                                               m["seq_len"]) / GiB
+    return DEFAULT_PEAK_GIB[micro_batch] - sharded * (1 - 1 / world)
 
 
-def default_micro_batch(world: int, memory_gib: float) -> tuple[int, str]:
-    """(the GPU default's micro-batch at the 1.5b preset on `world` GPUs of `memory_gib` each, what the line says
-    about it): the largest of DEFAULT_PEAK_GIB whose expected peak fits in MEMORY_SHARE of the memory. None fits:
-    ValueError naming the numbers, before anything starts."""
-    fits = {mb: peak_gib_expected(mb, world) for mb in sorted(DEFAULT_PEAK_GIB, reverse=True)}
+def default_micro_batch(world: int, memory_gib: float, stage: int = 3) -> tuple[int, str]:
+    """(the GPU default's micro-batch at the 1.5b preset in bf16 or fp16 on `world` GPUs of `memory_gib` each under
+    ZeRO `stage`, what the line says about it): the largest of DEFAULT_PEAK_GIB whose expected peak fits in
+    MEMORY_SHARE of the memory. None fits: ValueError naming the numbers, before anything starts."""
+    fits = {mb: peak_gib_expected(mb, world, stage) for mb in sorted(DEFAULT_PEAK_GIB, reverse=True)}
     best = max(DEFAULT_PEAK_GIB)
     for mb, peak in fits.items():
         if peak <= MEMORY_SHARE * memory_gib:
@@ -284,11 +286,12 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
                 ns.stage or TrainConfig.stage, ns.zero3_step or TrainConfig.zero3_step,
                 normalize_precision(ns.precision or TrainConfig.precision)) is None
             memory_note = ""
-            if ns.micro_batch is None and ns.preset in (None, GPU_DEFAULTS["preset"]) and all(
+            half = normalize_precision(ns.precision or TrainConfig.precision) in ("bf16", "fp16")
+            if ns.micro_batch is None and half and ns.preset in (None, GPU_DEFAULTS["preset"]) and all(
                     getattr(ns, f) in (None, False) for f in SHAPE_FLAGS):
                 # the ceiling row runs unsharded on one GPU with the same micro-batch
                 ns.micro_batch, memory_note = default_micro_batch(
-                    1 if "ceiling" in ns.references else ns.world, gpu_memory_gib())
+                    1 if "ceiling" in ns.references else ns.world, gpu_memory_gib(), ns.stage or TrainConfig.stage)
             _fill_unset(ns, {**GPU_DEEPCOMPILE_DEFAULTS,
                              **({} if fused_step else {"zero3_step": TrainConfig.zero3_step}),
                              **({} if gelu_kernel else {"triton_gelu_grad": TrainConfig.triton_gelu_grad}),

@@ -623,8 +623,12 @@ def test_the_gpu_defaults_micro_batch_follows_the_gpus_memory(pretend_gpus, monk
     monkeypatch.setattr(pretend_gpus.torch.cuda, "device_count", lambda: 8)
     assert pretend_gpus.parse([])[0].micro_batch == 16
     assert pretend_gpus.parse(["--reference", "ceiling"])[0].micro_batch == 8
+    # ZeRO-1 shards only the fp32 master weights and moments (12 of 16 bytes a parameter): 16 is expected at 76 GiB
+    assert pretend_gpus.parse(["--stage", "1"])[0].micro_batch == 8
+    assert "would peak at about 76 GiB" in capsys.readouterr().out
     # the peaks are the 1.5b preset's: another preset or shape, or a micro-batch asked for, is left as it was
     for args, mb in ((["--preset", "760m"], 16), (["--seq_len", "1024"], 16), (["--activation_checkpointing"], 16),
+                     (["--precision", "fp32"], 16),
                      (["--micro_batch", "16"], 16), (["--micro_batch", "4"], 4)):
         monkeypatch.setattr(pretend_gpus.torch.cuda, "device_count", lambda: 1)
         assert pretend_gpus.parse(args)[0].micro_batch == mb, args
