@@ -117,16 +117,14 @@ def gpu_memory_gib() -> float:
 
 def peak_gib_expected(micro_batch: int, world: int, stage: int = 3) -> float:
     """The GPU default's expected peak per GPU at the 1.5b preset in bf16 (DEFAULT_PEAK_GIB, measured on one GPU),
-    with the state that the ZeRO stage shards divided over `world` GPUs: of the 16 bytes a parameter (bf16 weights
-    and gradients, fp32 master weights and AdamW's two moments), 12 at stage 1, 14 at stage 2, all 16 at stage 3."""
-    from shared.model.config import PRESETS
-    from shared.model.flops import megatron_params
-    from shared.train.distributed import GiB
+    less the model and optimizer state that ZeRO `stage` shards away from each of `world` GPUs (estimate_memory's
+    state term on one GPU minus on `world`)."""
+    from shared.train.distributed import GiB, estimate_memory
 
-    m = PRESETS["1.5b"]
-    sharded = {1: 12, 2: 14, 3: 16}[stage] * megatron_params(m["n_layer"], m["n_embd"], m["vocab_size"],
-                                                               m["seq_len"]) / GiB
-    return DEFAULT_PEAK_GIB[micro_batch] - sharded * (1 - 1 / world)
+    def state(w: int) -> float:
+        return estimate_memory(TrainConfig(preset="1.5b", stage=stage), w, "cuda")["model and optimizer state"]
+
+    return DEFAULT_PEAK_GIB[micro_batch] - (state(1) - state(world)) / GiB
 
 
 def default_micro_batch(world: int, memory_gib: float, stage: int = 3) -> tuple[int, str]:
@@ -282,13 +280,12 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
             # are one-GPU runs too): runs on more GPUs keep DeepSpeed's own op and check
             host_wait = {} if ns.world == 1 else {"deepcompile_backward_wait": TrainConfig.deepcompile_backward_wait}
             # where TrainConfig would refuse the check on the device (not ZeRO-3's step, fp16), the host's stays
+            precision = normalize_precision(ns.precision or TrainConfig.precision)
             norm_check = ns.world == 1 and device_norm_check_refusal(
-                ns.stage or TrainConfig.stage, ns.zero3_step or TrainConfig.zero3_step,
-                normalize_precision(ns.precision or TrainConfig.precision)) is None
+                ns.stage or TrainConfig.stage, ns.zero3_step or TrainConfig.zero3_step, precision) is None
             memory_note = ""
-            half = normalize_precision(ns.precision or TrainConfig.precision) in ("bf16", "fp16")
-            if ns.micro_batch is None and half and ns.preset in (None, GPU_DEFAULTS["preset"]) and all(
-                    getattr(ns, f) in (None, False) for f in SHAPE_FLAGS):
+            if (ns.micro_batch is None and precision in ("bf16", "fp16") and ns.preset in (None, GPU_DEFAULTS["preset"])
+                    and all(getattr(ns, f) in (None, False) for f in SHAPE_FLAGS)):
                 # the ceiling row runs unsharded on one GPU with the same micro-batch
                 ns.micro_batch, memory_note = default_micro_batch(
                     1 if "ceiling" in ns.references else ns.world, gpu_memory_gib(), ns.stage or TrainConfig.stage)

@@ -562,13 +562,13 @@ def _dkdv_tile(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, Q_a, Q_b, DO_a, DO_b,
                PADDED: tl.constexpr, TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr, FROM_BITS: tl.constexpr):
     """dv += P^T dO and dk += dS^T Q for one (BLOCK_N keys x BLOCK_M queries) tile, computed transposed; with
     DQ_ATOMIC also dq += dS K, added atomically."""
+    q_idx = start_m + offs_m
     if DROPOUT and FROM_BITS:
-        words = _bits_words(bits, start_m + offs_m, start_n, offs_n.shape[0], T)
+        words = _bits_words(bits, q_idx, start_n, offs_n.shape[0], T)
     rows_q = (start_m + offs_m)[:, None] * stride_qt
     rows_do = (start_m + offs_m)[:, None] * stride_dot
     q_a = _load_rows(Q_a, rows_q, start_m, dm_row, PADDED, TMA)  # (BLOCK_M, DA)
     do_a = _load_rows(DO_a, rows_do, start_m, dm_row, PADDED, TMA)
-    q_idx = start_m + offs_m
     lse = tl.load(LSE + q_idx)
     delta = tl.load(DELTA + q_idx)
     qkT = tl.dot(k_a, tl.trans(q_a), input_precision=PREC)  # (BLOCK_N, BLOCK_M)
