@@ -45,104 +45,21 @@ from harness.launch import (
 from harness.order import round_order
 from harness.report import build_report, format_table, plot_phases, write_markdown
 from lightning_app.overheads import check_overheads
-from shared.model.config import GRAPH_BREAKING_BACKENDS
-from shared.train.cli import Parser, add_config_args, config_from_args
-from shared.train.config import TrainConfig, device_norm_check_refusal, normalize_precision
+from shared.train.cli import Parser, add_config_args, apply_profile, config_from_args
+from shared.train.config import TrainConfig
 from shared.train.distributed import check_before_start
 from shared.train.results import RunResult, differences, replace_text, versions
 
-# What compare.py runs on a machine with GPUs when these flags are not given (the study's model and a longer run)
+# What compare.py runs on a machine with GPUs when these flags are not given: the study's model and a longer run.
+# The speed settings come from the run's profile (shared/train/profiles.py: fast on GPUs, eager on a CPU).
 GPU_DEFAULTS = {"preset": "1.5b", "micro_batch": 8, "steps": 30, "warmup_steps": 10}
-# ... and, where it can run, the fastest mode measured that passed its GPU tests: DeepCompile with the one-compile
-# schedule at micro-batch 16 (docs/results.md; benchmarks/results/deepcompile_1xh200_final, deepcompile_2xh200), its
-# generated kernels tuned by inductor's coordinate descent (1.028x on the raw path in one call,
-# benchmarks/results/coordinate_descent_1xh200; both paths and the ceiling with it: coordinate_descent_compare_1xh200),
-# the ZeRO-3 optimizer step in one Triton kernel (1.015x in one call, benchmarks/results/fused_zero3_step_1xh200; both
-# paths and the ceiling with it: headline_fused_1xh200), the MLP's bias + GELU backward in one Triton kernel (1.010x
-# and 1.008x in two pairs, benchmarks/results/triton_gelu_grad_1xh200, last_mile_levers_1xh200), and on one GPU
-# DeepCompile's backward end waited for on the device (1.005x and 1.003x in two pairs, benchmarks/results/
-# device_wait_1xh200) and the optimizer step's invalid-norm check left on the device (1.002x and 1.004x in two pairs,
-# benchmarks/results/norm_check_1xh200); on more GPUs neither has been measured, and DeepSpeed's host wait and host
-# check stay (see parse). Last, three levers that each measured within their baselines' noise alone and 1.017x
-# together, against two baselines 0.35% apart (benchmarks/results/together_1xh200): the vocabulary padded to a multiple
-# of 128, the LM head's loss by the Triton kernel (bf16, as measured) and the residual dropouts' masks by the Triton
-# kernel; each stays off where it cannot run (autotune.default_kernels_refusals). Measured on one GPU under ZeRO-3,
-# they are on for every GPU count and stage: they change the model's own kernels, not the step's synchronization
-# or communication (which the device wait and the device norm check change: those stay one-GPU options).
-GPU_DEEPCOMPILE_DEFAULTS = {"compile": "deepcompile", "deepcompile_schedule": "once", "micro_batch": 16,
-                            "coordinate_descent_tuning": True, "triton_gelu_grad": True, "zero3_step": "fused",
-                            "deepcompile_backward_wait": "device", "grad_norm_check": "device",
-                            **autotune.DEFAULT_KERNELS}
-# The GPU default's peak memory at the 1.5b preset on one GPU, GiB by micro-batch: the largest row of a run of this
-# default (benchmarks/results/together_1xh200/compare/runs/ceiling_0.json at 16 on an H200, 91.7 for both paths;
-# levers_1xh100_mb8/runs/*.json at 8 on an H100). On more GPUs ZeRO-3 shards the model and optimizer state (16 bytes a
-# parameter; the unsharded ceiling row keeps it all): at 16 on two H200s the paths peaked at 79.7
-# (deepcompile_2xh200/runs), where peak_gib_expected gives 80.2. Where the default's 16 is not expected to fit in
-# MEMORY_SHARE of the GPU, the default is the largest micro-batch here that is.
-DEFAULT_PEAK_GIB = {16: 92.5, 8: 59.8}
-MEMORY_SHARE = 0.95
-# the flags that change the model's shape: with any of them, or in fp32, the peaks above do not apply
-SHAPE_FLAGS = ("seq_len", "n_layer", "n_head", "n_embd", "vocab_size", "activation_checkpointing")
-# Attention backends DeepCompile runs (no graph break) but that no GPU measurement under it backs: asked for, they
-# keep compare.py's eager default; `--compile deepcompile` runs them.
-UNMEASURED_UNDER_DEEPCOMPILE = ("blocksparse",)
-DEEPCOMPILE_DEFAULT_HELP = ("(default on GPUs: deepcompile, with --deepcompile_schedule once, --micro_batch 16 "
-                            "(at the 1.5b preset: 8 where 16's measured peak is not expected to fit the GPU), "
-                            "--vocab_multiple 128, --triton_loss (bf16, without --fused_loss), --triton_dropout "
-                            "(with the fused bias + dropout + add), "
-                            "--coordinate_descent_tuning, --triton_gelu_grad (without --matmul_bias_grad), "
-                            "--zero3_step fused (AdamW, ZeRO-3) and, on one GPU, --deepcompile_backward_wait device "
-                            "and --grad_norm_check device (ZeRO-3, not fp16), "
-                            "where it can run and has been measured: ZeRO stage 1-3, no --val_every/--save_every, "
-                            "--ds_config, --fused_layernorm, --attention blocksparse/xformers, --explain or "
-                            "--autotune; else none)")
-
-
-def deepcompile_by_default(ns: argparse.Namespace) -> bool:
-    """Whether a GPU compare gets GPU_DEEPCOMPILE_DEFAULTS: no compile mode asked for, and nothing asked for that
-    DeepCompile refuses (TrainConfig), that no GPU run under it backs (UNMEASURED_UNDER_DEEPCOMPILE) or that
-    measures something else (--explain, --autotune)."""
-    not_default = (*GRAPH_BREAKING_BACKENDS, *UNMEASURED_UNDER_DEEPCOMPILE)
-    return (ns.compile is None and ns.ds_config is None and not (ns.explain or ns.autotune)
-            and (ns.stage is None or ns.stage >= 1) and not ns.val_every and not ns.save_every
-            and not ns.fused_layernorm and ns.attention not in not_default)
 
 
 def gpu_memory_gib() -> float:
-    """The first GPU's memory, GiB (what the default micro-batch is chosen for)."""
+    """The first GPU's memory, GiB (what the profile's micro-batch is chosen for)."""
     from shared.train.distributed import GiB, memory_capacity
 
     return memory_capacity(torch.device("cuda", 0), 1)[0] / GiB
-
-
-def peak_gib_expected(micro_batch: int, world: int, stage: int = 3) -> float:
-    """The GPU default's expected peak per GPU at the 1.5b preset in bf16 (DEFAULT_PEAK_GIB, measured on one GPU),
-    less the model and optimizer state that ZeRO `stage` shards away from each of `world` GPUs (estimate_memory's
-    state term on one GPU minus on `world`)."""
-    from shared.train.distributed import GiB, estimate_memory
-
-    def state(w: int) -> float:
-        return estimate_memory(TrainConfig(preset="1.5b", stage=stage), w, "cuda")["model and optimizer state"]
-
-    return DEFAULT_PEAK_GIB[micro_batch] - (state(1) - state(world)) / GiB
-
-
-def default_micro_batch(world: int, memory_gib: float, stage: int = 3) -> tuple[int, str]:
-    """(the GPU default's micro-batch at the 1.5b preset in bf16 or fp16 on `world` GPUs of `memory_gib` each under
-    ZeRO `stage`, what the line says about it): the largest of DEFAULT_PEAK_GIB whose expected peak fits in
-    MEMORY_SHARE of the memory. None fits: ValueError naming the numbers, before anything starts."""
-    fits = {mb: peak_gib_expected(mb, world, stage) for mb in sorted(DEFAULT_PEAK_GIB, reverse=True)}
-    best = max(DEFAULT_PEAK_GIB)
-    for mb, peak in fits.items():
-        if peak <= MEMORY_SHARE * memory_gib:
-            note = "" if mb == best else (
-                f" (micro-batch {best} would peak at about {fits[best]:.0f} GiB per GPU, over {MEMORY_SHARE:.0%} "
-                f"of this GPU's {memory_gib:.0f} GiB)")
-            return mb, note
-    expected = ", ".join(f"{mb}: {peak:.0f} GiB" for mb, peak in fits.items())
-    raise ValueError(f"the GPU default (1.5b preset, DeepCompile) does not fit in {MEMORY_SHARE:.0%} of this GPU's "
-                     f"{memory_gib:.0f} GiB on {world} GPU(s) (expected peaks per GPU by micro-batch: {expected}): "
-                     f"pass a smaller --micro_batch (it is then run as given), a smaller --preset, or more --gpus")
 
 
 def _fill_unset(ns: argparse.Namespace, defaults: dict) -> None:
@@ -156,12 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = Parser(description=__doc__)
     add_config_args(p)
     for action in p._actions:  # the help says what compare.py changes on GPUs (see parse)
-        if action.dest == "compile":
-            action.help += " " + DEEPCOMPILE_DEFAULT_HELP
-        if action.dest == "coordinate_descent_tuning":
-            action.help += "; on with compare.py's GPU default (see --compile)"
         if action.dest == "micro_batch":
-            action.help += f"; {GPU_DEEPCOMPILE_DEFAULTS['micro_batch']} with compare.py's GPU default (see --compile)"
+            action.help += "; the profile's where it sets one (see --profile)"
         if action.dest in GPU_DEFAULTS:
             action.help = action.help.replace("(default: ", f"(default on GPUs: {GPU_DEFAULTS[action.dest]}; "
                                               "without a GPU: ")
@@ -270,38 +183,13 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
             if not 0 < ns.budget_s < math.inf:
                 raise ValueError(f"--budget_s must be positive, got {ns.budget_s}")
         ns.world = ns.gpus or n_gpus or ns.nproc or 1
-        if n_gpus and deepcompile_by_default(ns):
-            # the fused step's kernel is AdamW's, and a ZeRO-3 step: another optimizer or stage keeps the default
-            zero3 = (ns.stage or TrainConfig.stage) == 3
-            fused_step = zero3 and (ns.optimizer or TrainConfig.optimizer) == "adamw"
-            # where the bias + GELU kernel cannot run, the search's reasons (the flags as given; ns has their names)
-            gelu_kernel = autotune.gelu_kernel_refusal(ns) is None
-            # the device wait and the device norm check were measured and tested on one GPU only (--parallel's runs
-            # are one-GPU runs too): runs on more GPUs keep DeepSpeed's own op and check
-            host_wait = {} if ns.world == 1 else {"deepcompile_backward_wait": TrainConfig.deepcompile_backward_wait}
-            # where TrainConfig would refuse the check on the device (not ZeRO-3's step, fp16), the host's stays
-            precision = normalize_precision(ns.precision or TrainConfig.precision)
-            norm_check = ns.world == 1 and device_norm_check_refusal(
-                ns.stage or TrainConfig.stage, ns.zero3_step or TrainConfig.zero3_step, precision) is None
-            memory_note = ""
-            if (ns.micro_batch is None and precision in ("bf16", "fp16") and ns.preset in (None, GPU_DEFAULTS["preset"])
-                    and all(getattr(ns, f) in (None, False) for f in SHAPE_FLAGS)):
-                # the ceiling row runs unsharded on one GPU with the same micro-batch
-                ns.micro_batch, memory_note = default_micro_batch(
-                    1 if "ceiling" in ns.references else ns.world, gpu_memory_gib(), ns.stage or TrainConfig.stage)
-            _fill_unset(ns, {**GPU_DEEPCOMPILE_DEFAULTS,
-                             **({} if fused_step else {"zero3_step": TrainConfig.zero3_step}),
-                             **({} if gelu_kernel else {"triton_gelu_grad": TrainConfig.triton_gelu_grad}),
-                             **host_wait, **({} if norm_check else {"grad_norm_check": TrainConfig.grad_norm_check}),
-                             **autotune.default_kernels_refusals(ns)})
-            step = f" --zero3_step {ns.zero3_step} --grad_norm_check {ns.grad_norm_check}" if zero3 else ""
-            print(f"compare.py: --compile deepcompile --deepcompile_schedule {ns.deepcompile_schedule} --micro_batch "
-                  f"{ns.micro_batch} --vocab_multiple {ns.vocab_multiple} --triton_loss {str(ns.triton_loss).lower()} "
-                  f"--triton_dropout {str(ns.triton_dropout).lower()} "
-                  f"--coordinate_descent_tuning {str(ns.coordinate_descent_tuning).lower()} "
-                  f"--triton_gelu_grad {str(ns.triton_gelu_grad).lower()}{step} "
-                  f"--deepcompile_backward_wait {ns.deepcompile_backward_wait} "
-                  f"(the GPU default; --compile none or blocks for the others){memory_note}", flush=True)
+        if n_gpus:  # the run's shape first: the profile's micro-batch depends on the preset
+            _fill_unset(ns, {k: v for k, v in GPU_DEFAULTS.items() if k != "micro_batch"})
+        if ns.profile is None and (ns.explain or ns.autotune):
+            ns.profile = "eager"  # they measure overheads and search the knobs from the eager step, not a profile's
+        ns.resolved_profile = apply_profile(
+            ns, ns.world, **({"gpu_memory_gib": gpu_memory_gib(),  # the ceiling row runs unsharded on one GPU
+                              "sharded_gpus": 1 if "ceiling" in ns.references else None} if n_gpus else {}))
         if n_gpus:
             _fill_unset(ns, GPU_DEFAULTS)
         ns.report_dir = Path(ns.out or "reports/latest")
@@ -383,6 +271,7 @@ def main(argv: list[str] | None = None) -> dict:
         runs = f"micro-batch {train.micro_batch}, {ns.repeats} repeats"
     print(f"compare: preset {train.preset}, ZeRO-{train.stage} {train.precision}, {runs}, {train.steps} steps "
           f"({train.warmup_steps} warmup), {where}", flush=True)
+    print(f"compare: {ns.resolved_profile.line()}", flush=True)
     run = lambda path, cfg, out, log: launch(path, cfg, ns.world, out, log, ns.timeout)
     if ns.autotune:
         ns.commands = [*ns.kept_commands, " ".join(["python", "compare.py", *argv])]
@@ -444,6 +333,7 @@ def main(argv: list[str] | None = None) -> dict:
                 cross_failed = e
                 break
     report = build_report(train, ns, results, cross, argv)
+    report["profile"] = {**ns.resolved_profile.to_dict(), "line": ns.resolved_profile.line()}
     report["kept_runs"] = sorted(f"{row}_{i}" for row, i in ns.kept)  # --keep_runs: made by an earlier invocation
     replace_text(out_dir / "report.json", json.dumps(report, indent=1))
     plot_phases(report, out_dir / "phases.png")

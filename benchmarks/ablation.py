@@ -80,7 +80,7 @@ if __package__ in (None, ""):
     # compare.py imports lightning_app, which is not installed (lightning_app/train.py does the same)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from compare import GPU_DEEPCOMPILE_DEFAULTS, default_micro_batch, gpu_memory_gib
+from compare import gpu_memory_gib
 from harness.autotune import parse_grid
 from harness.budget import kinds_ms, minus_mean
 from harness.launch import (
@@ -97,6 +97,7 @@ from harness.launch import (
     visible_gpu,
 )
 from harness.report import measured
+from shared.train import profiles
 from shared.train.config import TrainConfig
 from shared.train.results import device_info, replace_text, versions
 
@@ -312,15 +313,15 @@ def main(argv: list[str] | None = None) -> dict:
     if last_mile and not cuda:
         p.error("--set last_mile measures levers on top of DeepCompile, which needs a CUDA GPU; on this machine use "
                 "--set fusions (the default)")
-    if last_mile:  # compare.py's GPU default: DeepCompile (one compile), micro-batch 16, tuned kernels and buckets
-        defaults = {**GPU_DEEPCOMPILE_DEFAULTS, "steps": 20, "warmup_steps": 10, "zero_profile": "tuned"}
-        if ns.micro_batch is None and ns.preset == "1.5b":  # as compare.py: 16 where it fits, each run on one GPU
-            try:
-                defaults["micro_batch"], note = default_micro_batch(1, gpu_memory_gib())
-            except ValueError as e:
-                p.error(str(e))
-            if note:
-                print(f"ablation.py: --micro_batch {defaults['micro_batch']}{note}", flush=True)
+    if last_mile:  # the fast profile at the 1.5b preset on one GPU (each run's), its micro-batch where it fits
+        try:
+            fast = profiles.resolve({"preset": ns.preset, "micro_batch": ns.micro_batch}, "fast", cuda=True, gpus=1,
+                                    gpu_memory_gib=gpu_memory_gib())
+        except ValueError as e:
+            p.error(str(e))
+        defaults = {**fast.filled, "steps": 20, "warmup_steps": 10, "zero_profile": "tuned", "profile": "fast"}
+        if fast.note:
+            print(f"ablation.py: --micro_batch {defaults['micro_batch']}{fast.note}", flush=True)
     else:
         defaults = {"micro_batch": 8 if cuda else 2, "steps": 14 if cuda else 6, "warmup_steps": 5 if cuda else 2,
                     "zero_profile": "original"}

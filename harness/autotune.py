@@ -57,6 +57,7 @@ from harness.launch import CompareError
 from shared.model import config as model_config
 from shared.train.config import TrainConfig, normalize_precision
 from shared.train.ds_config import build_ds_config
+from shared.train.profiles import PROFILES
 from shared.train.results import device_info, differences, replace_text, versions
 
 PREFETCH = (50_000_000, 200_000_000, 500_000_000, 1_000_000_000)
@@ -338,9 +339,9 @@ def run_autotune(train: TrainConfig, ns, launch, out_dir: Path, kept: list[dict]
     return search.write(complete=True)
 
 
-# compare.py's GPU default runs these three together (1.017x the whole step on one H200 against two baselines 0.35%
-# apart, benchmarks/results/together_1xh200), where default_kernels_refusals leaves each on
-DEFAULT_KERNELS = {"vocab_multiple": 128, "triton_loss": True, "triton_dropout": True}
+# The fast profile's kernels of the model (shared/train/profiles.py), tried together where default_kernels_refusals
+# leaves each on
+DEFAULT_KERNELS = {k: PROFILES["fast"].settings[k] for k in ("vocab_multiple", "triton_loss", "triton_dropout")}
 
 
 def default_kernels_refusals(cfg) -> dict:

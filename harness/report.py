@@ -468,6 +468,7 @@ def write_markdown(report: dict, path: Path, chart: str) -> None:
         + (" (--parallel: the two paths of each pair, and the reference rows, ran at the same time, one GPU each)."
            if report.get("parallel") else "."),
         "",
+        *([f"Speed settings: {report['profile']['line']}", ""] if report.get("profile") else []),
         "```",
         format_table(report),
         "```",

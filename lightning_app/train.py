@@ -176,8 +176,18 @@ def main(train: TrainConfig) -> RunResult | None:
     return run.result
 
 
+def launch_world(ns) -> int:
+    """The run's processes as main() will count them (default_devices), from the parsed flags: the profile's rules
+    read it before the TrainConfig exists, and every rank must resolve the same settings."""
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    if ns.devices is not None:
+        return ns.devices
+    return torch.cuda.device_count() if torch.cuda.is_available() else 1
+
+
 def cli(argv: list[str] | None = None) -> None:
-    run_cli(main, parse_train_config(argv, __doc__), "cuda" if torch.cuda.is_available() else "cpu")
+    run_cli(main, parse_train_config(argv, __doc__, world=launch_world), "cuda" if torch.cuda.is_available() else "cpu")
 
 
 if __name__ == "__main__":

@@ -86,8 +86,10 @@ def test_ablation_last_mile_set_needs_cuda_and_keep_refuses_other_settings(tmp_p
 def test_every_last_mile_lever_is_a_valid_change_of_compare_gpu_default(monkeypatch):
     """Each lever of --set last_mile on compare.py's GPU default is a config the runs accept: a lever that clashes
     with a default (the bias gradient as a matmul against the bias + GELU backward kernel) turns that default off."""
-    from compare import GPU_DEEPCOMPILE_DEFAULTS
     from shared.model import config as model_config
+    from shared.train.profiles import PROFILES
+
+    GPU_DEEPCOMPILE_DEFAULTS = PROFILES["fast"].settings
 
     ablation = load_module("ablation", ABLATION)
     monkeypatch.setattr(model_config, "cuda_available", lambda: True)  # DeepCompile and the fusions' defaults

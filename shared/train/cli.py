@@ -109,17 +109,56 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n(all flags: {self.prog} --help)\n")
 
 
-def parse_train_config(argv: list[str] | None, description: str) -> TrainConfig:
-    """Parse argv into a TrainConfig; a bad value exits with status 2 and a message naming it."""
+def apply_profile(ns: argparse.Namespace, gpus: int, **facts):
+    """Fill the speed flags `ns` leaves unset from its --profile (default: the machine's; shared/train/profiles.py)
+    and record the profile's name in ns.profile; returns the profiles.Resolved. `--profile list` prints the table
+    and exits 0. ValueError for a profile this machine cannot run."""
+    import torch
+
+    from shared.train import profiles
+
+    if ns.profile == "list":
+        print(profiles.table())
+        raise SystemExit(0)
+    cuda = torch.cuda.is_available()
+    if cuda and "gpu_memory_gib" not in facts:
+        facts["gpu_memory_gib"] = torch.cuda.get_device_properties(0).total_memory / 2**30
+    given = {f.name: getattr(ns, f.name, None) for f in dataclasses.fields(TrainConfig)}
+    resolved = profiles.resolve(given, ns.profile, cuda=cuda, gpus=gpus, **facts)
+    for key, value in resolved.filled.items():
+        setattr(ns, key, value)
+    ns.profile = resolved.name
+    return resolved
+
+
+def launched_world() -> int:
+    """The processes of a run under a launcher (torchrun, deepspeed, fabric run): WORLD_SIZE, else 1."""
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def parse_train_config(argv: list[str] | None, description: str, world=None) -> TrainConfig:
+    """Parse argv into a TrainConfig, its speed settings filled from --profile for a run of `world(ns)` processes
+    (default: the launcher's WORLD_SIZE, else 1); a bad value exits with status 2 and a message naming it."""
     parser = Parser(description=description)
     add_config_args(parser)
     # Launchers pass these; DeepSpeed's launcher adds --local_rank=N.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     ns = parser.parse_args(argv)
     try:
+        resolved = apply_profile(ns, world(ns) if world else launched_world())
+        if launched_rank() == 0:
+            print(resolved.line(), flush=True)
         return config_from_args(ns)
     except ValueError as e:
         parser.error(str(e))
+
+
+def launched_rank() -> int:
+    import os
+
+    return int(os.environ.get("RANK", "0"))
 
 
 def to_argv(cfg) -> list[str]:

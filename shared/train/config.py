@@ -25,6 +25,8 @@ from shared.model.config import (  # noqa: F401  (ATTENTION_BACKENDS, LAYOUTS: n
 PRECISIONS = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "fusedadam")
 ZERO_PROFILES = ("original", "tuned")
+# The speed profiles, declared in shared/train/profiles.py
+PROFILES = ("fast", "stock", "eager")
 GC_POLICIES = ("auto", "freeze")
 # How the model is compiled, applied from outside the model: blocks by shared/train/compile.py (each block's forward
 # compiled), deepcompile by DeepSpeed's compiler pass for ZeRO (the engine compiles the whole GPT forward + loss;
@@ -115,6 +117,9 @@ class TrainConfig(FusedSwitches):
     """override both dropout rates of the preset"""
     activation_checkpointing: bool = False
     """recompute blocks in backward (FLOPs factor k=4)"""
+    profile: str | None = None
+    """speed profile: one of PROFILES, or list to print them (shared/train/profiles.py): fills every speed
+    setting not given as a flag. Default: fast on a CUDA GPU, eager without one"""
     compile: str = "none"
     """none | blocks | deepcompile. blocks: torch.compile each block (a DeepSpeed ZeRO-3 leaf module; see
     shared/train/compile.py). deepcompile: DeepSpeed's compiler pass for ZeRO 1-3 (CUDA only): engine.compile()
@@ -312,6 +317,8 @@ class TrainConfig(FusedSwitches):
         if self.min_lr > self.lr:
             raise ValueError(f"min_lr {self.min_lr!r} is above lr {self.lr!r}: the cosine schedule would rise from lr "
                              "to min_lr instead of decaying; lower --min_lr (e.g. lr / 10) or raise --lr")
+        if self.profile is not None and self.profile not in PROFILES:
+            raise ValueError(f"unknown --profile {self.profile!r}; choose one of {PROFILES}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {self.optimizer!r}; choose one of {OPTIMIZERS}")
         if self.zero_profile not in ZERO_PROFILES:
