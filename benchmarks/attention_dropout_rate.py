@@ -79,7 +79,7 @@ def main(args) -> dict:
     result = {"command": " ".join(["python", *sys.argv]), "versions": versions(), "device": device_info(),
               "sdpa_pick_at_1.5b_mb8": picked, "rows": rows}
     if args.out:
-        write_json(args.out, result, indent=1)
+        write_json(args.out, result)
         print(f"wrote {args.out}")
     return result
 

@@ -105,6 +105,8 @@ def summarize_path(runs: list[RunResult]) -> dict:
         # the SM clock and power its GPUs held during the timed steps (harness/telemetry.py), per run; None on CPU
         "gpu_telemetry": [r.extra.get("gpu_telemetry") for r in runs],
         "sdpa_kernel": sorted({r.sdpa_kernel for r in runs}, key=str),  # per kernel seen, one entry
+        # the attention dropout rate the runs' kernels applied (RunResult.attn_dropout_applied), per rate seen
+        "attn_dropout_applied": sorted({r.attn_dropout_applied for r in runs}, key=str),
         "fused": runs[0].fused,
         "ds_config": runs[0].ds_config,
         "runs": [{"tflops_per_gpu": r.tflops_per_gpu, "step_time_s": r.step_time_s["median"],
@@ -326,6 +328,8 @@ def format_table(report: dict) -> str:
         else f"RSS {p['peak_rss_gib']:.2f}")
     row("attention", lambda p: p["attention"] + (f" ({', '.join(map(str, p['sdpa_kernel']))})"
                                                   if any(p.get("sdpa_kernel") or []) else ""))
+    row("attention dropout applied", lambda p: ", ".join(f"{r:.6g}" for r in p.get("attn_dropout_applied") or []
+                                                         if r is not None) or "n/a")
     row("compile", lambda p: p.get("compile", "none"))
     def per_run_s(p: dict, key: str) -> str:  # one figure per run, seconds
         return ", ".join(_fmt(w, ".1f") for w in p.get(key, []))

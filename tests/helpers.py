@@ -25,7 +25,12 @@ def env() -> dict:
 
 
 def run(cmd: list[str], timeout: int = 240, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env(), timeout=timeout,
+    """Run `cmd`; a training script without --profile trains the eager profile (TrainConfig's own defaults), which
+    the tests' flags change one by one, also on a GPU, where the scripts' default is the fast profile."""
+    cmd = [str(c) for c in cmd]
+    if any(c in (str(RAW), str(LIGHTNING)) for c in cmd) and "--profile" not in cmd and "--help" not in cmd:
+        cmd += ["--profile", "eager"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=timeout,
                           cwd=ROOT)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}: {' '.join(map(str, cmd))}\n{proc.stdout[-3000:]}\n"

@@ -91,7 +91,7 @@ GPU_SHAPE = dict(B=2, H=24, T=2048, D=96)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH", None])
+@pytest.mark.parametrize("kernel", ["CUDNN_ATTENTION", "EFFICIENT_ATTENTION", "MATH", None])
 def test_gpu_sdpa_applies_the_models_attention_dropout(kernel):
     """SDPA's kernels (None: the dispatcher's pick, the model's default) drop at p within 6 binomial sigmas, scale
     the kept entries by 1 / (1 - p), and drop in the backward what the forward dropped."""
@@ -117,3 +117,35 @@ def test_gpu_blocksparse_applies_the_models_attention_dropout(mask):
     module = build_attention(preset("1.5b", attention="blocksparse", attn_dropout=P, attn_dropout_mask=mask)).cuda()
     r = measure_dropout(module.train(), P, dtype=torch.bfloat16, device="cuda", **GPU_SHAPE)
     assert r.ok(rate_tolerance=abs(bsa.applied_dropout(P) - P)), r
+
+
+@pytest.mark.gpu
+def test_gpu_sdpa_flash_applies_an_eight_bit_rate_and_the_record_says_so():
+    """SDPA's flash kernel keeps an entry where a random byte is <= floor((1 - p) * 255): it drops 0.1016 at 0.1 and
+    scales the kept ones by 1 / (1 - 0.1); applied_attention_dropout records that rate for a run that picks it."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from shared.model.attention import applied_attention_dropout
+    from shared.model.config import preset
+
+    def call(q, k, v):
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            return sdpa(P)(q, k, v)
+
+    r = measure_dropout(call, P, dtype=torch.bfloat16, device="cuda", **GPU_SHAPE)
+    applied = applied_attention_dropout(preset("1.5b"), "FLASH_ATTENTION")
+    assert abs(r.rate - applied) <= 6 * r.sigma and abs(r.rate - P) > 20 * r.sigma, r
+    assert abs(r.scale / r.scale_expected - 1) <= 0.01 and r.backward_error <= 0.05, r
+
+
+def test_the_recorded_rate_is_ps_except_where_a_kernel_applies_another():
+    from shared.model.attention import applied_attention_dropout
+    from shared.model.config import preset
+
+    cfg = preset("1.5b")
+    assert cfg.attn_dropout == P
+    for kernel in ("CUDNN_ATTENTION", "EFFICIENT_ATTENTION", "MATH", None):
+        assert applied_attention_dropout(cfg, kernel) == P
+    assert applied_attention_dropout(cfg, "FLASH_ATTENTION") == pytest.approx(1 - 230 / 256)
+    assert applied_attention_dropout(preset("1.5b", attention="blocksparse"), None) == bsa.applied_dropout(P)
+    assert applied_attention_dropout(preset("1.5b", dropout=0.0, attn_dropout=0.0), "FLASH_ATTENTION") == 0.0

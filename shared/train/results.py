@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from shared.model import flops, layouts
-from shared.model.attention import sdpa_kernel
+from shared.model.attention import applied_attention_dropout, sdpa_kernel
 from shared.model.config import GPTConfig, fused_paths
 from shared.train import deepcompile_op
 from shared.train.config import TrainConfig
@@ -120,6 +120,9 @@ class RunResult:
     grad_norms: list[float | None] | None = None  # DeepSpeed's global grad norm (before clipping), per step
     param_checksum: dict | None = None  # sum / sum_sq / numel of all parameters at the end (ds_runtime)
     sdpa_kernel: str | None = None  # the kernel torch's SDPA picked (attention.sdpa_kernel); null for other backends
+    # the attention dropout rate that kernel applies (attention.applied_attention_dropout; the model asks for
+    # train.model's attn_dropout); null in results written before it was recorded
+    attn_dropout_applied: float | None = None
 
     def to_json(self, path: str | Path) -> None:
         path = Path(path)
@@ -195,7 +198,8 @@ def build_result(*, path: str, train: TrainConfig, model_cfg: GPTConfig, ds_conf
         tflops_per_gpu_causal=causal_flops / step_time / world_size / 1e12,
         grad_norms=[g if g is None or math.isfinite(g) else None for g in grad_norms] if grad_norms else None,
         param_checksum=param_checksum,
-        sdpa_kernel=sdpa_kernel(model_cfg, train.micro_batch, COMPUTE_DTYPES[train.precision], device),
+        sdpa_kernel=(kernel := sdpa_kernel(model_cfg, train.micro_batch, COMPUTE_DTYPES[train.precision], device)),
+        attn_dropout_applied=applied_attention_dropout(model_cfg, kernel),
         extra={**(extra or {}), "allocator_cache_flushes": allocator_cache_flushes(device),
                "warmup_s": timing.get("warmup_s"), "timed_wall": timing.get("timed_wall"),
                "compile_s": compile_seconds(),
@@ -306,7 +310,8 @@ def format_summary(r: RunResult) -> str:
     rows = [
         ("path", f"{r.path}  ({r.world_size} x {r.device['name']})"),
         ("model", f"{r.preset}, {r.n_params / 1e6:.1f}M params, attention={r.attention}"
-                  + (f" ({r.sdpa_kernel})" if r.sdpa_kernel else "")),
+                  + (f" ({r.sdpa_kernel})" if r.sdpa_kernel else "")
+                  + (f", attention dropout applied {r.attn_dropout_applied:.6g}" if r.attn_dropout_applied else "")),
         ("ZeRO / precision", f"stage {r.train['stage']}, {r.train['precision']}, micro-batch {r.train['micro_batch']}"),
         ("timed steps", f"{len(r.per_step_s)} (after {r.warmup_steps} warmup)"),
         ("step time", f"{r.step_time_s['median'] * 1e3:.1f} ms median "

@@ -15,10 +15,17 @@ cannot run raises with the reason, and `module.backend` names what runs.
 from __future__ import annotations
 
 from shared.model import layouts
-from shared.model.attention.base import Attention, ReferenceAttention, SDPAttention, sdpa_kernel
+from shared.model.attention.base import (
+    Attention,
+    ReferenceAttention,
+    SDPAttention,
+    applied_attention_dropout,
+    sdpa_kernel,
+)
 from shared.model.config import GPTConfig
 
-__all__ = ["Attention", "ReferenceAttention", "SDPAttention", "build_attention", "sdpa_kernel"]
+__all__ = ["Attention", "ReferenceAttention", "SDPAttention", "applied_attention_dropout", "build_attention",
+           "sdpa_kernel"]
 
 
 def build_attention(cfg: GPTConfig) -> Attention:

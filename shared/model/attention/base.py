@@ -86,3 +86,21 @@ def sdpa_kernel(cfg: GPTConfig, batch: int, dtype: torch.dtype, device: torch.de
         return SDPBackend(torch._fused_sdp_choice(q, q, q, dropout_p=cfg.attn_dropout, is_causal=True)).name
     except Exception as exc:  # a private API: say why it is unknown rather than fail the run
         return f"unknown ({type(exc).__name__}: {exc})"
+
+
+def applied_attention_dropout(cfg: GPTConfig, kernel: str | None) -> float:
+    """The attention dropout rate the model's kernel applies where cfg.attn_dropout is asked for, as the GPU test
+    tests/test_dropout_rate.py measures it (counts of dropped entries; docs/kernels.md): SDPA's cuDNN, efficient and
+    math kernels apply p; its flash kernel keeps a probability where a random byte is at most floor((1 - p) * 255),
+    so it drops 1 - (floor((1 - p) * 255) + 1) / 256 (0.1 -> 0.1016) while it scales the kept ones by 1 / (1 - p);
+    the block-sparse kernels apply p rounded to a multiple of 1/65536. `kernel`: sdpa_kernel's answer."""
+    p = cfg.attn_dropout
+    if p == 0:
+        return 0.0
+    if cfg.attention == "blocksparse":
+        from shared.kernels.blocksparse_attention import applied_dropout
+
+        return applied_dropout(p)
+    if cfg.attention == "sdpa" and kernel == "FLASH_ATTENTION":
+        return 1 - (math.floor((1 - p) * 255) + 1) / 256
+    return p
