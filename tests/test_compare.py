@@ -87,12 +87,18 @@ def test_what_a_run_would_refuse_is_refused_before_any_run_keeping_the_previous_
     previous = tmp_path / "logs" / "deepspeed_0.log"
     previous.parent.mkdir()
     previous.write_text("the previous report's log\n")
+    (tmp_path / "batch.json").write_text(json.dumps({"train_batch_size": 32, "zero_optimization": {"stage": 3},
+                                                     "bf16": {"enabled": True}}))
+    (tmp_path / "report.json").write_text("the previous report")
     for args, message in [(["--ds_config", tmp_path / "nope.json"], "nope.json' does not exist"),
+                          (["--ds_config", tmp_path / "batch.json"], "sets train_batch_size=32, but the run's "
+                           "--micro_batch 2 x --grad_accum 1 x 1 process(es) = 2"),
                           (["--precision", "fp16"], "fp16 is not supported by DeepSpeed on CPU"),
                           (["--data", tmp_path / "missing"], "missing.meta.json' not found")]:
         proc = run([sys.executable, COMPARE, *args, "--out", tmp_path], check=False, timeout=60)
         assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr[-2000:])
     assert previous.read_text() == "the previous report's log\n" and not (tmp_path / "runs").exists()
+    assert (tmp_path / "report.json").read_text() == "the previous report"
 
 
 @pytest.mark.slow

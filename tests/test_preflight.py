@@ -67,6 +67,12 @@ def test_a_bad_ds_config_or_precision_is_refused_before_any_process(tmp_path):
         check_before_start(TrainConfig(ds_config=str(tmp_path / "nope.json")), CPU, 1, 1)
     with pytest.raises(ValueError, match="fp16 is not supported by DeepSpeed on CPU"):
         check_before_start(TrainConfig(precision="fp16"), CPU, 1, 1)
+    # a train_batch_size that holds for one process but not for the two the run starts
+    (tmp_path / "ds.json").write_text(json.dumps({"train_batch_size": 2, "zero_optimization": {"stage": 3},
+                                                  "bf16": {"enabled": True}}))
+    check_before_start(TrainConfig(ds_config=str(tmp_path / "ds.json")), CPU, 1, 1)
+    with pytest.raises(ValueError, match=r"train_batch_size=2, but the run's .* x 2 process\(es\) = 4"):
+        check_before_start(TrainConfig(ds_config=str(tmp_path / "ds.json")), CPU, 2, 2)
 
 
 # 2 x 4 x 2^20 x 2^20 bf16 scores per block: too large for any machine, GPU or CPU
@@ -83,8 +89,11 @@ def test_the_training_scripts_refuse_before_deepspeed_starts(script, tmp_path):
         (["--layout", tmp_path / "nope.pt", "--attention", "reference"], "nope.pt' does not exist"),
         (["--out", tmp_path], f"--out {tmp_path} is a folder: give the file to write"),  # not found after training
         (["--export", tmp_path / "notes.txt" / "w.safetensors"], "notes.txt is a file, not a folder to write it in"),
+        (["--ds_config", tmp_path / "batch.json"], "sets train_batch_size=32, but the run's --micro_batch 2"),
     ]
     (tmp_path / "notes.txt").write_text("a file where the export's folder would be")
+    (tmp_path / "batch.json").write_text(json.dumps({"train_batch_size": 32, "zero_optimization": {"stage": 3},
+                                                     "bf16": {"enabled": True}}))
     if script == RAW:
         cases.append((["--devices", "2"], "torchrun --nproc_per_node 2"))
     # in-process up to the refusal, so the test can see that DeepSpeed was never imported; every case in one

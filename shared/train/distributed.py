@@ -199,7 +199,7 @@ def check_before_start(train, device: torch.device, world: int, local_world: int
     check_precision(device, train.precision)
     check_data(train)
     if train.ds_config:
-        build_ds_config(train)  # reads and checks the user's JSON
+        build_ds_config(train, world)  # reads and checks the user's JSON, its batch sizes against `world`
     check_fits(train, device, world, local_world)
     check_attention(train)  # after check_fits: a backend's masks grow with seq_len squared
     check_kernels(train, device)
