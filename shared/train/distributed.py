@@ -162,15 +162,83 @@ def _held_open(path: Path) -> bool:
     return False
 
 
-def check_build_locks(min_age_s: float = 10.0) -> None:
-    """Refuse to start when an extension build left its lock behind.
+def _open_nowhere_else(fd: int) -> bool | None:
+    """Whether the file open as `fd` is open nowhere else on this machine, in any process, container or user: the
+    kernel grants a write lease (fcntl F_SETLEASE, Linux) only on a file no other open file refers to; the lease is
+    given back at once. None where that cannot be asked: not the main thread (a lease break signals the process,
+    and SIGIO is only ignored meanwhile from the main thread), a file of another user, a file system without leases
+    (NFS, some FUSE)."""
+    import errno
+    import fcntl
+    import signal
+    import threading
+
+    if not hasattr(fcntl, "F_SETLEASE") or threading.current_thread() is not threading.main_thread():
+        return None
+    previous = signal.signal(signal.SIGIO, signal.SIG_IGN)  # an open elsewhere meanwhile signals the holder
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        return True
+    except OSError as e:
+        return False if e.errno == errno.EAGAIN else None
+    finally:
+        signal.signal(signal.SIGIO, previous)
+
+
+def _remove_if_abandoned(lock: Path, settle_s: float) -> str:
+    """Remove `lock` if no process anywhere on this machine holds it open; "removed", "held" (a live build),
+    "gone" (released meanwhile) or "unknown" (_open_nowhere_else cannot tell).
+
+    Checkers take turns (flock on the build folder), so two of them never both remove; and a lock found open nowhere
+    must still be there, the same file, settle_s later: a build that finishes closes its lock and removes it right
+    after, and that removal must not find it gone."""
+    import fcntl
+
+    try:
+        folder = os.open(lock.parent, os.O_RDONLY)
+    except OSError:  # e.g. another user's folder
+        return "unknown"
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX)
+        try:
+            fd = os.open(lock, os.O_RDONLY)
+        except FileNotFoundError:
+            return "gone"
+        except OSError:
+            return "unknown"
+        try:
+            first = _open_nowhere_else(fd)
+            if first is not True:
+                return "unknown" if first is None else "held"
+            time.sleep(settle_s)
+            try:
+                if os.stat(lock).st_ino != os.fstat(fd).st_ino:
+                    return "gone"
+            except FileNotFoundError:
+                return "gone"
+            if _open_nowhere_else(fd) is not True:
+                return "held"
+            lock.unlink()
+            return "removed"
+        finally:
+            os.close(fd)
+    finally:
+        os.close(folder)  # releases the flock
+
+
+def check_build_locks(min_age_s: float = 10.0, settle_s: float = 1.0) -> None:
+    """Remove an extension build's lock that its build left behind; refuse to start where that cannot be told.
 
     torch's FileBaton creates BUILD_DIR/lock, holds it open while one process builds (DeepSpeed's CPU
     communication op on a first CPU run, FusedAdam with --optimizer fusedadam) and removes it when done; every
-    other process waits while the file exists, with no timeout and no output. A build killed mid-way leaves the
-    file, and every later DeepSpeed start would hang. A lock no process holds open, older than min_age_s, is
-    such a leftover. (A build running in another container that shares the cache is invisible here: the
-    message says to check.)"""
+    other process waits while the file exists, with no timeout and no output. A build killed mid-way (SIGTERM,
+    SIGKILL, a timeout) leaves the file, and every later DeepSpeed start would hang. A lock older than min_age_s that
+    no process on this machine holds open (the kernel says so: _open_nowhere_else) is such a leftover: it is removed,
+    with a line saying so, and the extension is built again. A lock some process holds open is a live build,
+    waited for as torch waits. Where the kernel cannot be asked (another user's lock, a network file system, which
+    another machine may be building on), a lock no process visible here holds open is refused with the command that
+    removes it."""
     root = extensions_root()
     if not root.is_dir():
         return
@@ -179,11 +247,18 @@ def check_build_locks(min_age_s: float = 10.0) -> None:
             age = time.time() - lock.stat().st_mtime
         except OSError:  # released meanwhile
             continue
-        if age >= min_age_s and not _held_open(lock):
+        if age < min_age_s:  # a build that is starting
+            continue
+        outcome = _remove_if_abandoned(lock, settle_s)
+        if outcome == "removed":
+            print(f"removed {lock}: a build of the {lock.parent.name} extension left it {age:.0f} s ago and no process "
+                  "holds it open (the build was stopped mid-way); DeepSpeed builds the extension again",
+                  file=sys.stderr, flush=True)
+        elif outcome == "unknown" and not _held_open(lock):
             raise ValueError(
-                f"stale JIT-build lock {lock} ({age:.0f} s old, held open by no process): a build of the "
+                f"stale JIT-build lock {lock} ({age:.0f} s old, held open by no process visible here): a build of the "
                 f"{lock.parent.name} extension was killed mid-way, and DeepSpeed would wait on this file forever. "
-                f"Unless a build in another container shares this folder, remove it: rm {lock}"
+                f"Unless a build on another machine or in another container shares this folder, remove it: rm {lock}"
             )
 
 
