@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -177,6 +178,29 @@ def test_the_tests_build_extensions_outside_the_users_cache():
 
     assert os.environ.get("TORCH_EXTENSIONS_DIR")
     assert not str(distributed.extensions_root()).startswith(get_default_build_root())
+
+
+def test_every_process_of_a_run_builds_with_this_environments_ninja(monkeypatch):
+    # `make run` starts compare.py without .venv/bin on PATH, a shell may have it: each found another ninja, and
+    # each ninja rebuilt the other's build of DeepSpeed's CPU op
+    import shutil
+
+    import ninja
+
+    from harness.launch import run_env
+
+    own = Path(ninja.BIN_DIR, "ninja").resolve()
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # a system ninja, if any, and no other
+    assert Path(shutil.which("ninja", path=run_env()["PATH"])).resolve() == own  # what compare.py starts
+    # a training process started with that PATH (as torchrun or the deepspeed launcher pass it on)
+    code = ("import shutil, sys\nfrom shared.train.distributed import run_cli\n"
+            "run_cli(lambda train: print('ninja:', shutil.which('ninja'), flush=True), None, 'cpu')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert Path(proc.stdout.split("ninja: ", 1)[1].strip()).resolve() == own
+    # a PATH that finds it already is left as it is
+    assert distributed.with_own_ninja(f"{own.parent}:/usr/bin") == f"{own.parent}:/usr/bin"
 
 
 def test_a_triton_kernel_or_liger_that_cannot_run_here_is_refused_before_deepspeed_starts(monkeypatch):

@@ -262,6 +262,30 @@ def check_build_locks(min_age_s: float = 10.0, settle_s: float = 1.0) -> None:
             )
 
 
+def with_own_ninja(path: str) -> str:
+    """`path` (a PATH value) with the folder of the ninja installed with this interpreter's packages (pip's ninja, a
+    DeepSpeed dependency) first, where another ninja would be found first.
+
+    torch JIT-builds DeepSpeed's ops with the `ninja` it finds on PATH. pip's ninja (1.13, in .venv/bin) and a
+    system one (1.11, /usr/bin) hash a build's commands differently in .ninja_log, so each took the other's build of
+    an op for outdated and built it again (deepspeed_shm_comm: about 20 s on 2 cores) whenever a process started
+    from an activated shell followed one started by `make run`, whose PATH lacks .venv/bin. Every training process
+    (run_cli) and every process compare.py and the benchmarks start (harness/launch.run_env) use this one."""
+    import shutil
+
+    try:
+        import ninja
+    except ImportError:
+        return path
+    own = Path(ninja.BIN_DIR or ".") / "ninja"
+    if not ninja.BIN_DIR or not own.is_file():
+        return path
+    found = shutil.which("ninja", path=path)
+    if found and Path(found).resolve() == own.resolve():
+        return path
+    return os.pathsep.join(filter(None, [str(own.parent), path]))
+
+
 def check_before_start(train, device: torch.device, world: int, local_world: int) -> None:
     """Everything that can be refused before a process group or DeepSpeed starts: the precision on this device,
     the token files, a user DeepSpeed JSON, a size that clearly cannot fit, the attention backend with its layout,
@@ -384,6 +408,7 @@ def run_cli(main, train, device_hint: str) -> None:
     prints a traceback."""
     from shared.train.progress import NonFiniteLoss
 
+    os.environ["PATH"] = with_own_ninja(os.environ.get("PATH", ""))  # before DeepSpeed builds an op
     quiet_library_noise()
     try:
         main(train)
