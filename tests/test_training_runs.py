@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -253,3 +254,33 @@ def test_real_text_validation_loss_falls(tmp_path, kjv):
     rows = (tmp_path / "m.csv").read_text().splitlines()
     assert rows[0].startswith("step,loss,lr,grad_norm") and len(rows) == 5  # header + steps 50..200
     assert float(rows[-1].split(",")[3]) > 0  # grad norm logged
+
+
+def test_deepspeeds_shared_memory_buffer_is_this_runs_and_is_released_once_every_rank_mapped_it(tmp_path):
+    # one process as the deepspeed launcher starts it (LOCAL_SIZE): DeepSpeed's CPU op creates the file
+    # shm_buffer_path names, and release_shm_buffer removes it while the process runs on
+    code = ("import torch, deepspeed\nfrom shared.train.distributed import release_shm_buffer, shm_buffer_path\n"
+            "deepspeed.init_distributed(dist_backend='gloo')\nmine = shm_buffer_path(0)\n"
+            "assert mine.is_file() and mine.stat().st_size > 60e6, mine\nrelease_shm_buffer(torch.device('cpu'))\n"
+            "assert not mine.exists()\nprint('released', mine, flush=True)\n")
+    port = str(_free_port())
+    e = {**env(), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1",
+         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, cwd=ROOT, timeout=240)
+    assert proc.returncode == 0 and f"released /dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_0" \
+        in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def test_a_run_under_the_deepspeed_launcher_leaves_nothing_in_dev_shm(tmp_path):
+    # each of its 2 ranks once left a 66 MB /dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>
+    port = _free_port()
+    run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", port, RAW, *BASE,
+         "--steps", "3", "--out", tmp_path / "r.json"])
+    assert len(load(tmp_path / "r.json")["losses"]) == 3
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
+
+
+def _free_port() -> int:
+    from shared.train.distributed import free_port
+
+    return free_port()

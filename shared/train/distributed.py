@@ -425,6 +425,33 @@ def run_cli(main, train, device_hint: str) -> None:
     exit_process(0, torch.device(device_hint))
 
 
+def shm_buffer_path(rank: int) -> Path:
+    """The shared-memory file DeepSpeed's CPU communication op creates for `rank` of the run whose rendezvous is this
+    process's MASTER_ADDR and MASTER_PORT (deepspeed/ops/csrc/cpu/comm/shm.cpp, shm_initialize: SHM_BUFFER_NAME,
+    the user id, the address, the port and the rank; DeepSpeed 0.19.8)."""
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    return Path("/dev/shm") / f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
+
+
+def release_shm_buffer(device: torch.device) -> None:
+    """Unlink this rank's shared-memory all-reduce buffer as soon as every rank has mapped every other's.
+
+    DeepSpeed's CPU communication op, built when its process group starts, creates one 66 MB file per rank in
+    /dev/shm (shm_buffer_path) when all ranks are on this machine (LOCAL_SIZE, which the deepspeed launcher sets,
+    equal to the world size), maps every rank's, and never unlinks them: each run left them behind. A mapping
+    outlives its name, so once every rank holds every mapping (a barrier after deepspeed.init_distributed) each rank
+    unlinks its own file: nothing of this run stays in /dev/shm however it ends (error, SIGTERM, SIGKILL), and no
+    other run's file, whose name has its own port, is touched. Collective: call it on every rank."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    if device.type != "cpu" or os.environ.get("LOCAL_SIZE") != str(world):  # the op made no buffer
+        return
+    if world > 1:
+        dist.barrier()
+    shm_buffer_path(dist.get_rank()).unlink(missing_ok=True)
+
+
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
