@@ -119,25 +119,28 @@ def _start(cmd, log):
                             start_new_session=True)
 
 
-@pytest.mark.parametrize("path", ["raw", "lightning"])
-def test_sigterm_saves_a_checkpoint_and_exits(tmp_path, path):
+# who gets the SIGTERM: a scheduler that signals every process of the job reaches both ranks (torchrun's children);
+# one that signals the job's command reaches torchrun, which passes it on
+@pytest.mark.parametrize("path, signalled", [("raw", "ranks"), ("lightning", "ranks"), ("raw", "launcher")])
+def test_sigterm_saves_a_checkpoint_and_exits_143_without_a_traceback(tmp_path, path, signalled):
     ck, log_path = tmp_path / "ck", tmp_path / "log.txt"
     with open(log_path, "w") as log:
-        proc = _start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        # torchrun's arguments; torchrun itself ends a SIGTERM with a traceback and exit 1 (shared/tools/torchrun.py)
+        proc = _start([sys.executable, "-m", "shared.tools.torchrun", "--standalone", "--nproc_per_node=2",
                        SCRIPTS[path], *BASE, "--steps", "100000", "--log_every", "5", "--sigterm_check_every", "1",
                        "--ckpt_dir", ck, "--out", tmp_path / "r.json"], log)
         deadline = time.time() + 180
         while "step 10/" not in log_path.read_text() and time.time() < deadline:
             assert proc.poll() is None, log_path.read_text()[-3000:]
             time.sleep(0.5)
-        # A scheduler signals every process of the job: here, both ranks (torchrun's children)
         children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
         assert len(children) == 2
-        for pid in children:
+        for pid in children if signalled == "ranks" else [proc.pid]:
             os.kill(int(pid), signal.SIGTERM)
         proc.wait(timeout=120)
     text = log_path.read_text()
     assert "SIGTERM: stopped after step" in text
+    assert proc.returncode == 143 and "Traceback" not in text, text[-3000:]
     saved = checkpoint.latest_complete(ck)
     assert saved is not None and 10 <= int(saved.name[4:]) < 100000
     assert not (tmp_path / "r.json").exists()  # a preempted run writes no benchmark result
