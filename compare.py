@@ -43,7 +43,7 @@ from harness.launch import (
     visible_gpu,
 )
 from harness.order import round_order
-from harness.report import build_report, format_table, plot_phases, write_markdown
+from harness.report import build_report, format_table, plot_phases, smoke_test_note, write_markdown
 from lightning_app.overheads import check_overheads
 from shared.train.cli import Parser, add_config_args, apply_profile, config_from_args
 from shared.train.config import TrainConfig
@@ -272,6 +272,11 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"compare: preset {train.preset}, ZeRO-{train.stage} {train.precision}, {runs}, {train.steps} steps "
           f"({train.warmup_steps} warmup), {where}", flush=True)
     print(f"compare: {ns.resolved_profile.line()}", flush=True)
+    # without GPUs: the flags the GPU default would have filled are unset
+    smoke = None if torch.cuda.is_available() else smoke_test_note(
+        train.preset, {k: v for k, v in GPU_DEFAULTS.items() if getattr(ns, k) is None})
+    if smoke and not (ns.autotune or ns.explain):
+        print(f"compare: {smoke}", flush=True)
     run = lambda path, cfg, out, log: launch(path, cfg, ns.world, out, log, ns.timeout)
     if ns.autotune:
         ns.commands = [*ns.kept_commands, " ".join(["python", "compare.py", *argv])]
@@ -335,6 +340,8 @@ def main(argv: list[str] | None = None) -> dict:
     report = build_report(train, ns, results, cross, argv)
     report["profile"] = {**ns.resolved_profile.to_dict(), "line": ns.resolved_profile.line()}
     report["kept_runs"] = sorted(f"{row}_{i}" for row, i in ns.kept)  # --keep_runs: made by an earlier invocation
+    if report["smoke_test"]:
+        report["smoke_test_note"] = smoke or smoke_test_note(train.preset, {})
     replace_text(out_dir / "report.json", json.dumps(report, indent=1))
     plot_phases(report, out_dir / "phases.png")
     write_markdown(report, out_dir / "report.md", "phases.png")

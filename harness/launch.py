@@ -23,6 +23,7 @@ import torch
 from harness import telemetry
 from shared.train.cli import to_argv
 from shared.train.config import TrainConfig
+from shared.train.distributed import with_own_ninja
 from shared.train.results import RunResult
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,9 +148,11 @@ def stop_group(pid: int, grace_s: float = GRACE_S) -> None:
 
 
 def run_env(extra: dict | None = None) -> dict:
-    """The environment a training process is started with: unbuffered output, this repo importable."""
+    """The environment a training process is started with: unbuffered output, this repo importable, this
+    environment's ninja first on PATH (one ninja for every op build: shared/train/distributed.with_own_ninja)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra or {}))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["PATH"] = with_own_ninja(env.get("PATH", ""))
     return env
 
 

@@ -197,6 +197,18 @@ def _first_runs(results: dict[str, list[RunResult]], key: str) -> dict:
     return {name: runs[0].extra[key] for name, runs in results.items() if runs and (runs[0].extra or {}).get(key)}
 
 
+def smoke_test_note(preset: str, gpu_flags: dict) -> str:
+    """What a compare without GPUs is, said in its printed header, under its table and in its report: a smoke test of
+    both paths' code whose speed figures are the CPU's, and what the same command runs on GPUs (`gpu_flags`: the
+    GPU default of the flags it leaves unset, compare.py's GPU_DEFAULTS)."""
+    flags = " ".join(f"--{k} {v}" for k, v in gpu_flags.items())
+    return (f"SMOKE TEST: no GPU, so both paths ran preset {preset} in CPU processes (gloo) to exercise their code. "
+            "Its TFLOPs, step times and Lightning / DeepSpeed ratio are this CPU's and say nothing about either path "
+            "on GPUs. On a machine with GPUs the same command runs on every GPU"
+            + (f" with the GPU default for the flags it leaves unset ({flags})" if flags else "")
+            + ", and the fast profile (DeepCompile and its micro-batch where they fit: compare.py --profile list).")
+
+
 def build_report(train: TrainConfig, ns: argparse.Namespace, results: dict[str, list[RunResult]],
                  cross: dict[str, RunResult], argv: list[str]) -> dict:
     ds, pl = results["deepspeed"], results["lightning"]
@@ -229,6 +241,8 @@ def build_report(train: TrainConfig, ns: argparse.Namespace, results: dict[str, 
         "loss_parity": loss_parity(ds, pl, train.precision, train.lr_warmup_steps),
         "same_ds_config": all(r.ds_config == ds[0].ds_config for r in ds + pl),
         "parallel": bool(getattr(ns, "parallel", False)),
+        # runs on CPU processes: a test of the code paths, not a measurement (smoke_test_note says what it is)
+        "smoke_test": first.device.get("type") == "cpu",
     }
     refs = [r for r in REFERENCES if results.get(r)]
     if refs:
@@ -392,6 +406,8 @@ def format_table(report: dict) -> str:
                                       report.get("kernel_rates"))]
     for name, record in report.get("syncs", {}).items():
         lines += ["", f"{name}:", *format_syncs(record, indent="  ")]
+    if report.get("smoke_test_note"):
+        lines += ["", report["smoke_test_note"]]
     return "\n".join(lines)
 
 
@@ -462,8 +478,10 @@ def format_parity(lp: dict) -> str:
 def write_markdown(report: dict, path: Path, chart: str) -> None:
     d = report["device"]
     md = [
-        f"# DeepSpeed vs Lightning: {report['preset']} on {report['world_size']} x {d['name']}",
+        f"# DeepSpeed vs Lightning: {report['preset']} on {report['world_size']} x {d['name']}"
+        + (" (smoke test on CPU)" if report.get("smoke_test") else ""),
         "",
+        *([f"**{report['smoke_test_note']}**", ""] if report.get("smoke_test_note") else []),
         f"Command: `{report['command']}`",
         "",
         f"ZeRO stage {report['train']['stage']}, {report['train']['precision']}, micro-batch "

@@ -25,6 +25,7 @@ from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy
 
 from shared.train import zero3_step
 from shared.train.config import TrainConfig
+from shared.train.distributed import release_shm_buffer
 from shared.train.ds_runtime import align_schedule, compile_engine
 
 
@@ -55,6 +56,8 @@ class ZeroStrategy(DeepSpeedStrategy):
         reset_seed()
         self.set_world_ranks()
         self._init_deepspeed_distributed()
+        # DeepSpeed's CPU communication op leaves a shared-memory file per rank unless each rank unlinks its own
+        release_shm_buffer(self.root_device)
 
     def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
         engine, ds_optimizer = self._initialize(model, optimizer, lr_scheduler)

@@ -35,6 +35,7 @@ from shared.train.distributed import (
     local_world_size,
     oom_message,
     pick_device,
+    release_shm_buffer,
     run_cli,
     seed_all,
 )
@@ -97,6 +98,7 @@ def main(train: TrainConfig) -> RunResult:
     import deepspeed  # after the device is set: DeepSpeed picks its accelerator at import
 
     deepspeed.init_distributed(dist_backend=backend_for(device))
+    release_shm_buffer(device)
     rank, world = dist.get_rank(), dist.get_world_size()
     model_cfg = train.model()
     ds_config = build_ds_config(train)

@@ -214,6 +214,23 @@ def test_export_refuses_a_folder_as_out_before_it_reads_the_checkpoint(tmp_path,
     assert e.value.code == 2 and f"--out {tmp_path / 'exports'} is a folder" in capsys.readouterr().err
 
 
+def test_export_refuses_to_replace_a_file_without_force(tmp_path, capsys):
+    from shared.tools import export as export_tool
+
+    folder = fake_checkpoint(tmp_path / "ck", 2)
+    out = tmp_path / "w.safetensors"
+    out.write_bytes(b"weights of an earlier export")
+    with pytest.raises(SystemExit) as e:
+        export_tool.main([str(folder), "--out", str(out)])
+    err = capsys.readouterr().err.splitlines()
+    assert e.value.code == 2 and f"--out {out} exists already; pass --force to replace it" in err[0] and len(err) == 2
+    # with --force it goes on to the checkpoint, whose fake shards weights_only refuses: the file stays as it was
+    with pytest.raises(SystemExit) as e:
+        export_tool.main([str(folder), "--out", str(out), "--force"])
+    assert e.value.code == 2 and "exists already" not in capsys.readouterr().err
+    assert out.read_bytes() == b"weights of an earlier export"
+
+
 @pytest.fixture
 def exported(tmp_path):
     cfg = GPTConfig()

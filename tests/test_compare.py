@@ -57,6 +57,8 @@ def test_compare_end_to_end_on_cpu(tmp_path):
     assert "Lightning / DeepSpeed throughput" in md and "phases.png" in md
     assert (out / "phases.png").read_bytes()[:4] == b"\x89PNG"
     assert "Lightning / DeepSpeed throughput" in proc.stdout
+    # the speed figures of CPU runs say nothing about GPUs: said in the header, under the table and in the report
+    assert report["smoke_test"] and proc.stdout.count("SMOKE TEST: no GPU") == 2 and "SMOKE TEST" in md
 
 
 @pytest.mark.parametrize(
@@ -87,12 +89,18 @@ def test_what_a_run_would_refuse_is_refused_before_any_run_keeping_the_previous_
     previous = tmp_path / "logs" / "deepspeed_0.log"
     previous.parent.mkdir()
     previous.write_text("the previous report's log\n")
+    (tmp_path / "batch.json").write_text(json.dumps({"train_batch_size": 32, "zero_optimization": {"stage": 3},
+                                                     "bf16": {"enabled": True}}))
+    (tmp_path / "report.json").write_text("the previous report")
     for args, message in [(["--ds_config", tmp_path / "nope.json"], "nope.json' does not exist"),
+                          (["--ds_config", tmp_path / "batch.json"], "sets train_batch_size=32, but the run's "
+                           "--micro_batch 2 x --grad_accum 1 x 1 process(es) = 2"),
                           (["--precision", "fp16"], "fp16 is not supported by DeepSpeed on CPU"),
                           (["--data", tmp_path / "missing"], "missing.meta.json' not found")]:
         proc = run([sys.executable, COMPARE, *args, "--out", tmp_path], check=False, timeout=60)
         assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr[-2000:])
     assert previous.read_text() == "the previous report's log\n" and not (tmp_path / "runs").exists()
+    assert (tmp_path / "report.json").read_text() == "the previous report"
 
 
 @pytest.mark.slow
@@ -173,6 +181,36 @@ def test_headline_ratio_is_the_ratio_of_the_tables_medians_and_unsteady_repeats_
     assert steady["repeats_disagree"] == {} and "WARNING" not in reports.format_table(steady)
     assert steady["ratio_lightning_over_deepspeed"] == pytest.approx(1.025 / 2.05)
     assert "profiles" not in steady and "profiled step" not in reports.format_table(steady)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what a compare on a machine without GPUs says")
+def test_a_compare_without_gpus_says_it_is_a_smoke_test_and_what_the_command_runs_on_gpus(tmp_path, monkeypatch,
+                                                                                           capsys):
+    def fake_launch(path, train, world, out, log, timeout, env=None):
+        r = _run(2.0 if path == "deepspeed" else 1.85)  # a "Lightning 7.5% slower" that means nothing on a CPU
+        r.device = {"type": "cpu", "name": "x86_64", "count": 2}
+        return r
+
+    monkeypatch.setattr(compare, "launch", fake_launch)
+    assert compare.cli(["--stage", "3", "--precision", "bf16", "--repeats", "1", "--steps", "12",
+                        "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("compare: SMOKE TEST"))
+    # what the command runs on GPUs: compare.py's GPU default for the flags not given (--steps was)
+    gpu = " ".join(f"--{k} {v}" for k, v in compare.GPU_DEFAULTS.items() if k != "steps")
+    assert "preset tiny in CPU processes" in header and f"({gpu};" in header and "say nothing about" in header
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["smoke_test"] is True and report["smoke_test_note"] == header.removeprefix("compare: ")
+    table = out[out.index("Lightning / DeepSpeed throughput"):]
+    assert report["smoke_test_note"] in table  # under the table
+    md = (tmp_path / "report.md").read_text()
+    assert md.splitlines()[0].endswith("(smoke test on CPU)") and report["smoke_test_note"] in md
+    # runs on GPUs are a measurement: no note
+    gpu_run = _run(2.0)
+    gpu_run.device = {"type": "cuda", "name": "NVIDIA H200", "count": 1}
+    measured = reports.build_report(TrainConfig(), SimpleNamespace(world=1, repeats=1),
+                                    {"deepspeed": [gpu_run], "lightning": [gpu_run]}, {}, [])
+    assert measured["smoke_test"] is False and "SMOKE TEST" not in reports.format_table(measured)
 
 
 def test_deepcompiles_passes_and_their_profiling_are_reported_per_run():

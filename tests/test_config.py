@@ -87,6 +87,19 @@ def test_cli_bad_value_exits_2(capsys):
     assert e.value.code == 2 and len(capsys.readouterr().err.splitlines()) == 2
 
 
+@pytest.mark.parametrize("value", ["-1e-3", "-3E+2", "-2.", "-1", "-.5", "-inf"])
+def test_a_negative_number_is_a_flags_value_and_then_refused_by_its_check(capsys, value):
+    # "-1e-3" was taken for an option: "argument --lr: expected one argument"
+    with pytest.raises(SystemExit) as e:
+        parse_train_config(["--lr", value, "--steps", "4", "--warmup_steps", "1"], "test")
+    assert e.value.code == 2
+    assert f"lr must be positive and finite, got {float(value)!r}" in capsys.readouterr().err
+    assert parse_train_config(["--lr", "1e-3", "--min_lr", "1e-4"], "test").lr == 1e-3
+    with pytest.raises(SystemExit):  # an option that is no number stays an option
+        parse_train_config(["--lr", "-x"], "test")
+    assert "expected one argument" in capsys.readouterr().err
+
+
 def test_cli_help_keeps_the_examples_lines(capsys):
     doc = "Train.\n\n    torchrun --nproc_per_node 2 train.py --preset tiny\n    python train.py   # one process\n"
     with pytest.raises(SystemExit) as e:

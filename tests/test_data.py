@@ -1,3 +1,7 @@
+import os
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -72,8 +76,62 @@ def test_prepare_cli_errors(tmp_path, capsys):
     assert e.value.code == 2 and "neither a file nor a folder" in capsys.readouterr().err
     small = tmp_path / "small.txt"
     small.write_text("tiny")
-    with pytest.raises(ValueError, match="only 4 tokens"):
+    with pytest.raises(ValueError, match="is too short: 4 bytes of text make at most 4 tokens, and token files need "
+                                         "at least 1000"):
         prepare(small, tmp_path / "x")
+
+
+def test_prepare_says_an_input_is_empty_or_too_short_not_to_change_val_fraction(tmp_path, capsys):
+    # an empty file once got "leaves the train split ... empty: change --val_fraction", which no value fixes
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "docs").mkdir()
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / "docs" / name).write_text("")
+    (tmp_path / "short.txt").write_text("é" * 10)  # 20 bytes of UTF-8
+    for source, message in [("empty.txt", "input '.*empty.txt' is empty: there is no text to tokenize"),
+                            ("docs", "the 2 .txt files of '.*docs' are all empty"),
+                            ("short.txt", "is too short: 20 bytes of text make at most 20 tokens, and token files "
+                                          "need at least 1000")]:
+        with pytest.raises(SystemExit) as e:
+            prepare_main([str(tmp_path / source), "--out", str(tmp_path / "x")])
+        err = capsys.readouterr().err.splitlines()  # the refusal, then where the flags are
+        assert e.value.code == 2 and len(err) == 2 and re.search(message, err[0]) and "val_fraction" not in err[0], err
+    assert not list(tmp_path.glob("x.*"))
+
+
+def test_prepare_refuses_a_folder_it_cannot_write_and_existing_token_files_without_force(tmp_path, capsys,
+                                                                                         monkeypatch):
+    from shared.train import distributed
+
+    text = tmp_path / "source.txt"
+    text.write_text("words and more words. " * 100)
+    locked = tmp_path / "ro"
+    locked.mkdir()
+    # a folder without write permission, as a user other than root sees it (root may write anywhere)
+    real_access = os.access
+    monkeypatch.setattr(distributed.os, "access", lambda p, mode: real_access(p, mode) and not (
+        Path(p) == locked and mode & os.W_OK))
+    with pytest.raises(SystemExit) as e:
+        prepare_main([str(text), "--out", str(locked / "t")])
+    assert e.value.code == 2 and f"--out {locked / 't.train.bin'}: the folder {locked} is not writable" in (
+        capsys.readouterr().err)
+    prepare_main([str(text), "--out", str(tmp_path / "t")])
+    before = {f.name: f.read_bytes() for f in tmp_path.glob("t.*")}
+    assert sorted(before) == ["t.meta.json", "t.train.bin", "t.val.bin"]
+    text.write_text("other words. " * 200)
+    with pytest.raises(SystemExit) as e:
+        prepare_main([str(text), "--out", str(tmp_path / "t")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "t.train.bin" in err and "exist already; pass --force to replace them" in err
+    # a write that fails half-way (here: a folder where the validation file is staged) leaves the earlier files
+    (tmp_path / f"t.val.bin.part{os.getpid()}").mkdir()
+    with pytest.raises(SystemExit) as e:
+        prepare_main([str(text), "--out", str(tmp_path / "t"), "--force"])
+    assert e.value.code == 2 and "cannot write the token files" in capsys.readouterr().err
+    assert {f.name: f.read_bytes() for f in tmp_path.glob("t.*") if f.is_file()} == before
+    (tmp_path / f"t.val.bin.part{os.getpid()}").rmdir()
+    prepare_main([str(text), "--out", str(tmp_path / "t"), "--force"])
+    assert (tmp_path / "t.train.bin").read_bytes() != before["t.train.bin"]
 
 
 def test_prepare_folder_keeps_whole_documents_for_validation(tmp_path):

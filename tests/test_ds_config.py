@@ -101,6 +101,41 @@ def test_user_json_errors(tmp_path, content, flags, message):
         build_ds_config(TrainConfig(ds_config=str(long)))
 
 
+BASE_JSON = {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
+
+
+@pytest.mark.parametrize("batch, flags, world, message", [
+    # DeepSpeed would assert train_batch_size == micro x accumulation x world size inside deepspeed.initialize
+    ({"train_batch_size": 32}, {}, 2, r"sets train_batch_size=32, but the run's --micro_batch 2 x --grad_accum 1 x 2 "
+     r"process\(es\) = 4 .*: pass --micro_batch 16 or --grad_accum 8, or remove train_batch_size from the JSON"),
+    # the JSON fixes the accumulation: only the micro-batch flag can make it hold
+    ({"train_batch_size": 8, "gradient_accumulation_steps": 1}, {}, 1, r"= 2 .*: pass --micro_batch 8, or remove"),
+    ({"train_batch_size": 6, "train_micro_batch_size_per_gpu": 2}, {}, 2, r"= 4 .*world size\): remove "
+     "train_batch_size from the JSON"),
+    ({"gradient_accumulation_steps": 4}, {}, 1, "sets gradient_accumulation_steps=4 but the run uses grad_accum=1; "
+     "pass --grad_accum 4 or remove the key"),
+    ({"train_batch_size": "auto"}, {}, 1, 'train_batch_size must be a positive whole number, got "auto"'),
+    ({"train_micro_batch_size_per_gpu": 0}, {}, 1, "train_micro_batch_size_per_gpu must be a positive whole number"),
+    ({"gradient_accumulation_steps": 1.5}, {}, 1, "gradient_accumulation_steps must be a positive whole number"),
+])
+def test_a_user_jsons_batch_sizes_must_agree_with_the_flags_and_the_world_size(tmp_path, batch, flags, world,
+                                                                                message):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({**BASE_JSON, **batch}))
+    with pytest.raises(ValueError, match=message):
+        build_ds_config(TrainConfig(ds_config=str(path), **flags), world)
+
+
+def test_a_user_jsons_batch_sizes_that_agree_are_taken(tmp_path):
+    path = tmp_path / "ds.json"
+    for batch, world in [({"train_batch_size": 8}, 2), ({"train_batch_size": 8.0, "gradient_accumulation_steps": 2,
+                                                         "train_micro_batch_size_per_gpu": 2}, 2),
+                         ({"train_batch_size": None}, 2), ({"train_batch_size": 32}, None)]:  # world unknown
+        path.write_text(json.dumps({**BASE_JSON, **batch}))
+        cfg = build_ds_config(TrainConfig(ds_config=str(path), grad_accum=2), world)
+        assert cfg["train_micro_batch_size_per_gpu"] == 2 and cfg["gradient_accumulation_steps"] == 2, batch
+
+
 def test_user_json_as_base64_text_as_deepspeeds_autotuner_passes_it(tmp_path):
     user = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
     text = base64.urlsafe_b64encode(json.dumps(user).encode()).decode()

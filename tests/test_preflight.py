@@ -3,8 +3,10 @@ bad DeepSpeed JSON, a precision the device lacks, flags a launcher would silentl
 
 import json
 import os
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -67,6 +69,12 @@ def test_a_bad_ds_config_or_precision_is_refused_before_any_process(tmp_path):
         check_before_start(TrainConfig(ds_config=str(tmp_path / "nope.json")), CPU, 1, 1)
     with pytest.raises(ValueError, match="fp16 is not supported by DeepSpeed on CPU"):
         check_before_start(TrainConfig(precision="fp16"), CPU, 1, 1)
+    # a train_batch_size that holds for one process but not for the two the run starts
+    (tmp_path / "ds.json").write_text(json.dumps({"train_batch_size": 2, "zero_optimization": {"stage": 3},
+                                                  "bf16": {"enabled": True}}))
+    check_before_start(TrainConfig(ds_config=str(tmp_path / "ds.json")), CPU, 1, 1)
+    with pytest.raises(ValueError, match=r"train_batch_size=2, but the run's .* x 2 process\(es\) = 4"):
+        check_before_start(TrainConfig(ds_config=str(tmp_path / "ds.json")), CPU, 2, 2)
 
 
 # 2 x 4 x 2^20 x 2^20 bf16 scores per block: too large for any machine, GPU or CPU
@@ -83,8 +91,11 @@ def test_the_training_scripts_refuse_before_deepspeed_starts(script, tmp_path):
         (["--layout", tmp_path / "nope.pt", "--attention", "reference"], "nope.pt' does not exist"),
         (["--out", tmp_path], f"--out {tmp_path} is a folder: give the file to write"),  # not found after training
         (["--export", tmp_path / "notes.txt" / "w.safetensors"], "notes.txt is a file, not a folder to write it in"),
+        (["--ds_config", tmp_path / "batch.json"], "sets train_batch_size=32, but the run's --micro_batch 2"),
     ]
     (tmp_path / "notes.txt").write_text("a file where the export's folder would be")
+    (tmp_path / "batch.json").write_text(json.dumps({"train_batch_size": 32, "zero_optimization": {"stage": 3},
+                                                     "bf16": {"enabled": True}}))
     if script == RAW:
         cases.append((["--devices", "2"], "torchrun --nproc_per_node 2"))
     # in-process up to the refusal, so the test can see that DeepSpeed was never imported; every case in one
@@ -115,19 +126,56 @@ def _lock(root, age_s: float):
     return lock
 
 
-def test_a_stale_jit_build_lock_is_named_before_deepspeed_would_hang_on_it(tmp_path, monkeypatch):
+def test_a_lock_left_by_a_killed_build_is_removed_and_a_live_builds_lock_is_kept(tmp_path, monkeypatch, capsys):
+    import compare
+
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     assert distributed.extensions_root() == tmp_path
-    lock = _lock(tmp_path, age_s=120)
+    lock = tmp_path / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    with open(lock) as f:
+        if distributed._open_nowhere_else(f.fileno()) is None:
+            pytest.skip("this file system grants no file leases: such locks are refused (the test below)")
+    lock.unlink()
+    # a build as torch runs it: FileBaton creates the lock and holds it open until the build ends
+    builder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom torch.utils.file_baton import FileBaton\n"
+                                f"assert FileBaton({str(lock)!r}).try_acquire()\nprint('building', flush=True)\n"
+                                "time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert builder.stdout.readline() == "building\n"
+        os.utime(lock, (time.time() - 120, time.time() - 120))  # a long build
+        distributed.check_build_locks(settle_s=0.1)  # live: waited for, as torch waits
+        assert lock.exists() and "removed" not in capsys.readouterr().err
+    finally:
+        builder.kill()  # killed mid-build: its lock stays behind
+        builder.wait()
+    with open(lock):  # held open by this process too: still a live build
+        distributed.check_build_locks(settle_s=0.1)
+    assert lock.exists()
+    # the documented way to continue a compare refused on such a lock until it was removed by hand
+    compare.parse(["--keep_runs", "--out", str(tmp_path / "report")])
+    assert not lock.exists()
+    assert f"removed {lock}: a build of the deepspeed_shm_comm extension left it 120 s ago" in capsys.readouterr().err
+    lock.touch()  # just created: a build that is starting
+    distributed.check_build_locks(settle_s=0.1)
+    assert lock.exists()
+
+
+def test_a_lock_whose_holders_cannot_be_known_is_refused_naming_the_command_that_removes_it(tmp_path, monkeypatch):
+    # another user's lock, or a network file system (another machine may be building): only this machine's
+    # processes can be looked at
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(distributed, "_open_nowhere_else", lambda fd: None)
+    lock = tmp_path / "fused_adam" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    os.utime(lock, (time.time() - 120, time.time() - 120))
     with pytest.raises(ValueError, match=f"stale JIT-build lock {lock} .*rm {lock}"):
         distributed.check_build_locks()
-    with open(lock):  # a build in progress holds its lock open: wait for it, as torch does
+    with open(lock):  # a build in progress here holds its lock open: wait for it, as torch does
         distributed.check_build_locks()
-    os.utime(lock)  # just created: a build that is starting
-    distributed.check_build_locks()
-    os.utime(lock, (time.time() - 120, time.time() - 120))
-    proc = run([sys.executable, RAW, "--steps", "2", "--warmup_steps", "1"], check=False, timeout=120)
-    assert proc.returncode == 2 and f"rm {lock}" in proc.stderr
+    assert lock.exists()
 
 
 def test_the_tests_build_extensions_outside_the_users_cache():
@@ -135,6 +183,29 @@ def test_the_tests_build_extensions_outside_the_users_cache():
 
     assert os.environ.get("TORCH_EXTENSIONS_DIR")
     assert not str(distributed.extensions_root()).startswith(get_default_build_root())
+
+
+def test_every_process_of_a_run_builds_with_this_environments_ninja(monkeypatch):
+    # `make run` starts compare.py without .venv/bin on PATH, a shell may have it: each found another ninja, and
+    # each ninja rebuilt the other's build of DeepSpeed's CPU op
+    import shutil
+
+    import ninja
+
+    from harness.launch import run_env
+
+    own = Path(ninja.BIN_DIR, "ninja").resolve()
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # a system ninja, if any, and no other
+    assert Path(shutil.which("ninja", path=run_env()["PATH"])).resolve() == own  # what compare.py starts
+    # a training process started with that PATH (as torchrun or the deepspeed launcher pass it on)
+    code = ("import shutil, sys\nfrom shared.train.distributed import run_cli\n"
+            "run_cli(lambda train: print('ninja:', shutil.which('ninja'), flush=True), None, 'cpu')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert Path(proc.stdout.split("ninja: ", 1)[1].strip()).resolve() == own
+    # a PATH that finds it already is left as it is
+    assert distributed.with_own_ninja(f"{own.parent}:/usr/bin") == f"{own.parent}:/usr/bin"
 
 
 def test_a_triton_kernel_or_liger_that_cannot_run_here_is_refused_before_deepspeed_starts(monkeypatch):

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -118,25 +119,28 @@ def _start(cmd, log):
                             start_new_session=True)
 
 
-@pytest.mark.parametrize("path", ["raw", "lightning"])
-def test_sigterm_saves_a_checkpoint_and_exits(tmp_path, path):
+# who gets the SIGTERM: a scheduler that signals every process of the job reaches both ranks (torchrun's children);
+# one that signals the job's command reaches torchrun, which passes it on
+@pytest.mark.parametrize("path, signalled", [("raw", "ranks"), ("lightning", "ranks"), ("raw", "launcher")])
+def test_sigterm_saves_a_checkpoint_and_exits_143_without_a_traceback(tmp_path, path, signalled):
     ck, log_path = tmp_path / "ck", tmp_path / "log.txt"
     with open(log_path, "w") as log:
-        proc = _start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        # torchrun's arguments; torchrun itself ends a SIGTERM with a traceback and exit 1 (shared/tools/torchrun.py)
+        proc = _start([sys.executable, "-m", "shared.tools.torchrun", "--standalone", "--nproc_per_node=2",
                        SCRIPTS[path], *BASE, "--steps", "100000", "--log_every", "5", "--sigterm_check_every", "1",
                        "--ckpt_dir", ck, "--out", tmp_path / "r.json"], log)
         deadline = time.time() + 180
         while "step 10/" not in log_path.read_text() and time.time() < deadline:
             assert proc.poll() is None, log_path.read_text()[-3000:]
             time.sleep(0.5)
-        # A scheduler signals every process of the job: here, both ranks (torchrun's children)
         children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
         assert len(children) == 2
-        for pid in children:
+        for pid in children if signalled == "ranks" else [proc.pid]:
             os.kill(int(pid), signal.SIGTERM)
         proc.wait(timeout=120)
     text = log_path.read_text()
     assert "SIGTERM: stopped after step" in text
+    assert proc.returncode == 143 and "Traceback" not in text, text[-3000:]
     saved = checkpoint.latest_complete(ck)
     assert saved is not None and 10 <= int(saved.name[4:]) < 100000
     assert not (tmp_path / "r.json").exists()  # a preempted run writes no benchmark result
@@ -253,3 +257,33 @@ def test_real_text_validation_loss_falls(tmp_path, kjv):
     rows = (tmp_path / "m.csv").read_text().splitlines()
     assert rows[0].startswith("step,loss,lr,grad_norm") and len(rows) == 5  # header + steps 50..200
     assert float(rows[-1].split(",")[3]) > 0  # grad norm logged
+
+
+def test_deepspeeds_shared_memory_buffer_is_this_runs_and_is_released_once_every_rank_mapped_it(tmp_path):
+    # one process as the deepspeed launcher starts it (LOCAL_SIZE): DeepSpeed's CPU op creates the file
+    # shm_buffer_path names, and release_shm_buffer removes it while the process runs on
+    code = ("import torch, deepspeed\nfrom shared.train.distributed import release_shm_buffer, shm_buffer_path\n"
+            "deepspeed.init_distributed(dist_backend='gloo')\nmine = shm_buffer_path(0)\n"
+            "assert mine.is_file() and mine.stat().st_size > 60e6, mine\nrelease_shm_buffer(torch.device('cpu'))\n"
+            "assert not mine.exists()\nprint('released', mine, flush=True)\n")
+    port = str(_free_port())
+    e = {**env(), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1",
+         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, cwd=ROOT, timeout=240)
+    assert proc.returncode == 0 and f"released /dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_0" \
+        in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def test_a_run_under_the_deepspeed_launcher_leaves_nothing_in_dev_shm(tmp_path):
+    # each of its 2 ranks once left a 66 MB /dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>
+    port = _free_port()
+    run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", port, RAW, *BASE,
+         "--steps", "3", "--out", tmp_path / "r.json"])
+    assert len(load(tmp_path / "r.json")["losses"]) == 3
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
+
+
+def _free_port() -> int:
+    from shared.train.distributed import free_port
+
+    return free_port()

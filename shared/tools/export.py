@@ -10,12 +10,12 @@ checkpoint out). ZeRO stages 1-3.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from shared.train import checkpoint
+from shared.train.cli import Parser
 from shared.train.distributed import check_output
 
 
@@ -45,11 +45,16 @@ def layout_of(folder: Path) -> Layout:
     return LAYOUTS["lightning"] if (folder / "checkpoint").is_dir() else LAYOUTS["deepspeed"]
 
 
-def export(folder: str | Path, out: str | Path, trust: bool = False) -> Path:
+def export(folder: str | Path, out: str | Path, trust: bool = False, force: bool = False) -> Path:
+    """Write the fp32 weights of the checkpoint `folder` to `out`; an existing `out` is replaced only with `force`
+    (the file is written whole, then renamed over it)."""
     if str(folder) in ("none", "auto") and not Path(folder).exists():
         raise ValueError(f"export takes a stepNNNNNNNN checkpoint folder (e.g. ckpt/step00000200), not "
                          f"{str(folder)!r}: --resume's keywords do not apply here")
-    check_output("--out", out, "model.safetensors")  # refused before the checkpoint is read and consolidated
+    # refused before the checkpoint is read and consolidated
+    check_output("--out", out, "model.safetensors")
+    if Path(out).exists() and not force:
+        raise ValueError(f"--out {out} exists already; pass --force to replace it, or give another --out")
     folder = checkpoint.step_folder(str(folder))  # a complete step folder whose checksums match
     checkpoint.check_safe_to_load(folder, trust)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -66,14 +71,15 @@ def export(folder: str | Path, out: str | Path, trust: bool = False) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__)  # a refusal is its one line, not the usage block before it
     p.add_argument("checkpoint", help="a stepNNNNNNNN checkpoint folder")
-    p.add_argument("--out", required=True, help="the .safetensors file to write")
+    p.add_argument("--out", required=True, help="the .safetensors file to write (not an existing one: see --force)")
     p.add_argument("--trust_checkpoint", "--trust-checkpoint", action="store_true",
                    help="allow files that weights_only=True cannot open (DeepSpeed unpickles them)")
+    p.add_argument("--force", action="store_true", help="replace the file --out if it exists")
     ns = p.parse_args(argv)
     try:
-        path = export(ns.checkpoint, ns.out, ns.trust_checkpoint)
+        path = export(ns.checkpoint, ns.out, ns.trust_checkpoint, ns.force)
     except ValueError as e:
         p.error(str(e))
     print(f"wrote {path}")

@@ -5,7 +5,8 @@
     python -m shared.tools.prepare_data books/ --out data/books --tokenizer gpt2         # GPT-2 BPE, offline only
 
 Writes PREFIX.train.bin and PREFIX.val.bin (flat uint16 or uint32 token ids) and PREFIX.meta.json (and, for
-`bpe`, PREFIX.tokenizer.json). A folder is read as its *.txt files, each file a document, in an order shuffled
+`bpe`, PREFIX.tokenizer.json), all or none of them: files of an earlier run with the same PREFIX are replaced only
+with --force. A folder is read as its *.txt files, each file a document, in an order shuffled
 by --seed; the validation split is the last `val_fraction` of the documents (whole documents where there are
 several, else the end of the single text), so it never overlaps training text. `bpe` trains a byte-level BPE
 with Hugging Face `tokenizers` on the training split only.
@@ -13,14 +14,21 @@ with Hugging Face `tokenizers` on the training split only.
 
 from __future__ import annotations
 
-import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from shared.train.cli import Parser
+from shared.train.distributed import check_output
+
 TOKENIZERS = ("byte", "gpt2", "bpe")
+# The fewest tokens worth token files. Every tokenizer here makes at most one token per byte of UTF-8 text (byte: one
+# each; gpt2 and bpe: byte-level BPEs, whose tokens are one byte or more), so less text than this many bytes is
+# refused before anything is tokenized.
+MIN_TOKENS = 1000
 NO_TOKENIZERS = ("tokenizer 'bpe' needs Hugging Face's tokenizers package, an optional dependency (it brings "
                  "huggingface_hub): pip install 'zero3-bench[bpe]' or pip install tokenizers")
 
@@ -86,14 +94,47 @@ def get_tokenizer(name: str, tokenizer_file: str | Path | None = None):
 
 
 def read_documents(source: Path) -> list[str]:
-    if source.is_file():
-        return [source.read_text(encoding="utf-8", errors="replace")]
-    if source.is_dir():
-        files = sorted(f for f in source.rglob("*.txt") if f.is_file())  # a folder named x.txt is no document
-        if not files:
-            raise ValueError(f"folder {str(source)!r} holds no .txt files")
-        return [f.read_text(encoding="utf-8", errors="replace") for f in files]
+    try:
+        if source.is_file():
+            return [source.read_text(encoding="utf-8", errors="replace")]
+        if source.is_dir():
+            files = sorted(f for f in source.rglob("*.txt") if f.is_file())  # a folder named x.txt is no document
+            if not files:
+                raise ValueError(f"folder {str(source)!r} holds no .txt files")
+            return [f.read_text(encoding="utf-8", errors="replace") for f in files]
+    except OSError as e:  # e.g. a file without read permission
+        raise ValueError(f"cannot read {str(e.filename or source)!r}: {e.strerror}") from e
     raise ValueError(f"input {str(source)!r} is neither a file nor a folder")
+
+
+def check_length(docs: list[str], source: str | Path) -> None:
+    """Refuse, before the split, text too short for token files of MIN_TOKENS tokens, saying so (no --val_fraction
+    fixes it)."""
+    n_bytes = sum(len(d.encode("utf-8")) for d in docs)
+    what = f"input {str(source)!r}" if len(docs) == 1 else f"the {len(docs)} .txt files of {str(source)!r}"
+    if n_bytes == 0:
+        raise ValueError(f"{what} {'is' if len(docs) == 1 else 'are all'} empty: there is no text to tokenize")
+    if n_bytes < MIN_TOKENS:
+        raise ValueError(f"{what} {'is' if len(docs) == 1 else 'are'} too short: {n_bytes} bytes of text make at "
+                         f"most {n_bytes} tokens, and token files need at least {MIN_TOKENS} (about {MIN_TOKENS} "
+                         "bytes of text): add text")
+
+
+def output_files(out: str | Path, tokenizer: str) -> list[Path]:
+    """The files prepare writes for the prefix `out`."""
+    return [Path(f"{out}.{suffix}") for suffix in ("train.bin", "val.bin", "meta.json",
+                                                   *(["tokenizer.json"] if tokenizer == "bpe" else []))]
+
+
+def check_outputs(out: str | Path, tokenizer: str, force: bool) -> None:
+    """Refuse, before anything is read or tokenized, output files that cannot be written (a folder in their place,
+    a folder without write permission) or that exist already, unless `force`."""
+    files = output_files(out, tokenizer)
+    for f in files:
+        check_output("--out", f, f"corpus.{f.name.split('.', 1)[1]}")
+    if (existing := [str(f) for f in files if f.exists()]) and not force:
+        raise ValueError(f"--out {out}: {', '.join(existing)} exist{'s' if len(existing) == 1 else ''} already; "
+                         "pass --force to replace them, or give another --out")
 
 
 def split_documents(docs: list[str], val_fraction: float) -> tuple[list[str], list[str]]:
@@ -114,28 +155,56 @@ def split_documents(docs: list[str], val_fraction: float) -> tuple[list[str], li
 
 
 def prepare(source: str | Path, out: str | Path, tokenizer: str = "byte", val_fraction: float = 0.05,
-            seed: int = 0, bpe_vocab: int = 4096) -> dict:
-    """Tokenize `source` and write the token files; returns the metadata written."""
+            seed: int = 0, bpe_vocab: int = 4096, force: bool = False) -> dict:
+    """Tokenize `source` and write the token files (existing ones of the prefix only with `force`); returns the
+    metadata written."""
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
     if tokenizer not in TOKENIZERS:
         raise ValueError(f"unknown tokenizer {tokenizer!r}; choose one of {TOKENIZERS}")
+    if tokenizer == "bpe" and not 256 < bpe_vocab <= 2**16:
+        raise ValueError(f"bpe_vocab must be in (256, 65536], got {bpe_vocab}")
+    check_outputs(out, tokenizer, force)
     docs = read_documents(Path(source))
+    check_length(docs, source)
     order = np.random.default_rng(seed).permutation(len(docs)) if len(docs) > 1 else [0]
     train_docs, val_docs = split_documents([docs[i] for i in order], val_fraction)
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tokenizer_file = None
+    # Every file is written beside its final name first and all are renamed at the end, so a failed write leaves the
+    # earlier files of this prefix as they were.
+    files = {f.name.removeprefix(out.name + "."): f for f in output_files(out, tokenizer)}
+    staged = {key: f.with_name(f"{f.name}.part{os.getpid()}") for key, f in files.items()}
+    try:
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            meta = _tokenize_and_write(source, docs, train_docs, val_docs, tokenizer, staged, val_fraction, seed,
+                                       bpe_vocab)
+            meta["tokenizer_file"] = files["tokenizer.json"].name if tokenizer == "bpe" else None
+            staged["meta.json"].write_text(json.dumps(meta, indent=1))
+            for key, f in staged.items():
+                f.replace(files[key])
+        except OSError as e:  # a folder that cannot be written (read-only, full disk) after the check above
+            raise ValueError(f"cannot write the token files {out}.*: {e.strerror} ({e.filename or out})") from e
+    finally:
+        for f in staged.values():
+            try:
+                f.unlink(missing_ok=True)
+            except OSError:  # not ours to remove (e.g. a folder of that name)
+                pass
+    return meta
+
+
+def _tokenize_and_write(source, docs: list[str], train_docs: list[str], val_docs: list[str], tokenizer: str,
+                        staged: dict[str, Path], val_fraction: float, seed: int, bpe_vocab: int) -> dict:
+    """Tokenize both splits into the `staged` token files (and the trained BPE's file); returns the metadata."""
     if tokenizer == "bpe":
-        if not 256 < bpe_vocab <= 2**16:
-            raise ValueError(f"bpe_vocab must be in (256, 65536], got {bpe_vocab}")
-        tokenizer_file = Path(f"{out}.tokenizer.json")
-        train_bpe(train_docs, bpe_vocab).save(str(tokenizer_file))
-    encode, _, vocab = get_tokenizer(tokenizer, tokenizer_file)
+        train_bpe(train_docs, bpe_vocab).save(str(staged["tokenizer.json"]))
+    encode, _, vocab = get_tokenizer(tokenizer, staged.get("tokenizer.json"))
     train_ids, val_ids = [encode(d) for d in train_docs], [encode(d) for d in val_docs]
     total = sum(len(x) for x in train_ids + val_ids)
-    if total < 1000:
-        raise ValueError(f"input {str(source)!r} has only {total} tokens; need at least 1000")
+    if total < MIN_TOKENS:
+        raise ValueError(f"input {str(source)!r} makes only {total} tokens with the {tokenizer} tokenizer; token "
+                         f"files need at least {MIN_TOKENS}: add text")
     for split, ids in (("train", train_ids), ("val", val_ids)):
         if not sum(map(len, ids)):  # e.g. only empty documents on one side
             raise ValueError(f"the {split} split of {str(source)!r} has 0 tokens ({len(docs)} documents, "
@@ -144,27 +213,25 @@ def prepare(source: str | Path, out: str | Path, tokenizer: str = "byte", val_fr
     counts = {}
     for split, parts in (("train", train_ids), ("val", val_ids)):
         arr = np.concatenate([np.asarray(p, dtype=dtype) for p in parts]) if parts else np.zeros(0, dtype)
-        arr.tofile(f"{out}.{split}.bin")
+        arr.tofile(staged[f"{split}.bin"])
         counts[split] = int(arr.size)
     max_token = max(int(np.max(np.asarray(p))) for p in train_ids + val_ids if len(p))
-    meta = {"tokenizer": tokenizer, "vocab_size": vocab, "dtype": np.dtype(dtype).name, "max_token": max_token,
-            "tokens": counts, "documents": len(docs), "source": str(source), "seed": seed,
-            "tokenizer_file": tokenizer_file.name if tokenizer_file else None}
-    Path(f"{out}.meta.json").write_text(json.dumps(meta, indent=1))
-    return meta
+    return {"tokenizer": tokenizer, "vocab_size": vocab, "dtype": np.dtype(dtype).name, "max_token": max_token,
+            "tokens": counts, "documents": len(docs), "source": str(source), "seed": seed}
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__)  # a refusal is its one line, not the usage block before it
     p.add_argument("source", help="a text file, or a folder of .txt files")
     p.add_argument("--out", required=True, help="output prefix, e.g. data/corpus")
     p.add_argument("--tokenizer", default="byte", choices=TOKENIZERS)
     p.add_argument("--val_fraction", "--val-fraction", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0, help="shuffles the document order before the split")
     p.add_argument("--bpe_vocab", "--bpe-vocab", type=int, default=4096, help="vocabulary of the trained BPE")
+    p.add_argument("--force", action="store_true", help="replace the token files of an earlier run with this --out")
     ns = p.parse_args(argv)
     try:
-        meta = prepare(ns.source, ns.out, ns.tokenizer, ns.val_fraction, ns.seed, ns.bpe_vocab)
+        meta = prepare(ns.source, ns.out, ns.tokenizer, ns.val_fraction, ns.seed, ns.bpe_vocab, ns.force)
     except ValueError as e:
         p.error(str(e))
     print(f"wrote {ns.out}.train.bin ({meta['tokens']['train']:,} tokens), {ns.out}.val.bin "

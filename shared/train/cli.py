@@ -98,12 +98,22 @@ def config_from_args(ns: argparse.Namespace, cls=TrainConfig, **fixed):
     return cls(**kwargs)
 
 
+# A number with a leading minus, as float() reads it: argparse (3.11, 3.12) takes only "-1" and "-.5" for one, so
+# `--lr -1e-3` read "-1e-3" as an unknown option and failed with "expected one argument" instead of reaching the
+# value's own check (TrainConfig: "lr must be positive").
+NEGATIVE_NUMBER = re.compile(r"^-(\d[\d_]*\.?\d*|\.\d+)([eE][+-]?\d+)?$|^-(inf|infinity|nan)$", re.IGNORECASE)
+
+
 class Parser(argparse.ArgumentParser):
-    """An ArgumentParser for commands with many flags: the description's examples keep their lines in --help, and a
-    bad value exits 2 with its one-line message and a pointer to --help, not the whole usage block before it."""
+    """An ArgumentParser for commands with many flags: the description's examples keep their lines in --help, a
+    bad value exits 2 with its one-line message and a pointer to --help, not the whole usage block before it, and
+    a negative number in any notation float() reads (-1e-3, -2.) is a flag's value, not an option."""
 
     def __init__(self, **kwargs):
         super().__init__(formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+        # argparse's own pattern, consulted wherever it decides whether an argument is an option (no flag here
+        # looks like a negative number, so such an argument is then always a value)
+        self._negative_number_matcher = NEGATIVE_NUMBER
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n(all flags: {self.prog} --help)\n")

@@ -162,15 +162,83 @@ def _held_open(path: Path) -> bool:
     return False
 
 
-def check_build_locks(min_age_s: float = 10.0) -> None:
-    """Refuse to start when an extension build left its lock behind.
+def _open_nowhere_else(fd: int) -> bool | None:
+    """Whether the file open as `fd` is open nowhere else on this machine, in any process, container or user: the
+    kernel grants a write lease (fcntl F_SETLEASE, Linux) only on a file no other open file refers to; the lease is
+    given back at once. None where that cannot be asked: not the main thread (a lease break signals the process,
+    and SIGIO is only ignored meanwhile from the main thread), a file of another user, a file system without leases
+    (NFS, some FUSE)."""
+    import errno
+    import fcntl
+    import signal
+    import threading
+
+    if not hasattr(fcntl, "F_SETLEASE") or threading.current_thread() is not threading.main_thread():
+        return None
+    previous = signal.signal(signal.SIGIO, signal.SIG_IGN)  # an open elsewhere meanwhile signals the holder
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        return True
+    except OSError as e:
+        return False if e.errno == errno.EAGAIN else None
+    finally:
+        signal.signal(signal.SIGIO, previous)
+
+
+def _remove_if_abandoned(lock: Path, settle_s: float) -> str:
+    """Remove `lock` if no process anywhere on this machine holds it open; "removed", "held" (a live build),
+    "gone" (released meanwhile) or "unknown" (_open_nowhere_else cannot tell).
+
+    Checkers take turns (flock on the build folder), so two of them never both remove; and a lock found open nowhere
+    must still be there, the same file, settle_s later: a build that finishes closes its lock and removes it right
+    after, and that removal must not find it gone."""
+    import fcntl
+
+    try:
+        folder = os.open(lock.parent, os.O_RDONLY)
+    except OSError:  # e.g. another user's folder
+        return "unknown"
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX)
+        try:
+            fd = os.open(lock, os.O_RDONLY)
+        except FileNotFoundError:
+            return "gone"
+        except OSError:
+            return "unknown"
+        try:
+            first = _open_nowhere_else(fd)
+            if first is not True:
+                return "unknown" if first is None else "held"
+            time.sleep(settle_s)
+            try:
+                if os.stat(lock).st_ino != os.fstat(fd).st_ino:
+                    return "gone"
+            except FileNotFoundError:
+                return "gone"
+            if _open_nowhere_else(fd) is not True:
+                return "held"
+            lock.unlink()
+            return "removed"
+        finally:
+            os.close(fd)
+    finally:
+        os.close(folder)  # releases the flock
+
+
+def check_build_locks(min_age_s: float = 10.0, settle_s: float = 1.0) -> None:
+    """Remove an extension build's lock that its build left behind; refuse to start where that cannot be told.
 
     torch's FileBaton creates BUILD_DIR/lock, holds it open while one process builds (DeepSpeed's CPU
     communication op on a first CPU run, FusedAdam with --optimizer fusedadam) and removes it when done; every
-    other process waits while the file exists, with no timeout and no output. A build killed mid-way leaves the
-    file, and every later DeepSpeed start would hang. A lock no process holds open, older than min_age_s, is
-    such a leftover. (A build running in another container that shares the cache is invisible here: the
-    message says to check.)"""
+    other process waits while the file exists, with no timeout and no output. A build killed mid-way (SIGTERM,
+    SIGKILL, a timeout) leaves the file, and every later DeepSpeed start would hang. A lock older than min_age_s that
+    no process on this machine holds open (the kernel says so: _open_nowhere_else) is such a leftover: it is removed,
+    with a line saying so, and the extension is built again. A lock some process holds open is a live build,
+    waited for as torch waits. Where the kernel cannot be asked (another user's lock, a network file system, which
+    another machine may be building on), a lock no process visible here holds open is refused with the command that
+    removes it."""
     root = extensions_root()
     if not root.is_dir():
         return
@@ -179,12 +247,43 @@ def check_build_locks(min_age_s: float = 10.0) -> None:
             age = time.time() - lock.stat().st_mtime
         except OSError:  # released meanwhile
             continue
-        if age >= min_age_s and not _held_open(lock):
+        if age < min_age_s:  # a build that is starting
+            continue
+        outcome = _remove_if_abandoned(lock, settle_s)
+        if outcome == "removed":
+            print(f"removed {lock}: a build of the {lock.parent.name} extension left it {age:.0f} s ago and no process "
+                  "holds it open (the build was stopped mid-way); DeepSpeed builds the extension again",
+                  file=sys.stderr, flush=True)
+        elif outcome == "unknown" and not _held_open(lock):
             raise ValueError(
-                f"stale JIT-build lock {lock} ({age:.0f} s old, held open by no process): a build of the "
+                f"stale JIT-build lock {lock} ({age:.0f} s old, held open by no process visible here): a build of the "
                 f"{lock.parent.name} extension was killed mid-way, and DeepSpeed would wait on this file forever. "
-                f"Unless a build in another container shares this folder, remove it: rm {lock}"
+                f"Unless a build on another machine or in another container shares this folder, remove it: rm {lock}"
             )
+
+
+def with_own_ninja(path: str) -> str:
+    """`path` (a PATH value) with the folder of the ninja installed with this interpreter's packages (pip's ninja, a
+    DeepSpeed dependency) first, where another ninja would be found first.
+
+    torch JIT-builds DeepSpeed's ops with the `ninja` it finds on PATH. pip's ninja (1.13, in .venv/bin) and a
+    system one (1.11, /usr/bin) hash a build's commands differently in .ninja_log, so each took the other's build of
+    an op for outdated and built it again (deepspeed_shm_comm: about 20 s on 2 cores) whenever a process started
+    from an activated shell followed one started by `make run`, whose PATH lacks .venv/bin. Every training process
+    (run_cli) and every process compare.py and the benchmarks start (harness/launch.run_env) use this one."""
+    import shutil
+
+    try:
+        import ninja
+    except ImportError:
+        return path
+    own = Path(ninja.BIN_DIR or ".") / "ninja"
+    if not ninja.BIN_DIR or not own.is_file():
+        return path
+    found = shutil.which("ninja", path=path)
+    if found and Path(found).resolve() == own.resolve():
+        return path
+    return os.pathsep.join(filter(None, [str(own.parent), path]))
 
 
 def check_before_start(train, device: torch.device, world: int, local_world: int) -> None:
@@ -199,7 +298,7 @@ def check_before_start(train, device: torch.device, world: int, local_world: int
     check_precision(device, train.precision)
     check_data(train)
     if train.ds_config:
-        build_ds_config(train)  # reads and checks the user's JSON
+        build_ds_config(train, world)  # reads and checks the user's JSON, its batch sizes against `world`
     check_fits(train, device, world, local_world)
     check_attention(train)  # after check_fits: a backend's masks grow with seq_len squared
     check_kernels(train, device)
@@ -309,6 +408,7 @@ def run_cli(main, train, device_hint: str) -> None:
     prints a traceback."""
     from shared.train.progress import NonFiniteLoss
 
+    os.environ["PATH"] = with_own_ninja(os.environ.get("PATH", ""))  # before DeepSpeed builds an op
     quiet_library_noise()
     try:
         main(train)
@@ -323,6 +423,33 @@ def run_cli(main, train, device_hint: str) -> None:
             print(e.code, file=sys.stderr, flush=True)  # as Python prints sys.exit("message")
         exit_process(e.code if isinstance(e.code, int) else 0 if e.code is None else 1, torch.device(device_hint))
     exit_process(0, torch.device(device_hint))
+
+
+def shm_buffer_path(rank: int) -> Path:
+    """The shared-memory file DeepSpeed's CPU communication op creates for `rank` of the run whose rendezvous is this
+    process's MASTER_ADDR and MASTER_PORT (deepspeed/ops/csrc/cpu/comm/shm.cpp, shm_initialize: SHM_BUFFER_NAME,
+    the user id, the address, the port and the rank; DeepSpeed 0.19.8)."""
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    return Path("/dev/shm") / f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
+
+
+def release_shm_buffer(device: torch.device) -> None:
+    """Unlink this rank's shared-memory all-reduce buffer as soon as every rank has mapped every other's.
+
+    DeepSpeed's CPU communication op, built when its process group starts, creates one 66 MB file per rank in
+    /dev/shm (shm_buffer_path) when all ranks are on this machine (LOCAL_SIZE, which the deepspeed launcher sets,
+    equal to the world size), maps every rank's, and never unlinks them: each run left them behind. A mapping
+    outlives its name, so once every rank holds every mapping (a barrier after deepspeed.init_distributed) each rank
+    unlinks its own file: nothing of this run stays in /dev/shm however it ends (error, SIGTERM, SIGKILL), and no
+    other run's file, whose name has its own port, is touched. Collective: call it on every rank."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    if device.type != "cpu" or os.environ.get("LOCAL_SIZE") != str(world):  # the op made no buffer
+        return
+    if world > 1:
+        dist.barrier()
+    shm_buffer_path(dist.get_rank()).unlink(missing_ok=True)
 
 
 def backend_for(device: torch.device) -> str:

@@ -42,11 +42,12 @@ FP16_DEFAULTS = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "l
                  "hysteresis": 2, "min_loss_scale": 1}
 
 
-def build_ds_config(train: TrainConfig) -> dict:
-    """The DeepSpeed config for this run: the user's JSON if given (validated), else the chosen profile."""
+def build_ds_config(train: TrainConfig, world: int | None = None) -> dict:
+    """The DeepSpeed config for this run: the user's JSON if given (validated, against the run's `world` processes
+    too where given), else the chosen profile."""
     model = train.model()
     if train.ds_config:
-        return load_user_ds_config(train.ds_config, train)
+        return load_user_ds_config(train.ds_config, train, world)
     h = model.n_embd
     zero: dict = {"stage": train.stage}
     if train.stage > 0:
@@ -193,9 +194,9 @@ def read_user_json(source: str | Path) -> tuple[dict, str]:
 PROVENANCE_KEYS = frozenset({"command", "commands"})
 
 
-def load_user_ds_config(source: str | Path, train: TrainConfig) -> dict:
-    """Read a user DeepSpeed JSON (a path, or base64 text) and check it against the run's flags; raises
-    ValueError naming the problem."""
+def load_user_ds_config(source: str | Path, train: TrainConfig, world: int | None = None) -> dict:
+    """Read a user DeepSpeed JSON (a path, or base64 text) and check it against the run's flags and, where given,
+    its number of processes (`world`); raises ValueError naming the problem."""
     cfg, name = read_user_json(source)
     cfg = {k: v for k, v in cfg.items() if k not in PROVENANCE_KEYS}
     unknown = sorted(set(cfg) - KNOWN_TOP_LEVEL_KEYS)
@@ -205,18 +206,7 @@ def load_user_ds_config(source: str | Path, train: TrainConfig) -> dict:
         if cfg.get(key) is not None and not isinstance(cfg[key], dict):  # e.g. the deprecated "zero_optimization": true
             raise ValueError(f"DeepSpeed config {name}: {key} must be a JSON object (e.g. {{\"enabled\": true}}, "
                              f"{{\"stage\": 3}}), got {json.dumps(cfg[key])}")
-    mb = cfg.get("train_micro_batch_size_per_gpu", train.micro_batch)
-    if mb != train.micro_batch:
-        raise ValueError(
-            f"DeepSpeed config {name} sets train_micro_batch_size_per_gpu={mb} but the run uses "
-            f"micro_batch={train.micro_batch}; pass --micro_batch {mb} or remove the key"
-        )
-    ga = cfg.get("gradient_accumulation_steps", train.grad_accum)
-    if ga != train.grad_accum:
-        raise ValueError(
-            f"DeepSpeed config {name} sets gradient_accumulation_steps={ga} but the run uses "
-            f"grad_accum={train.grad_accum}"
-        )
+    check_batch_sizes(cfg, name, train, world)
     bf16 = "bf16" if cfg.get("bf16") is not None else "bfloat16"  # DeepSpeed reads its older name without "bf16"
     cfg_precision = "bf16" if _enabled(cfg, bf16) else "fp16" if _enabled(cfg, "fp16") else "fp32"
     if cfg_precision != train.precision:
@@ -279,9 +269,45 @@ def load_user_ds_config(source: str | Path, train: TrainConfig) -> dict:
         if train.steps <= end:
             raise ValueError(f"DeepSpeed config {name} enables autotuning up to end_profile_step={end}; "
                              f"--steps {train.steps} ends before it: pass --steps {end + 1} or more")
-    cfg.setdefault("train_micro_batch_size_per_gpu", train.micro_batch)
-    cfg.setdefault("gradient_accumulation_steps", train.grad_accum)
+    for key, flag in BATCH_FLAGS.items():
+        if cfg.get(key) is None:
+            cfg[key] = getattr(train, flag)
     return cfg
+
+
+# DeepSpeed's batch keys and the flags that set them: the built dict writes both from the flags, a user JSON may give
+# any of the three (DeepSpeed derives the others; runtime/config.py _set_batch_related_parameters).
+BATCH_FLAGS = {"train_micro_batch_size_per_gpu": "micro_batch", "gradient_accumulation_steps": "grad_accum"}
+
+
+def check_batch_sizes(cfg: dict, name: str, train: TrainConfig, world: int | None) -> None:
+    """Refuse a user JSON whose batch keys DeepSpeed would reject, or that would train other batches than the
+    flags say: each key a positive whole number, the micro-batch and accumulation keys equal to their flags (the
+    data loaders are built from the flags), and train_batch_size equal to micro_batch x grad_accum x `world`
+    processes (DeepSpeed asserts train_batch_size = micro x accumulation x world size in deepspeed.initialize,
+    after the processes started; skipped where `world` is unknown)."""
+    for key in ("train_batch_size", *BATCH_FLAGS):
+        value = cfg.get(key)  # null: absent, as DeepSpeed reads it
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value <= 0
+                           or value != int(value)):
+            raise ValueError(f"DeepSpeed config {name}: {key} must be a positive whole number, got {json.dumps(value)}")
+    for key, flag in BATCH_FLAGS.items():
+        if cfg.get(key) is not None and cfg[key] != getattr(train, flag):
+            raise ValueError(f"DeepSpeed config {name} sets {key}={cfg[key]:g} but the run uses {flag}="
+                             f"{getattr(train, flag)}; pass --{flag} {cfg[key]:g} or remove the key")
+    if cfg.get("train_batch_size") is None or world is None:
+        return
+    tbs, product = int(cfg["train_batch_size"]), train.micro_batch * train.grad_accum * world
+    if tbs == product:
+        return
+    # the flags that would make it hold, where the JSON does not fix them too
+    fixes = [f"--{flag} {tbs * getattr(train, flag) // product}" for key, flag in BATCH_FLAGS.items()
+             if cfg.get(key) is None and tbs * getattr(train, flag) % product == 0]
+    raise ValueError(
+        f"DeepSpeed config {name} sets train_batch_size={tbs}, but the run's --micro_batch {train.micro_batch} x "
+        f"--grad_accum {train.grad_accum} x {world} process(es) = {product} (DeepSpeed requires train_batch_size = "
+        "train_micro_batch_size_per_gpu x gradient_accumulation_steps x world size): "
+        + (f"pass {' or '.join(fixes)}, or " if fixes else "") + "remove train_batch_size from the JSON")
 
 
 def autotuning_enabled(cfg: dict) -> bool:
