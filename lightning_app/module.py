@@ -19,6 +19,7 @@ from shared.train.config import TrainConfig
 from shared.train.distributed import seed_all
 from shared.train.loop import format_validation, validation_figures
 from shared.train.optim import build_optimizer, build_scheduler
+from shared.train.validation import eager_forward
 
 
 class GPTModule(pl.LightningModule):
@@ -77,7 +78,8 @@ class GPTModule(pl.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
-        self.val_loss.update(self.gpt(x, y))
+        with eager_forward(self.gpt, self.train_cfg.compile == "deepcompile"):  # shared/train/validation.py
+            self.val_loss.update(self.gpt(x, y))
 
     def on_validation_epoch_end(self):
         v = validation_figures(self.trainer.global_step, float(self.val_loss.compute()))  # one sync per validation

@@ -135,6 +135,9 @@ def build_trainer(train: TrainConfig, callbacks: list[pl.Callback]) -> pl.Traine
         enable_checkpointing=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
+        # a DeepCompile run validates eagerly with its parameters gathered (shared/train/validation.py), which
+        # torch.inference_mode would leave as inference tensors
+        inference_mode=train.compile != "deepcompile",
         limit_val_batches=train.val_batches if train.val_every else 0,
         val_check_interval=train.val_every * train.grad_accum if train.val_every else None,
         check_val_every_n_epoch=None if train.val_every else 1,

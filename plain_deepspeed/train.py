@@ -51,6 +51,7 @@ from shared.train.optim import build_optimizer, build_scheduler
 from shared.train.preemption import EXIT_CODE, Preemption
 from shared.train.progress import NanGuard, Progress
 from shared.train.results import RunResult, build_result, write_result
+from shared.train.validation import eager_forward
 
 
 def save(engine, train: TrainConfig, step: int, progress: Progress, rank: int) -> Path:
@@ -64,13 +65,15 @@ def save(engine, train: TrainConfig, step: int, progress: Progress, rank: int) -
     return folder
 
 
-def validate(engine, loader, device: torch.device, step: int) -> dict:
-    """Mean loss and perplexity over the validation batches (torchmetrics MeanMetric: one sync, at the end)."""
+def validate(engine, loader, device: torch.device, step: int, deepcompile: bool = False) -> dict:
+    """Mean loss and perplexity over the validation batches (torchmetrics MeanMetric: one sync, at the end); under
+    DeepCompile the model runs eagerly outside its compiled graphs (shared/train/validation.py)."""
     metric = MeanMetric(sync_on_compute=True).to(device)
     engine.eval()
-    with torch.no_grad():
+    forward = engine.module if deepcompile else engine
+    with torch.no_grad(), eager_forward(engine.module, deepcompile):
         for x, y in loader:
-            metric.update(engine(x.to(device, non_blocking=True), y.to(device, non_blocking=True)))
+            metric.update(forward(x.to(device, non_blocking=True), y.to(device, non_blocking=True)))
     engine.train()
     return validation_figures(step, float(metric.compute()))
 
@@ -169,7 +172,7 @@ def main(train: TrainConfig) -> RunResult:
             grad_norms.record()
             done = step + 1
             if val_batches is not None and done % train.val_every == 0:
-                history["val"].append(validate(engine, val_batches, device, done))
+                history["val"].append(validate(engine, val_batches, device, done, train.compile == "deepcompile"))
                 if rank == 0:
                     print(format_validation("[deepspeed] ", history["val"][-1]), flush=True)
                 timer.start()  # validation time is not a training step's

@@ -98,13 +98,17 @@ def test_the_rules_set_what_cannot_run_or_was_not_measured(given, expected):
 
 
 @pytest.mark.parametrize("given", [dict(stage=0), dict(attention="blocksparse"), dict(attention="xformers"),
-                                   dict(ds_config="c.json"), dict(compile="blocks"), dict(val_every=5),
-                                   dict(save_every=5)])
+                                   dict(ds_config="c.json"), dict(compile="blocks")])
 def test_what_deepcompile_cannot_run_or_no_run_backs_takes_the_eager_profile(given):
     r = resolve(**given)
     assert r.used == "eager" and len(r.rules) == 1 and "profile eager" in r.rules[0]
     assert r.filled.get("compile", given.get("compile")) != "deepcompile"
     assert "micro_batch" not in r.filled and r.filled.get("zero3_step", "fast") == "fast"
+
+
+def test_fast_validates_and_saves_between_steps():
+    r = resolve(val_every=5, save_every=5, ckpt_dir="ck")
+    assert r.used == "fast" and r.rules == [] and r.filled["compile"] == "deepcompile"
 
 
 def test_the_profiles_micro_batch_follows_the_gpus_memory():

@@ -461,14 +461,6 @@ def _check_deepcompile(train: TrainConfig) -> None:
         raise ValueError(f"--compile deepcompile needs --warmup_steps > {recompiles_at}: DeepCompile profiles and "
                          f"{what} (--deepcompile_schedule {train.deepcompile_schedule}, stage {train.stage}), and "
                          f"that step must not be timed (got --warmup_steps {train.warmup_steps})")
-    between = [f"--{name} {every}" for name, every in (("val_every", train.val_every), ("save_every", train.save_every))
-               if every and every < train.steps]
-    if between:
-        raise ValueError(f"--compile deepcompile with {' and '.join(between)} (< --steps {train.steps}): a validation "
-                         "or checkpoint between training steps makes DeepCompile's next backward abort (DeepSpeed "
-                         "0.19.8: 'DoubleBufferedReduceBucket::swap: Assertion hasKey(current_buffer_, scalar_type) "
-                         "failed', seen on the H200); validate and save at the end only (0 or >= --steps; a run "
-                         "still saves at its last step and on SIGTERM), or use --compile blocks")
     if train.fused_layernorm:
         raise ValueError("fused_layernorm does not combine with --compile deepcompile: liger-kernel's LayerNorm "
                          "fails to compile under torch.compile (Triton CompilationError on its eps argument)")
