@@ -54,8 +54,8 @@ from shared.train.results import RunResult, differences, replace_text, versions
 # What compare.py runs on a machine with GPUs when these flags are not given (the study's model and a longer run)
 GPU_DEFAULTS = {"preset": "1.5b", "micro_batch": 8, "steps": 30, "warmup_steps": 10}
 # ... and, where it can run, the fastest mode measured that passed its GPU tests: DeepCompile with the one-compile
-# schedule at micro-batch 16 (docs/results.md; benchmarks/results/deepcompile_1xh200_final, deepcompile_2xh200), its
-# generated kernels tuned by inductor's coordinate descent (1.028x on the raw path in one call,
+# schedule at micro-batch 16 (docs/results.md; benchmarks/results/deepcompile_ds_lifetimes_1xh200,
+# deepcompile_2xh200), its generated kernels tuned by inductor's coordinate descent (1.028x on the raw path in one call,
 # benchmarks/results/coordinate_descent_1xh200; both paths and the ceiling with it: coordinate_descent_compare_1xh200),
 # the ZeRO-3 optimizer step in one Triton kernel (1.015x in one call, benchmarks/results/fused_zero3_step_1xh200; both
 # paths and the ceiling with it: headline_fused_1xh200), the MLP's bias + GELU backward in one Triton kernel (1.010x
@@ -75,7 +75,7 @@ GPU_DEEPCOMPILE_DEFAULTS = {"compile": "deepcompile", "deepcompile_schedule": "o
                             **autotune.DEFAULT_KERNELS}
 # The GPU default's peak memory at the 1.5b preset on one GPU, GiB by micro-batch: the largest row of a run of this
 # default (benchmarks/results/together_1xh200/compare/runs/ceiling_0.json at 16 on an H200, 91.7 for both paths;
-# levers_1xh100_mb8/runs/*.json at 8 on an H100). On more GPUs ZeRO-3 shards the model and optimizer state (16 bytes a
+# levers_mb8_1xh100/runs/*.json at 8 on an H100). On more GPUs ZeRO-3 shards the model and optimizer state (16 bytes a
 # parameter; the unsharded ceiling row keeps it all): at 16 on two H200s the paths peaked at 79.7
 # (deepcompile_2xh200/runs), where peak_gib_expected gives 80.2. Where the default's 16 is not expected to fit in
 # MEMORY_SHARE of the GPU, the default is the largest micro-batch here that is.

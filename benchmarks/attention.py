@@ -1,6 +1,6 @@
 """Attention kernels, forward + backward, on one GPU: blocksparse (ours) vs FlexAttention vs SDPA vs xFormers.
 
-    python benchmarks/attention.py --out benchmarks/results/attention_h200.json           # ~3 min on an H200
+    python benchmarks/attention.py --out benchmarks/results/attention_backends_1xh200/attention.json  # ~3 min, H200
     python benchmarks/attention.py --quick --out benchmarks/results/attention_quick.json  # seq 2048 only
 
 Shapes: B=8, H=24, D=96 (the 1.5b model's heads), bf16, block 128, seq 2048/4096/8192; layouts causal, local

@@ -1,6 +1,6 @@
 """Which xFormers attention operators can run on this machine, and why the others cannot.
 
-    python benchmarks/xformers_probe.py --out benchmarks/results/xformers_probe_h200.json
+    python benchmarks/xformers_probe.py --out benchmarks/results/xformers_probe_1xh200/xformers_probe.json
 
 For a (B, T, H, D) = (8, 2048, 24, 96) bf16 causal input (LowerTriangularMask) it records, for every registered
 fmha operator: is_available() and not_supported_reasons(); the state that decides them (xFormers' extension
