@@ -135,7 +135,7 @@ def main(args) -> dict:
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="benchmarks/results/xformers_probe.json")
+    p.add_argument("--out", default="reports/xformers_probe.json")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--heads", type=int, default=24)
