@@ -165,7 +165,7 @@ def test_the_library_neither_imports_nor_runs_benchmarks(layer):
 
 def test_the_benchmark_rule_sees_a_script_run_by_code_and_not_one_shown_in_a_docstring():
     tree = ast.parse('"""Run `python benchmarks/x.py`."""\nSCRIPT = ROOT / "benchmarks" / "x.py"\n'
-                     'CMD = ["-m", "benchmarks.x"]\nNOTE = "measured in benchmarks/results/a_1xh200"\n')
+                     'CMD = ["-m", "benchmarks.x"]\nNOTE = "listed in benchmarks/results/INDEX.md"\n')
     assert sorted(t for t in _code_strings(tree) if _runs_a_benchmark(t)) == ["benchmarks", "benchmarks.x"]
     assert _runs_a_benchmark("python benchmarks/reference.py --mode ceiling")
 
