@@ -314,7 +314,7 @@ def tails(work: Path, lines: int = 25) -> None:
 
 def build_parser(stages: dict[str, Stage]) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stage", nargs="?", help="the stage to run; none: list the stages")
+    p.add_argument("stage", nargs="?", help=f"the stage to run ({', '.join(stages)}); none: list them")
     p.add_argument("--out", type=Path, default=os.environ.get("OUT") or None,
                    help="where the packed results go (default: $OUT)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="NAME=VALUE",
