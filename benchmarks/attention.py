@@ -1,7 +1,7 @@
 """Attention kernels, forward + backward, on one GPU: blocksparse (ours) vs FlexAttention vs SDPA vs xFormers.
 
-    python benchmarks/attention.py --out benchmarks/results/attention_h200.json           # ~3 min on an H200
-    python benchmarks/attention.py --quick --out benchmarks/results/attention_quick.json  # seq 2048 only
+    python benchmarks/attention.py --out benchmarks/results/attention_backends_1xh200/attention.json  # ~3 min, H200
+    python benchmarks/attention.py --quick --out reports/attention_quick.json  # seq 2048 only
 
 Shapes: B=8, H=24, D=96 (the 1.5b model's heads), bf16, block 128, seq 2048/4096/8192; layouts causal, local
 (4 blocks = 512 tokens) and strided (segments of 4 blocks, the last block of each earlier segment as summary).
@@ -260,7 +260,7 @@ def main(args) -> dict:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="benchmarks/results/attention.json", help="where to write the JSON result")
+    p.add_argument("--out", default="reports/attention.json", help="where to write the JSON result")
     p.add_argument("--quick", action="store_true", help="seq 2048 only")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--heads", type=int, default=24)

@@ -1,7 +1,7 @@
 """Where attention dropout's time goes, kernel by kernel: the block-sparse kernel's mask drawn in each kernel or
 read from bits, against no dropout and against SDPA (cuDNN) with and without it.
 
-    python benchmarks/attention_dropout.py --out benchmarks/results/attention_dropout.json   # ~3 min, H200
+    python benchmarks/attention_dropout.py --out reports/attention_dropout.json   # ~3 min, H200
 
 At the 1.5b model's attention (B 16, 24 heads, head dim 96, seq 2048, causal layout, bf16, q/k/v as the model's views
 of one (B, T, 3C) projection), each of the block-sparse kernels (shared/kernels/blocksparse_attention.py) runs alone,
@@ -127,7 +127,7 @@ def main(args) -> dict:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="benchmarks/results/attention_dropout.json")
+    p.add_argument("--out", default="reports/attention_dropout.json")
     add_shape_args(p)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--rounds", type=int, default=3)

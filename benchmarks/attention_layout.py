@@ -1,6 +1,6 @@
 """Does the memory layout of q, k, v and the output's gradient change SDPA's speed at the 1.5b model's shape?
 
-    python benchmarks/attention_layout.py --out benchmarks/results/attention_layout.json   # ~1 min on an H200
+    python benchmarks/attention_layout.py --out reports/attention_layout.json   # ~1 min on an H200
 
 benchmarks/attention.py times attention on contiguous (B, H, T, D) tensors. The model (shared/model/gpt.py) hands
 SDPA views instead: q, k, v split from one (B, T, 3C) matmul output and transposed to (B, H, T, D), and the output's
@@ -177,7 +177,7 @@ def main(args) -> dict:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="benchmarks/results/attention_layout.json", help="where to write the JSON result")
+    p.add_argument("--out", default="reports/attention_layout.json", help="where to write the JSON result")
     p.add_argument("--batch", type=int, default=16, help="the GPU default's micro-batch")
     p.add_argument("--heads", type=int, default=24)
     p.add_argument("--head-dim", "--head_dim", dest="head_dim", type=int, default=96)

@@ -1,6 +1,6 @@
 """Each block-sparse kernel alone, on one GPU, at every tile shape of a grid: which tiles win on this GPU.
 
-    python benchmarks/attention_tiles.py --out benchmarks/results/attention_tiles.json          # ~3 min, H200
+    python benchmarks/attention_tiles.py --out reports/attention_tiles.json          # ~3 min, H200
     python benchmarks/attention_tiles.py --grid candidates --dropouts 0 0.1 --out ...          # the tuner's set
 
 The forward, dq and dk/dv kernels (shared/kernels/blocksparse_attention.py) are timed one at a time with fixed
@@ -254,7 +254,7 @@ def check_shape_args(p: argparse.ArgumentParser, args) -> None:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="benchmarks/results/attention_tiles.json")
+    p.add_argument("--out", default="reports/attention_tiles.json")
     p.add_argument("--grid", choices=("candidates", "wide"), default="wide")
     add_shape_args(p)
     p.add_argument("--layout", default="causal", choices=("causal", "local", "strided"))

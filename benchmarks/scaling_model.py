@@ -1,7 +1,7 @@
 """A scaling model for ZeRO-3 weak scaling, fitted to the measured 1- and 2-GPU step times, predicting 8 GPUs and
 2 nodes of 8. Writes its inputs, assumptions and predictions to JSON (a model, not a measurement).
 
-    python benchmarks/scaling_model.py --out benchmarks/results/scaling_model.json
+    python benchmarks/scaling_model.py --out benchmarks/results/scaling_model_2xh200/scaling_model.json
 
 Model. Per step each GPU does the same compute (weak scaling: micro-batch fixed per GPU) and moves, with ZeRO-3
 in bf16, an all-gather of the parameters in forward, another in backward and a reduce-scatter of the gradients:
@@ -49,7 +49,7 @@ def median_step(paths: list[Path]) -> float:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=str(RESULTS / "scaling_model.json"))
+    p.add_argument("--out", default=str(RESULTS / "scaling_model_2xh200" / "scaling_model.json"))
     ns = p.parse_args(argv)
     check_out_flag(p, ns.out, "scaling_model.json")  # a folder or an unwritable path: refused before it measures
     cfg = preset("1.5b")

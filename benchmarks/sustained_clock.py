@@ -1,6 +1,6 @@
 """The 1.5b layer's kernels under sustained load: how fast they run, and at what SM clock and power, second by second.
 
-    python benchmarks/sustained_clock.py --seconds 40 --out benchmarks/results/sustained_clock.json   # one GPU
+    python benchmarks/sustained_clock.py --seconds 40 --out reports/sustained_clock.json   # one GPU
 
 A training step runs the matmuls and the attention (cuDNN, with the preset's dropout) back to back for minutes; the
 same kernels timed alone, in bursts of ~100 ms (benchmarks/attention.py, attention_layout.py), run faster than in a
@@ -131,7 +131,7 @@ def main(args) -> dict:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="benchmarks/results/sustained_clock.json", help="where to write the JSON result")
+    p.add_argument("--out", default="reports/sustained_clock.json", help="where to write the JSON result")
     p.add_argument("--preset", default="1.5b", choices=sorted(PRESETS))
     p.add_argument("--batch", type=int, default=16, help="the GPU default's micro-batch")
     p.add_argument("--dropout", type=float, default=0.1, help="attention dropout (the preset's rate)")

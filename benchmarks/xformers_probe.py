@@ -1,6 +1,6 @@
 """Which xFormers attention operators can run on this machine, and why the others cannot.
 
-    python benchmarks/xformers_probe.py --out benchmarks/results/xformers_probe_h200.json
+    python benchmarks/xformers_probe.py --out benchmarks/results/xformers_probe_1xh200/xformers_probe.json
 
 For a (B, T, H, D) = (8, 2048, 24, 96) bf16 causal input (LowerTriangularMask) it records, for every registered
 fmha operator: is_available() and not_supported_reasons(); the state that decides them (xFormers' extension
@@ -135,7 +135,7 @@ def main(args) -> dict:
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="benchmarks/results/xformers_probe.json")
+    p.add_argument("--out", default="reports/xformers_probe.json")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--heads", type=int, default=24)

@@ -1,9 +1,9 @@
 """Launching runs: each path (or reference row) in its own process group, as compare.py, explain, autotune and the
 benchmarks start them, and stopping them again.
 
-A run is `python -m torch.distributed.run --standalone` of the path's script with the run's flags; the numbers come
-back in the RunResult JSON the run writes (shared/train/results.py). Whatever stops the caller (SIGTERM, Ctrl-C,
-an error, the timeout) stops the run's whole process tree with it.
+A run is `python -m torch.distributed.run --standalone` of the path's script (a reference row: `-m harness.reference`)
+with the run's flags; the numbers come back in the RunResult JSON the run writes (shared/train/results.py). Whatever
+stops the caller (SIGTERM, Ctrl-C, an error, the timeout) stops the run's whole process tree with it.
 """
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ from shared.train.distributed import with_own_ninja
 from shared.train.results import RunResult
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = {"deepspeed": ROOT / "plain_deepspeed" / "train.py", "lightning": ROOT / "lightning_app" / "train.py",
-           "ceiling": ROOT / "benchmarks" / "reference.py", "fsdp2": ROOT / "benchmarks" / "reference.py"}
+SCRIPTS = {"deepspeed": ROOT / "plain_deepspeed" / "train.py", "lightning": ROOT / "lightning_app" / "train.py"}
+# The reference rows are a module of this library, run as `torchrun -m harness.reference` (the paths are scripts).
+MODULES = {"ceiling": "harness.reference", "fsdp2": "harness.reference"}
 SCRIPT_ARGS = {"ceiling": ["--mode", "ceiling"], "fsdp2": ["--mode", "fsdp2"]}
 PATHS = ("deepspeed", "lightning")
-# Reference rows (--reference): the same model, seed and batches without DeepSpeed (benchmarks/reference.py).
+# Reference rows (--reference): the same model, seed and batches without DeepSpeed (harness/reference.py).
 # ceiling: unsharded, whole model compiled, one GPU; fsdp2: torch FSDP2 + compiled blocks on the run's GPUs.
 REFERENCES = ("ceiling", "fsdp2")
 # After SIGTERM to a run's process group: seconds before what is left of it gets SIGKILL. A run stops at its
@@ -168,8 +169,9 @@ def launch(path: str, train: TrainConfig, world: int, out: Path, log: Path, time
 
     env: extra environment for the run (e.g. CUDA_VISIBLE_DEVICES to pin it to some of the GPUs)."""
     run_cfg = dataclasses.replace(train, out=str(out))
+    entry = ["-m", MODULES[path]] if path in MODULES else [str(SCRIPTS[path])]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           str(SCRIPTS[path]), *SCRIPT_ARGS.get(path, []), *to_argv(run_cfg)]
+           *entry, *SCRIPT_ARGS.get(path, []), *to_argv(run_cfg)]
     log.parent.mkdir(parents=True, exist_ok=True)
     gpus = run_gpus(env, world)
     env = run_env(env)

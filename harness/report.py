@@ -36,7 +36,7 @@ from shared.train.timing import PHASES
 #   gradient norm (relative, per step past the warm-up) and checksum (relative: the larger of |d sum_sq| / sum_sq
 #     and |d sum| / sqrt(sum_sq)): measured between the raw and the fast-default Lightning run of each round of the
 #     two committed 2-round explain runs (4 bf16 pairs, 1.5b eager, one H200, 14 steps;
-#     benchmarks/results/explain_1xh200_timer_config, explain_1xh200_bar_log_gc): gradient norm at most 2.3e-5
+#     benchmarks/results/explain_timer_config_1xh200, explain_bar_log_gc_1xh200): gradient norm at most 2.3e-5
 #     past the warm-up (3.0e-4 over all steps), checksum at most 1.85e-3, all of it from the sum term (the sum_sq
 #     term stays below 1.3e-7): a sum over 1.65B parameters drifting independently grows like the norm, so
 #     |d sum| / sqrt(sum_sq) reads the typical per-parameter relative drift of bf16 updates. Bounds: 2e-4 (~9x,
@@ -46,8 +46,8 @@ from shared.train.timing import PHASES
 #     same command) and a measure passes when it is within the larger of its bound and RUN_TO_RUN_FACTOR x that
 #     drift: under DeepCompile the raw path's two runs of one H200 compare already differ by 5.4e-3 in the checksum
 #     and the Lightning path's by 6.5e-3, as much as the two paths do (6.3e-3;
-#     benchmarks/results/deepcompile_1xh200_pairs), so a fixed bound from eager runs would blame the paths for the
-#     compiler's nondeterminism. A single pair is judged by the bounds alone.
+#     benchmarks/results/archive/deepcompile_pairs_1xh200), so a fixed bound from eager runs would blame the paths for
+#     the compiler's nondeterminism. A single pair is judged by the bounds alone.
 RUN_TO_RUN_FACTOR = 1.5
 PARITY_TOLERANCE = {
     "fp32": {"loss": 1e-5, "grad_norm": 1e-5, "checksum": 1e-6},

@@ -839,9 +839,9 @@ def test_lookup_table_is_built_on_the_cpu_under_a_default_device_context():
 
 
 @pytest.mark.parametrize("sweep,files,dropouts", [
-    ("blocksparse_tiles_h200", ["attention_tiles_h200.json"], {0.0, 0.1}),  # pointer loads only
-    ("blocksparse_tma_h200", ["tiles_tma_wide.json", "tiles_tma_dropout.json"], {0.0, 0.1}),  # and TMA loads
-    ("blocksparse_rows_h200", ["tiles_wide.json", "tiles_dkdv_bhtd.json"], {0.0}),  # no pointer tiles in loops
+    ("blocksparse_tiles_1xh200", ["attention_tiles_h200.json"], {0.0, 0.1}),  # pointer loads only
+    ("blocksparse_tma_1xh200", ["tiles_tma_wide.json", "tiles_tma_dropout.json"], {0.0, 0.1}),  # and TMA loads
+    ("blocksparse_rows_1xh200", ["tiles_wide.json", "tiles_dkdv_bhtd.json"], {0.0}),  # no pointer tiles in loops
 ])
 def test_head_dim_96_candidates_hold_the_fastest_tiles_of_the_committed_h200_sweeps(sweep, files, dropouts):
     """The autotuner can only pick what it is offered: each sweep's fastest tile of each kernel it timed, with and
@@ -858,5 +858,5 @@ def test_head_dim_96_candidates_hold_the_fastest_tiles_of_the_committed_h200_swe
                 shapes = [dataclasses.replace(t, dropout=True)
                           for t in bsa.candidate_tiles(kind, 128, 96, torch.bfloat16, s["dropout"] > 0)]
                 assert tile in shapes, (f, kind, s["dropout"], tile)
-                if f == "tiles_wide.json" and sweep == "blocksparse_rows_h200":
+                if f == "tiles_wide.json" and sweep == "blocksparse_rows_1xh200":
                     assert shapes[0] == tile, (kind, "the fastest tile is not the first candidate")

@@ -6,10 +6,13 @@
   - shared/train/ imports no Lightning, and DeepSpeed only inside functions;
   - shared/ imports nothing of the paths, the harness or compare.py (arrows point one way);
   - the harness imports neither compare.py nor any private name of it;
+  - the library (shared/, harness/) neither imports benchmarks/ nor names a file of it to run: benchmarks are
+    scripts on top of the library, not a part of it;
 and, by running it, that importing compare.py (the CLI and the harness) does not load torch._dynamo.
 """
 
 import ast
+import re
 import subprocess
 import sys
 
@@ -137,6 +140,34 @@ def test_shared_imports_no_path_harness_or_entry_point():
 
 def test_the_harness_imports_nothing_of_compare():
     assert _bad("harness", lambda base, top: in_layer(base, "compare")) == []
+
+
+def _code_strings(tree: ast.Module) -> list[str]:
+    """The string constants of `tree` that code uses: not docstrings or a field's docstring (a bare string
+    statement, which may show a command)."""
+    bare = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)}
+    return [node.value for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in bare]
+
+
+def _runs_a_benchmark(text: str) -> bool:
+    """`ROOT / "benchmarks" / ...`, "benchmarks/x.py" or "benchmarks/x.sh", `-m benchmarks.x`: a file of benchmarks/
+    to run (a help text may name a results path)."""
+    return text == "benchmarks" or re.search(r"benchmarks/[\w/.-]*\.(py|sh)\b|(^|\s)benchmarks\.\w", text) is not None
+
+
+@pytest.mark.parametrize("layer", ["harness", "shared"])
+def test_the_library_neither_imports_nor_runs_benchmarks(layer):
+    assert _bad(layer, lambda base, top: in_layer(base, "benchmarks")) == []
+    assert [(m, text) for m, tree in MODULES.items() if in_layer(m, layer)
+            for text in _code_strings(tree) if _runs_a_benchmark(text)] == []
+
+
+def test_the_benchmark_rule_sees_a_script_run_by_code_and_not_one_shown_in_a_docstring():
+    tree = ast.parse('"""Run `python benchmarks/x.py`."""\nSCRIPT = ROOT / "benchmarks" / "x.py"\n'
+                     'CMD = ["-m", "benchmarks.x"]\nNOTE = "listed in benchmarks/results/INDEX.md"\n')
+    assert sorted(t for t in _code_strings(tree) if _runs_a_benchmark(t)) == ["benchmarks", "benchmarks.x"]
+    assert _runs_a_benchmark("python benchmarks/reference.py --mode ceiling")
 
 
 @pytest.mark.parametrize("module", ["compare", "shared.train.cli", "harness.report"])

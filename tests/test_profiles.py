@@ -135,7 +135,7 @@ def test_the_profiles_micro_batch_follows_the_gpus_memory():
 def test_the_measured_peaks_match_the_committed_runs():
     root = ROOT / "benchmarks" / "results"
     peaks = {}
-    for sub, mb, world in (("together_1xh200/compare/runs", 16, 1), ("levers_1xh100_mb8/runs", 8, 1),
+    for sub, mb, world in (("together_1xh200/compare/runs", 16, 1), ("levers_mb8_1xh100/runs", 8, 1),
                            ("deepcompile_2xh200/runs", 16, 2)):
         for f in (root / sub).glob("*.json"):
             run = json.loads(f.read_text())

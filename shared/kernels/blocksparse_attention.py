@@ -773,7 +773,7 @@ class Tile:
 # Candidates per kernel and head-dim class, first = default; the autotuner times them on the first call. Their
 # registers, spilled bytes and shared memory, compiled ahead of time for sm_90 with Triton 3.6 (the GPU machine's)
 # and 3.9 (CI's) as a launch at the 1.5b model's shape specializes them, are recorded by
-# benchmarks/kernel_resources.py (benchmarks/results/blocksparse_rows_h200/): one of the 46 D = 96 compilations
+# benchmarks/kernel_resources.py (benchmarks/results/blocksparse_rows_1xh200/): one of the 46 D = 96 compilations
 # (candidate x with/without dropout) spills, dk/dv 64 x 128 with dropout (8 bytes with 3.6, 104 with 3.9); each
 # kernel's first D = 96 tile compiles spill-free with both versions (tests/test_benchmarks.py).
 # `dropout=False` marks tiles left out when dropout is on. Hopper's wgmma works on
@@ -791,8 +791,8 @@ _SMALL_D = {  # D <= 64
 _TMA = dict(tma=True)
 _D96 = {  # D = 96 as two parts (64 + 32, no wasted MMA work) or padded to 128. The first tiles of each kernel
     # were the fastest of a wider grid timed on an H200 at the 1.5b model's shape (benchmarks/attention_tiles.py,
-    # benchmarks/results/blocksparse_tiles_h200/ and, with TMA loads, blocksparse_tma_h200/: TMA made the forward
-    # and dq faster, not dk/dv; with rows of addresses instead of pointer tiles, blocksparse_rows_h200/, dk/dv's
+    # benchmarks/results/blocksparse_tiles_1xh200/ and, with TMA loads, blocksparse_tma_1xh200/: TMA made the forward
+    # and dq faster, not dk/dv; with rows of addresses instead of pointer tiles, blocksparse_rows_1xh200/, dk/dv's
     # best is 32 x 64 on 4 warps on the model's q/k/v views, 64 x 64 on contiguous inputs); the rest, the set above.
     "fwd": (Tile(128, 64, 8, 3, **_TMA), Tile(64, 64, 4, 2, **_TMA), Tile(64, 64, 4, 2), Tile(64, 128, 4, 2),
             Tile(128, 64, 8, 3), Tile(128, 64, 8, 3, True), Tile(128, 128, 8, 2, **_NO_DROP), Tile(64, 64, 4, 3),

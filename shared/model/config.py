@@ -32,7 +32,7 @@ class FusedSwitches:
     fused_bias_dropout_add: bool | None = None
     """residual + dropout(x W^T + b) as one compiled kernel (shared/model/fused_ops.py); default: on with CUDA, off
     on CPU. Chosen from a single run (+4.1% raw on one H200, one run per path, no repeat: inside single-run noise;
-    benchmarks/results/ablation_1xh200_first)"""
+    benchmarks/results/ablation_first_1xh200)"""
     fused_bias_gelu: bool | None = None
     """gelu(x W^T + b) as one compiled kernel (shared/model/fused_ops.py); default: on with CUDA, off on CPU. Chosen
     from a single run (+3.5% raw, as fused_bias_dropout_add: inside single-run noise)"""

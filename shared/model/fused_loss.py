@@ -20,7 +20,7 @@ import shared.kernels.cross_entropy  # noqa: F401  registers torch.ops.zero3benc
 
 # fp32 logits per chunk: 1 GiB, ~5300 rows at V = 50257 (4 chunks at micro-batch 8, seq 2048). Chunks of 2**26
 # (~1300 rows, 13 chunks) measured 7% slower than the unfused loss on the 1.5b step (benchmarks/results/
-# ablation_1xh200_first): small matmuls and one fp32 grad_w accumulation per chunk.
+# ablation_first_1xh200): small matmuls and one fp32 grad_w accumulation per chunk.
 CHUNK_ELEMENTS = 2**28
 
 

@@ -83,7 +83,7 @@ def build_ds_config(train: TrainConfig, world: int | None = None) -> dict:
         # zero.Init replaces F.linear by DeepSpeed's LinearFunctionForZeroStage3, whose code reads each weight's
         # ds_id: dynamo guards on it and compiles the block again for every layer until its recompile limit (8),
         # the rest running eager (measured on the H200: 8 graphs, 1 limit hit, 1.007x; benchmarks/results/
-        # ablation_1xh200_first). torch's own linear keeps one graph for all blocks.
+        # ablation_first_1xh200). torch's own linear keeps one graph for all blocks.
         zero["memory_efficient_linear"] = False
     if train.stage == 3 and train.memory_efficient_linear is not None:
         zero["memory_efficient_linear"] = train.memory_efficient_linear
@@ -123,12 +123,12 @@ def _apply_tuned_rules(cfg: dict, model: GPTConfig) -> None:
     """Throughput rules for ZeRO; each cites what it fixes and the measurement behind it.
 
     Measured together (benchmarks/results, 1.5b, ZeRO-3 bf16, micro-batch 8, H200): the raw loop ran at 357.2 /
-    285.0 TFLOPs/GPU on 1 / 2 GPUs with the original profile (compare_*xh200) and at 355.2 / 319.8 with this one
-    (explain_*xh200, a later call). Re-measured with 2 rounds per factor on one H200 (micro-batch 8,
-    benchmarks/results/explain_1xh200_timer_config): Lightning with the original profile instead of this one ran
+    285.0 TFLOPs/GPU on 1 / 2 GPUs with the original profile (compare_{1,2}xh200) and at 355.2 / 319.8 with this one
+    (explain_{1,2}xh200, a later call). Re-measured with 2 rounds per factor on one H200 (micro-batch 8,
+    benchmarks/results/explain_timer_config_1xh200): Lightning with the original profile instead of this one ran
     15.1% [12.0%, 18.2%] below the same round's Lightning run, beyond that call's 5.0% round-to-round noise, the
     time landing in backward (+65 ms: the reduce buckets); `python explain.py
-    benchmarks/results/explain_1xh200_timer_config/explain.json` recomputes these figures.
+    benchmarks/results/explain_timer_config_1xh200/explain.json` recomputes these figures.
     """
     zero = cfg["zero_optimization"]
     h = model.n_embd
@@ -153,7 +153,7 @@ def _apply_tuned_rules(cfg: dict, model: GPTConfig) -> None:
     # DeepSpeed's throughput timer is on and synchronized by default: a device sync at the start of every
     # forward and at the end of every step, which the step-time measurement does not need, and it stops the host
     # from running ahead of the GPU. Switching it back on in Lightning measured +4.5% [+0.7%, +8.2%] against the same
-    # round's Lightning run on one H200 (explain_1xh200_timer_config, 2 rounds): within that call's 5.0% noise, so
+    # round's Lightning run on one H200 (explain_timer_config_1xh200, 2 rounds): within that call's 5.0% noise, so
     # no measurable cost at micro-batch 8 on one GPU; it stays off because nothing here reads it.
     cfg["timers"] = {"throughput": {"enabled": False, "synchronized": False}}
 

@@ -10,7 +10,7 @@ Precision: with bf16, parameters and optimizer state stay fp32 and the matmuls r
 ceiling, FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)), as DeepSpeed's bf16 mode computes
 in bf16 from fp32 master weights. On a CPU (tests) nothing is compiled and the result says so (fused.compile).
 
-    torchrun --nproc_per_node 1 benchmarks/reference.py --mode ceiling --preset 1.5b --micro_batch 16
+    torchrun --nproc_per_node 1 -m harness.reference --mode ceiling --preset 1.5b --micro_batch 16
 """
 
 from __future__ import annotations

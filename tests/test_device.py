@@ -1,0 +1,221 @@
+"""benchmarks/device.py on a CPU: the stage table holds commands the scripts accept, and a call keeps to its budget,
+packs what it wrote and continues a folder."""
+
+import argparse
+import ast
+import importlib.util
+import json
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from benchmarks import device
+from tests.helpers import ROOT
+
+STAGES = device.load()
+# a value for each setting a stage requires, and test files for the pytest stages
+SAMPLES = {"configs": "baseline,-triton_loss,baseline_again",
+           "versus": "benchmarks/results/tuning_1xh200/autotune/autotune.json",
+           "tests": "tests/test_deepcompile.py tests/test_timing.py"}
+
+
+def commands(stage: device.Stage) -> list[list[str]]:
+    """Every command of `stage` with its defaults (and SAMPLES where it takes them), as the driver would run it."""
+    params = device.settings(stage, [f"{k}={v}" for k, v in SAMPLES.items() if k in stage.params])
+    call = device.Call(stage, params, Path("/tmp/work"), None, "h200", dry_run=True)
+    return [device.argv(c.command, {**call.values, "time_limit": 500}) for c in stage.commands()]
+
+
+def script_flags(path: Path) -> set[str]:
+    """The option strings a script's add_argument calls declare (read, not run: ablation.py parses and runs at once)."""
+    return {arg.value for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument"
+            for arg in node.args if isinstance(arg, ast.Constant) and str(arg.value).startswith("--")}
+
+
+@pytest.fixture
+def pretend_gpus(monkeypatch):
+    """compare.parse as on a machine with two GPUs: it checks every flag and their combinations, starts nothing."""
+    import compare
+    import shared.model.config as model_config
+
+    monkeypatch.setattr(compare.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(compare.torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(compare, "gpu_memory_gib", lambda: 139.8)
+    monkeypatch.setattr(compare, "check_before_start", lambda *a, **k: None)
+    monkeypatch.setattr(compare, "check_overheads", lambda *a, **k: None)
+    monkeypatch.setattr(model_config, "cuda_available", lambda: True)
+    return compare
+
+
+def test_the_table_holds_the_stages_that_are_kept():
+    assert set(STAGES) == {"headline", "lever", "gpu_tests", "explain", "compare", "autotune", "ds_autotuner", "train"}
+    for name, stage in STAGES.items():
+        assert stage.question and 0 < stage.budget_s <= 600, name
+        assert all(0 < device.needs(stage, c, stage.params | {"tests_s": "1"}) < stage.budget_s
+                   for c in stage.commands()), name
+
+
+@pytest.mark.parametrize("name", sorted(STAGES))
+def test_every_command_of_a_stage_is_one_its_script_accepts(name, pretend_gpus, capsys):
+    for cmd in commands(STAGES[name]):
+        assert cmd[0] == sys.executable
+        words = cmd[1:]
+        if words[:2] == ["-m", "torch.distributed.run"]:  # torchrun: the script and its flags follow its own
+            words = words[next(i for i, w in enumerate(words) if w.endswith(".py")):]
+        if words[0] == "compare.py":
+            train, ns = pretend_gpus.parse(words[1:])  # exits 2, naming the flag, if any is wrong
+            assert ns.out and Path(ns.out).parent == Path("/tmp/work"), cmd
+        elif words[0] == "benchmarks/ablation.py":
+            flags = {w.split("=")[0] for w in words[1:] if w.startswith("--")}
+            assert flags <= script_flags(ROOT / words[0]), cmd
+        elif words[0] == "benchmarks/ds_autotuner.py":
+            from benchmarks import ds_autotuner
+
+            ds_autotuner.build_parser().parse_args(words[1:])
+        elif words[0] in ("plain_deepspeed/train.py", "lightning_app/train.py"):
+            from shared.train.cli import Parser, add_config_args
+
+            parser = Parser()
+            add_config_args(parser)
+            parser.parse_args(words[1:])
+        elif words[:2] == ["-m", "pytest"]:
+            assert words[2:4] == ["-m", "gpu"], cmd
+            paths = [w.split("::")[0] for w in words[4:] if not w.startswith("-") and w != "no:cacheprovider"]
+            assert paths and all((ROOT / p).exists() for p in paths), cmd
+        elif words[0] == "-m":
+            assert importlib.util.find_spec(words[1]) is not None, cmd
+            assert all((ROOT / w).exists() for w in words[2:] if w.startswith("data/")), cmd
+        else:
+            pytest.fail(f"no check for {cmd}")
+
+
+def test_what_a_stage_continues_is_the_folder_its_command_writes():
+    for name, stage in STAGES.items():
+        if stage.keep is None:
+            continue
+        kept = device.fill(stage.keep, {**stage.params, "device": "1xh200"})
+        first = commands(stage)[0]
+        assert first[first.index("--out") + 1] == f"/tmp/work/{kept}", name
+        assert {"--keep_runs", "--keep"} & set(first), name  # and continues what it finds there
+
+
+def test_an_unknown_stage_or_setting_is_refused_by_name(capsys, monkeypatch):
+    monkeypatch.delenv("OUT", raising=False)
+    for args, message in ((["nope", "--dry_run"], "unknown stage 'nope'; stages: headline, lever"),
+                          (["lever", "--dry_run"], "stage 'lever' needs --set configs=..."),
+                          (["headline", "--set", "mb=8", "--dry_run"], "--set mb: stage 'headline' takes"),
+                          (["headline", "--set", "mb", "--dry_run"], "--set 'mb': expected name=value"),
+                          (["explain", "--keep", "warm", "--dry_run"], "stage 'explain' has nothing to continue"),
+                          (["headline", "--budget_s", "0", "--dry_run"], "budget_s must be in (0, 600]"),
+                          (["headline"], "--out (or $OUT)")):
+        with pytest.raises(SystemExit) as e:
+            device.main(args)
+        assert e.value.code == 2 and message in capsys.readouterr().err, args
+
+
+def test_a_table_with_an_unknown_placeholder_is_refused(tmp_path):
+    table = tmp_path / "stages.toml"
+    table.write_text('[s]\nquestion = "q"\nbudget_s = 10\n[[s.run]]\ncommand = "python x.py {mb}"\nlog = "x.log"\n'
+                     "needs_s = 1\n")
+    with pytest.raises(device.StageError, match=r"\['mb'\] in 'python x.py \{mb\}' are neither params"):
+        device.load(table)
+
+
+def test_the_dry_run_prints_each_command_with_its_time_limit_and_runs_nothing(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, ROOT / "benchmarks" / "device.py", "lever", "--set", "configs=baseline",
+                           "--set", "tests=tests/test_timing.py", "--gpu", "h100", "--out", out, "--dry_run"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("$ ")]
+    assert any("DeepCompileBuilder().load()" in ln for ln in lines)  # the ops first, side by side
+    ablation = next(ln for ln in lines if "benchmarks/ablation.py" in ln)
+    # the time left less the 200 s kept for the tests after it, less the margin for stopping between runs
+    limit = int(ablation.split("--time_limit ")[1].split()[0])
+    assert 565 - device.PACK_S - 200 - device.TIME_LIMIT_MARGIN_S - 5 <= limit <= 565 - 200
+    assert "--configs=baseline" in ablation and "CUDA_VISIBLE_DEVICES" in ablation
+    assert lines[-2].endswith("-m pytest -m gpu -v -rA -p no:cacheprovider tests/test_timing.py    # env "
+                              "{'CUDA_VISIBLE_DEVICES': '0'}")
+    assert f"benchmarks/compile_cache.py save {out}" in lines[-1]  # last, the caches for the next machine
+    assert not out.exists()
+
+
+TABLE = """
+[probe]
+question = "a stage that runs on a CPU"
+budget_s = {budget}
+min_gpus = 0
+keep = "kept"
+params = {{ slow = "", big = "500", count = "{count}" }}
+
+[[probe.run]]
+command = "python {{count}} {{work}}/kept"
+log = "first.log"
+needs_s = 1
+
+[[probe.run]]
+command = "python -c 'import time; time.sleep(60)'"
+log = "slow.log"
+needs_s = 1
+when = "slow"
+
+[[probe.run]]
+command = "python -c 'print(1)'"
+log = "big.log"
+needs_s = "big"
+"""
+
+
+def test_a_call_skips_what_would_not_fit_packs_its_folder_and_keeps_it_warm(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(device, "WARM", tmp_path / "warm")
+    monkeypatch.setattr(device, "COMPILE_CACHE", tmp_path / "none")
+    count = tmp_path / "count.py"  # makes the folder if need be and writes in it how many files it held
+    count.write_text("import pathlib, sys\np = pathlib.Path(sys.argv[1])\np.mkdir(exist_ok=True)\n"
+                     "(p / 'n').write_text(str(len(list(p.iterdir()))))\n")
+    table = tmp_path / "stages.toml"
+    table.write_text(TABLE.format(budget=30, count=count))
+    args = ["probe", "--stages", str(table), "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out")]
+    with pytest.raises(SystemExit) as e:
+        device.main([*args, "--keep", "warm"])
+    assert e.value.code == 2 and "no " + str(tmp_path / "warm" / "probe_1xcpu") in capsys.readouterr().err
+    assert device.main(args) == 3  # the third command needs 500 s of the 30
+    record = json.loads((tmp_path / "out" / "device.json").read_text())
+    assert [c.get("exit") for c in record["commands"]] == [0, None]  # the slow one is not asked for
+    assert "would not fit" in record["commands"][1]["skipped"]
+    with tarfile.open(tmp_path / "out" / "probe.tar.gz") as tar:
+        assert {"./first.log", "./kept/n", "./device.json"} <= set(tar.getnames())
+    assert (tmp_path / "warm" / "probe_1xcpu" / "n").read_text() == "0"  # the kept folder, copied
+    # the next call continues the folder the last one left, and a command cut by the budget stops there
+    table.write_text(TABLE.format(budget=20, count=count).replace('big = "500"', 'big = "1"'))
+    assert device.main([*args, "--keep", "warm", "--set", "slow=yes"]) == 3
+    assert (tmp_path / "work" / "kept" / "n").read_text() == "1"
+    record = json.loads((tmp_path / "out" / "device.json").read_text())
+    slow = record["commands"][1]
+    assert slow["timed_out"] and slow["seconds"] < 20 and "skipped" in record["commands"][2]
+
+
+def test_the_archived_device_scripts_are_a_record_the_driver_replaces():
+    archive = ROOT / "benchmarks" / "archive"
+    assert not list((ROOT / "benchmarks").glob("h200_*.sh"))
+    assert {p.name for p in archive.glob("h200_*.sh")} == {
+        "h200_compare.sh", "h200_deepcompile.sh", "h200_explain.sh", "h200_fused.sh", "h200_train_and_scale.sh",
+        "h200_tuning.sh"}
+    readme = (ROOT / "benchmarks" / "README.md").read_text()
+    for stage in STAGES:  # every stage is in the benchmarks' README, with its command
+        assert f"python benchmarks/device.py {stage}" in readme, stage
+
+
+def test_result_folders_are_named_by_the_gpus_model():
+    assert [device.kind_of(n) for n in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB")] == [
+        "h200", "h100", "a100"]
+
+
+def test_the_driver_parses_its_own_flags_like_the_other_entry_points():
+    parser = device.build_parser(STAGES)
+    assert isinstance(parser, argparse.ArgumentParser)
+    ns = parser.parse_args(["headline", "--set", "repeats=1", "--set", "tests=tests/test_timing.py", "--keep", "warm"])
+    assert (ns.stage, ns.sets, ns.keep) == ("headline", ["repeats=1", "tests=tests/test_timing.py"], "warm")
