@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import sys
 
 import pytest
@@ -612,7 +613,10 @@ def test_the_fast_profile_validates_and_saves_mid_run_and_resumes_like_the_unint
     assert full["train"]["profile"] == "fast" and full["fused"]["compile"] == "deepcompile"
     assert [v["step"] for v in full["extra"]["val"]] == [5, 10, 15, 20]
     assert all((ck / f"step{s:08d}" / "COMPLETE.json").exists() for s in (5, 10, 15, 20))
-    resumed = _train(script, tmp_path, "resumed", kjv, *common[:-4], "--resume", ck / "step00000010", steps=20)
+    # the resumed run saves into its own folder: the first one holds later steps it would overwrite
+    shutil.copytree(ck / "step00000010", tmp_path / "ck2" / "step00000010")
+    resumed = _train(script, tmp_path, "resumed", kjv, "--profile", "fast", "--ckpt_dir", tmp_path / "ck2",
+                     "--resume", tmp_path / "ck2" / "step00000010", steps=20)
     assert resumed["extra"]["start_step"] == 10 and len(resumed["losses"]) == 10
     gap = [abs(a - b) for a, b in zip(resumed["losses"], full["losses"][10:])]
     print("loss gaps after resume:", [round(g, 4) for g in gap])
