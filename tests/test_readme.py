@@ -82,38 +82,120 @@ def _quotes(printed: str, value: float) -> bool:
     return float(printed) == round(value, len(printed.partition(".")[2]))
 
 
-def test_the_headline_table_quotes_the_reports_it_names():
-    """Every row of the README's headline table that names a committed report (or `same`: the row above's) quotes
-    that report's medians, Lightning/DeepSpeed ratio and fractions of the ceiling, rounded as printed."""
-    text = (ROOT / "README.md").read_text()
-    table = text[text.index("## Headline results"):].split("\n\n")[2]
-    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[2:]]
-    checked, source = 0, None
-    for name, raw, lightning, ratio, fraction, where in rows:
-        if where != "same":
-            source = where.strip("`") if where.startswith("`benchmarks/results/") else None
-        if source is None:
+def _table(text: str, heading: str) -> list[list[str]]:
+    """The rows of the first table under `heading` (cells stripped)."""
+    section = text[text.index(heading):]
+    lines = [ln for ln in section[section.index("\n|"):].split("\n\n")[0].strip().splitlines()]
+    return [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[2:]]
+
+
+def headline_problems(text: str) -> list[str]:
+    """What in the README's headline table disagrees with the report each row names (`same`: the row above's):
+    medians, Lightning / DeepSpeed ratio with its pairs and range, GPUs, micro-batch, failed parity checks, and the
+    fast profile's settings; a row without a readable source is a problem unless it is the 2022 study's."""
+    from shared.train.profiles import PROFILES
+
+    problems, report = [], None
+    for row in _table(text, "## Headline results"):
+        name, gpus, mb, raw, lightning, ratio, failed, where = row
+        if where == "its own report":
+            if "2022 study" not in name:
+                problems.append(f"{name}: no source")
             continue
-        report = json.loads((ROOT / source).read_text())
-        if fraction == "1" or name.startswith("torch FSDP2"):  # a reference row of that compare
-            ref = report["reference"]["ceiling" if fraction == "1" else "fsdp2"]
-            assert _quotes(raw, ref["tflops_per_gpu"]), name
-        else:
-            paths = ("deepspeed", "lightning")
-            assert all(_quotes(x, report["paths"][p]["tflops_per_gpu"]) for x, p in zip((raw, lightning), paths)), name
-            assert _quotes(ratio.split()[0], report["ratio_lightning_over_deepspeed"]), name
-            pairs = re.search(r"\((\d+) pairs?(?:, ([0-9.]+)-([0-9.]+))?\)", ratio)
-            if pairs and report.get("ratio_spread"):  # the pairs' count and the range of their ratios
-                spread = report["ratio_spread"]
-                assert int(pairs.group(1)) == spread["n"], name
-                if pairs.group(2):
-                    assert _quotes(pairs.group(2), spread["min"]) and _quotes(pairs.group(3), spread["max"]), name
-            if fraction:
-                fractions = fraction.split(" / ")
-                assert len(fractions) == 2 and all(
-                    _quotes(x, report["fraction_of_ceiling"][p]) for x, p in zip(fractions, paths)), name
-        checked += 1
-    assert checked >= 6
+        if where != "same":
+            path = RESULTS / where.strip("`")
+            if not where.startswith("`") or not path.is_file():
+                problems.append(f"{name}: source {where} is not a committed file")
+                continue
+            report = json.loads(path.read_text())
+        if report is None:
+            problems.append(f"{name}: 'same' with no row above")
+            continue
+        n, _, device = gpus.partition(" x ")
+        reference = name.startswith("plain PyTorch reference")
+        world = 1 if reference else report["world_size"]
+        if int(n) != world or device not in report["device"]["name"]:
+            problems.append(f"{name}: GPUs {gpus} vs {world} x {report['device']['name']}")
+        if int(mb) != report["train"]["micro_batch"]:
+            problems.append(f"{name}: micro-batch {mb} vs {report['train']['micro_batch']}")
+        if reference:
+            if not _quotes(raw, report["reference"]["ceiling"]["tflops_per_gpu"]):
+                problems.append(f"{name}: {raw}")
+            continue
+        paths = ("deepspeed", "lightning")
+        if not all(_quotes(x, report["paths"][p]["tflops_per_gpu"]) for x, p in zip((raw, lightning), paths)):
+            problems.append(f"{name}: {raw} / {lightning}")
+        if not _quotes(ratio.split()[0], report["ratio_lightning_over_deepspeed"]):
+            problems.append(f"{name}: ratio {ratio}")
+        spread = report["ratio_spread"]
+        m = re.search(r"\((\d+)(?:: ([0-9.]+)-([0-9.]+))?\)", ratio)
+        if not m or int(m.group(1)) != spread["n"] or (m.group(2) and not (
+                _quotes(m.group(2), spread["min"]) and _quotes(m.group(3), spread["max"]))):
+            problems.append(f"{name}: pairs {ratio} vs {spread}")
+        parity = report["loss_parity"]  # reports before the `failed` list record `ok` alone
+        failed_checks = parity.get("failed", [] if parity["ok"] else ["unnamed"])
+        if (failed == "none") != (not failed_checks) or (failed != "none" and failed.split(", ") != failed_checks):
+            problems.append(f"{name}: parity failed {failed} vs {failed_checks}")
+        if name.startswith("fast profile"):
+            settings = {k: v for k, v in PROFILES["fast"].settings.items() if k != "micro_batch"}
+            ran = {k: report["train"].get(k) for k in settings}
+            if ran != settings:
+                problems.append(f"{name}: ran {ran}, the fast profile is {settings}")
+    return problems
+
+
+def test_the_headline_table_quotes_the_reports_it_names():
+    text = (ROOT / "README.md").read_text()
+    assert len(_table(text, "## Headline results")) == 5
+    assert headline_problems(text) == []
+
+
+@pytest.mark.parametrize("old, new, what", [
+    ("| 539.4 | 539.0 |", "| 539.4 | 539.1 |", "539.1"),
+    ("| 1 x H200 | 16 | 539.4", "| 2 x H200 | 16 | 539.4", "GPUs"),
+    ("| 1 x H200 | 16 | 539.4", "| 1 x H200 | 8 | 539.4", "micro-batch"),
+    ("0.997 (1) | checksum |", "0.997 (1) | none |", "parity"),
+    ("0.953 (2: 0.950-0.956)", "0.953 (2: 0.950-0.957)", "pairs"),
+    ("`compare_1xh200/report.json`", "`compare_9xh200/report.json`", "not a committed file"),
+    ("| the 2022 study, its own scripts and formula |", "| the study |", "no source"),
+])
+def test_the_headline_check_fails_on_a_changed_number_label_or_condition(old, new, what):
+    text = (ROOT / "README.md").read_text()
+    assert old in text
+    problems = headline_problems(text.replace(old, new, 1))
+    assert problems and what in " ".join(problems), problems
+
+
+def test_the_readmes_prose_numbers_are_their_sources():
+    """The figures the README's prose quotes, each recomputed from the JSON it names."""
+    text = " ".join((ROOT / "README.md").read_text().split())
+    top = json.loads((RESULTS / "together_1xh200" / "compare" / "report.json").read_text())
+    ds, pl = (top["paths"][p]["tflops_per_gpu"] for p in ("deepspeed", "lightning"))
+    m = re.search(r"([0-9.]+) against ([0-9.]+) TFLOPs/GPU on one H200 \(ratio ([0-9.]+), one pair\), ([0-9.]+) on two",
+                  text)
+    two = json.loads((RESULTS / "deepcompile_2xh200" / "report.json").read_text())["ratio_lightning_over_deepspeed"]
+    quoted = (pl, ds, top["ratio_lightning_over_deepspeed"], two)
+    assert [_quotes(x, v) for x, v in zip(m.groups(), quoted)] == [True] * 4
+    steps = [json.loads((RESULTS / "together_1xh200" / "compare" / "runs" / f"{p}_0.json").read_text())["per_step_s"]
+             for p in ("deepspeed", "lightning")]
+    lo, hi = re.search(r"step spread \((\d+)-(\d+) ms\)", text).groups()
+    assert int(lo) == round(min(min(s) for s in steps) * 1e3) and int(hi) == round(max(max(s) for s in steps) * 1e3)
+    fraction = re.search(r"so they run ([0-9.]+)x it", text).group(1)
+    assert all(_quotes(fraction, f) for f in top["fraction_of_ceiling"].values())
+    script = json.loads((RESULTS / "fast_profile_1xh100" / "raw_fast_1.5b.json").read_text())
+    assert _quotes(re.search(r"ran at ([0-9.]+) TFLOPs/GPU on one H100", text).group(1), script["tflops_per_gpu"])
+    assert (script["train"]["profile"], script["train"]["micro_batch"]) == ("fast", 8)
+    assert "H100" in script["device"]["name"]
+    parity = json.loads((RESULTS / "deepcompile_2xh200" / "report.json").read_text())["loss_parity"]
+    diff, bound = re.search(r"checksums differed by ([0-9.e-]+), over the ([0-9.e-]+) bound", text).groups()
+    assert _quotes(diff.split("e")[0], parity["checksum_rel_diff"] * 1e3)
+    assert float(bound) == parity["tolerance"]["checksum"]
+    budget = json.loads((RESULTS / "together_1xh200" / "compare" / "step_budget.json").read_text())["runs"][0]
+    m = re.search(r"matmuls run at (\d+)% of the H200's bf16 peak \((\d+)% of the peak at the (\d+) MHz its 700 W "
+                  r"power cap held\) and the attention kernels \(cuDNN, with dropout\) at (\d+)%", text)
+    assert [int(x) for x in m.groups()] == [round(100 * budget["matmul"]["of_peak"]),
+                                            round(100 * budget["matmul"]["of_held_peak"]), round(budget["sm_mhz"]),
+                                            round(100 * budget["attention"]["of_peak"])]
 
 
 def test_the_in_flight_idle_quoted_is_the_no_sync_profiles():
