@@ -450,22 +450,6 @@ def test_the_device_wait_trains_like_the_host_wait_without_the_backwards_sync(tm
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gpus", [1, pytest.param(2, marks=pytest.mark.skipif(
-    torch.cuda.device_count() < 2, reason="needs two GPUs: the division before the reduce-scatter stays there"))])
-def test_the_op_without_the_division_by_one_trains_like_deepspeeds_division(tmp_path, kjv, gpus):
-    """--deepcompile_skip_divide_by_one (shared/train/deepcompile_op.py): the op built with both patches runs and
-    trains as the op with the device wait alone; on one GPU it skips a division by 1, on two it divides as before."""
-    base = ("--compile", "deepcompile", "--deepcompile_backward_wait", "device")
-    divide = _train(RAW, tmp_path, "divide", kjv, *base, gpus=gpus)
-    skip = _train(RAW, tmp_path, "skip", kjv, *base, "--deepcompile_skip_divide_by_one", "true", gpus=gpus)
-    assert divide["extra"]["deepcompile_op"] == "dc_device_wait"
-    assert skip["extra"]["deepcompile_op"] == "dc_device_wait_skip_divide_by_one"
-    assert skip["train"]["deepcompile_skip_divide_by_one"] and skip["fused"]["dynamo_graph_breaks"] == 0
-    tail = lambda r: sum(r["losses"][-10:]) / 10
-    assert abs(tail(skip) - tail(divide)) <= 0.03 and skip["losses"][-1] < skip["losses"][0] - 1.0
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("script", [RAW, LIGHTNING], ids=["raw", "lightning"])
 def test_with_the_wait_and_the_norm_check_on_the_device_the_step_makes_no_sync(tmp_path, kjv, script):
     """compare.py's one-GPU default: --deepcompile_backward_wait device takes the backward's synchronizing call away

@@ -153,15 +153,6 @@ class TrainConfig(FusedSwitches):
     DeepSpeed's sources with that wait made the compute stream's, on an event (shared/train/deepcompile_op.py; built
     on first use, ~1 min). Same results, other timing: 1.005x and 1.003x on one H200, two pairs (docs/results.md);
     compare.py's GPU default when its runs use one GPU. Only with --compile deepcompile"""
-    deepcompile_skip_divide_by_one: bool = False
-    """DeepCompile's op divides every gradient by the world size before its reduce-scatter (DeepSpeed 0.19.8's
-    pre-division), a kernel per parameter, also when that size is 1: 292 multiplications by 1.0 a step of the 1.5b
-    preset on one GPU, 4.4-4.6 ms of device time on the op's reduce-scatter stream in its profiles (docs/results.md).
-    true: the op built from DeepSpeed's sources with that division skipped where the world size is 1, where it changes
-    no bit; with more GPUs it divides as DeepSpeed's does (shared/train/deepcompile_op.py; built on first use, ~1 min,
-    together with --deepcompile_backward_wait device's patch when both are on). Timed on one H100 at micro-batch 8:
-    0.997x its baselines, whose spread was 0.12% (docs/results.md), so off by default. Only with --compile
-    deepcompile"""
     skip_guard_eval: bool = False
     """after the warm-up's compiles, the training forward skips torch.compile's guard checks
     (torch.compiler.set_stance(skip_guard_eval_unsafe=True); shared/train/compile.GuardSkip): dynamo checks every
@@ -350,9 +341,6 @@ class TrainConfig(FusedSwitches):
         if self.deepcompile_backward_wait != "host" and self.compile != "deepcompile":
             raise ValueError(f"--deepcompile_backward_wait {self.deepcompile_backward_wait} changes DeepCompile's op, "
                              f"which --compile {self.compile} does not run: add --compile deepcompile or drop it")
-        if self.deepcompile_skip_divide_by_one and self.compile != "deepcompile":
-            raise ValueError(f"--deepcompile_skip_divide_by_one true changes DeepCompile's op, which --compile "
-                             f"{self.compile} does not run: add --compile deepcompile or drop it")
         if self.deepcompile_schedule not in DEEPCOMPILE_SCHEDULES:
             raise ValueError(f"unknown deepcompile_schedule {self.deepcompile_schedule!r}; choose one of "
                              f"{DEEPCOMPILE_SCHEDULES}")

@@ -122,12 +122,6 @@ def deepcompile_schedule(name: str, stage: int, persist_threshold: int | None = 
     return [(0, [zero3_compile.add_z3_gather_release, *keep]), (DEEPCOMPILE_WARMUP, full)]  # DeepSpeed's, plus ours
 
 
-def op_patches(train: TrainConfig) -> tuple[str, ...]:
-    """The patches of DeepCompile's op this run asks for (shared/train/deepcompile_op.PATCHES); () runs DeepSpeed's."""
-    return (("device_wait",) if train.deepcompile_backward_wait == "device" else ()) + (
-        ("skip_divide_by_one",) if train.deepcompile_skip_divide_by_one else ())
-
-
 def compile_engine(engine, train: TrainConfig, rank: int = 0) -> None:
     """Apply train.compile where it lives in the engine: deepcompile calls engine.compile() (inductor), with the
     config's DeepCompile options (schedule, persistence, the eager list, the cached walks, the backward's wait).
@@ -154,9 +148,8 @@ def compile_engine(engine, train: TrainConfig, rank: int = 0) -> None:
         raise ValueError(f"compile.{offload[0]} in the DeepSpeed config needs DeepSpeed's own DeepCompile schedule: "
                          "run with --deepcompile_schedule deepspeed --deepcompile_persist deepspeed")
     threshold = engine.zero_param_persistence_threshold() if persist == "threshold" else None
-    patches = op_patches(train)
-    if patches:
-        deepcompile_op.install(patches)  # before engine.compile() loads DeepSpeed's own op
+    if train.deepcompile_backward_wait == "device":
+        deepcompile_op.install()  # before engine.compile() loads DeepSpeed's own op
     time_deepcompile_profilers()
     engine.compile(backend="inductor", schedule=deepcompile_schedule(schedule, stage, threshold))
     if not engine.is_deepcompile_active():
