@@ -35,8 +35,7 @@ per element, instead of the Triton kernel's eight draws per call (`-triton_dropo
 DeepSpeed's own DeepCompile op, whose host waits for the backward's end, instead of the one whose compute stream waits
 for it (`-device_backward_wait`, shared/train/deepcompile_op.py), DeepSpeed's read of the gradient norm's inf/NaN check
 on the host instead of the flag left on the device, each update skipping itself there (`-device_norm_check`,
-shared/train/zero3_step.py), the training forward without dynamo's guard checks once the
-compiles are done (`+skip_guard_eval`, shared/train/compile.GuardSkip), and the padded vocabulary, the Triton loss
+shared/train/zero3_step.py), and the padded vocabulary, the Triton loss
 and the Triton dropout all off (`-together`: each measured within its baselines' noise alone, the three 1.017x
 together). The block-sparse kernel is not a lever here: on the causal layout SDPA (cuDNN) is faster, with and
 without dropout; benchmarks/attention.py and attention_dropout.py compare them at the model's shape.
@@ -135,7 +134,6 @@ LAST_MILE = {
     "-triton_dropout": {"triton_dropout": False},
     "-device_backward_wait": {"deepcompile_backward_wait": "host"},
     "-device_norm_check": {"grad_norm_check": "host"},
-    "+skip_guard_eval": {"skip_guard_eval": True},  # the forward's guard checks skipped after the compiles
     # the three levers of the default that measured within their baselines' noise alone and a gain together, all off
     "-together": {"vocab_multiple": 1, "triton_loss": False, "triton_dropout": False},
     "baseline_again": {},

@@ -23,7 +23,7 @@ from torchmetrics import MeanMetric
 from shared.model.gpt import GPT, count_parameters
 from shared.train import checkpoint, zero3_step
 from shared.train.cli import parse_train_config
-from shared.train.compile import GuardSkip, compile_blocks, configure_inductor
+from shared.train.compile import compile_blocks, configure_inductor
 from shared.train.config import TrainConfig
 from shared.train.data import train_loader, val_loader
 from shared.train.distributed import (
@@ -130,7 +130,6 @@ def main(train: TrainConfig) -> RunResult:
     grad_norms = GradNormRecorder(engine)
     preemption = Preemption(device, train.sigterm_check_every)
     nan_guard = NanGuard(train, device)
-    guards = GuardSkip(train)
     history = {"val": []}
 
     if resume_from is not None:
@@ -148,8 +147,7 @@ def main(train: TrainConfig) -> RunResult:
                 x, y = next(batches)
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 timer.mark("data")
-                with guards.forward(step):
-                    loss = engine(x, y)
+                loss = engine(x, y)
                 timer.mark("forward")
                 if nan_guard.skip(loss, step):  # nan_policy=skip: no backward, no update for this step
                     scheduler.step()  # the schedule and the data move on, as in the Lightning path

@@ -153,15 +153,6 @@ class TrainConfig(FusedSwitches):
     DeepSpeed's sources with that wait made the compute stream's, on an event (shared/train/deepcompile_op.py; built
     on first use, ~1 min). Same results, other timing: 1.005x and 1.003x on one H200, two pairs (docs/results.md);
     compare.py's GPU default when its runs use one GPU. Only with --compile deepcompile"""
-    skip_guard_eval: bool = False
-    """after the warm-up's compiles, the training forward skips torch.compile's guard checks
-    (torch.compiler.set_stance(skip_guard_eval_unsafe=True); shared/train/compile.GuardSkip): dynamo checks every
-    input of a compiled function before each call, under DeepCompile every parameter of the model (in the 1.5b
-    forwards profiled in flight the device waited 0.07-2.98 ms on it, median 1.69: docs/results.md). The forward of
-    the step after the last planned compile runs with its guards and must compile nothing, else the run stops with an
-    error; later training forwards skip them. Validation, export and the backward keep them. Needs something compiled
-    (--compile blocks or deepcompile, or the compiled bias + dropout / GELU switches). Timed on one H100 at micro-batch
-    8: 1.001x its baselines, whose spread was 0.12% (docs/results.md), so off by default"""
     coordinate_descent_tuning: bool = False
     """inductor's coordinate-descent tuning (torch._inductor.config.coordinate_descent_tuning): each generated
     Triton kernel's block sizes and warps are benchmarked around the default at its first compile and the best is
@@ -366,12 +357,6 @@ class TrainConfig(FusedSwitches):
                 "compile when torch.compile traces it (Triton CompilationError on its eps argument, seen on the "
                 "H200), and the compiled block fuses its LayerNorms itself; drop one of the two"
             )
-        fused = self.resolve_fused()
-        if self.skip_guard_eval and self.compile == "none" and not (
-                fused["fused_bias_dropout_add"] or fused["fused_bias_gelu"]):
-            raise ValueError("--skip_guard_eval skips torch.compile's guard checks, and nothing is compiled in this "
-                             "run (--compile none, the compiled bias + dropout and bias + GELU off): add --compile "
-                             "blocks or deepcompile, or drop it")
         # Built once, here: the model overrides are validated now, not after the process group is up, and every
         # caller reads the same object (dataclasses.replace runs __post_init__ again, so a copy gets its own).
         self._model = self._build_model()
@@ -421,13 +406,6 @@ class TrainConfig(FusedSwitches):
         return 4 if self.activation_checkpointing else 3
 
 
-def last_compile_step(train: TrainConfig) -> int:
-    """The last step at which the training forward compiles, counted from the first step the process trains (0):
-    DeepCompile's recompile step under its own ZeRO-3 schedule, else 0 (the first forward compiles everything)."""
-    deepspeed_schedule = train.deepcompile_schedule == "deepspeed" and train.stage == 3
-    return DEEPCOMPILE_WARMUP if train.compile == "deepcompile" and deepspeed_schedule else 0
-
-
 def _check_deepcompile(train: TrainConfig) -> None:
     """Refuse, before any process starts, what DeepCompile cannot run: never silently something else."""
     if not model_config.cuda_available():
@@ -436,7 +414,7 @@ def _check_deepcompile(train: TrainConfig) -> None:
     if train.stage == 0:
         raise ValueError("--compile deepcompile needs ZeRO stage 1, 2 or 3 (DeepCompile is a ZeRO pass); "
                          "use --compile blocks or none with stage 0")
-    recompiles_at = last_compile_step(train)
+    recompiles_at = DEEPCOMPILE_WARMUP if train.deepcompile_schedule == "deepspeed" and train.stage == 3 else 0
     if train.warmup_steps <= recompiles_at:
         what = f"recompiles at step {recompiles_at}" if recompiles_at else "compiles at step 0"
         raise ValueError(f"--compile deepcompile needs --warmup_steps > {recompiles_at}: DeepCompile profiles and "

@@ -207,7 +207,6 @@ def build_result(*, path: str, train: TrainConfig, model_cfg: GPTConfig, ds_conf
                "deepcompile_cached_walks": getattr(runtime, "CACHED_WALKS", None),
                "deepcompile_profilers": getattr(runtime, "PROFILERS", None),
                "deepcompile_op": deepcompile_op.active_op(),
-               "guard_skip_from": getattr(sys.modules.get("shared.train.compile"), "GUARD_SKIP_FROM", None),
                **({"profile": timing["profile"]} if timing.get("profile") else {}),
                **({"syncs": timing["syncs"]} if timing.get("syncs") else {})},
     )
