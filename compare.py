@@ -90,7 +90,7 @@ DEEPCOMPILE_DEFAULT_HELP = ("(default on GPUs: deepcompile, with --deepcompile_s
                             "(at the 1.5b preset: 8 where 16's measured peak is not expected to fit the GPU), "
                             "--vocab_multiple 128, --triton_loss (bf16, without --fused_loss), --triton_dropout "
                             "(with the fused bias + dropout + add), "
-                            "--coordinate_descent_tuning, --triton_gelu_grad (without --matmul_bias_grad), "
+                            "--coordinate_descent_tuning, --triton_gelu_grad, "
                             "--zero3_step fused (AdamW, ZeRO-3) and, on one GPU, --deepcompile_backward_wait device "
                             "and --grad_norm_check device (ZeRO-3, not fp16), "
                             "where it can run and has been measured: ZeRO stage 1-3, no --val_every/--save_every, "

@@ -24,8 +24,7 @@ half as long again), the vocabulary unpadded (`-vocab128`), DeepSpeed's own opti
 (`-fast_zero3_step`), the fast step's three passes (gradient copy, torch's fused AdamW, parameter copy) instead of the
 one kernel (`-fused_zero3_step`, shared/kernels/adamw.py), DeepCompile without the small parameters kept gathered
 (`-persist_threshold`, shared/train/deepcompile_passes.py), inductor's generated kernels without coordinate-descent
-tuning (`-coordinate_descent`), the MLP bias's gradient summed by a matmul instead of the bias + GELU backward kernel
-(`+matmul_bias_grad`), inductor's generated bias + GELU backward instead of that kernel (`-triton_gelu_grad`,
+tuning (`-coordinate_descent`), inductor's generated bias + GELU backward instead of that kernel (`-triton_gelu_grad`,
 shared/kernels/bias_gelu_grad.py), the model's own loss (inductor's kernels over the whole logits) instead of one
 Triton kernel per row (`-triton_loss`, shared/kernels/cross_entropy.py), eager ZeRO-3's list of persistent
 parameters kept under DeepCompile, so each step gathers them again (`-drop_eager_persist`,
@@ -125,7 +124,6 @@ LAST_MILE = {
     "-fast_zero3_step": {"zero3_step": "deepspeed", "grad_norm_check": "host"},  # DeepSpeed's step checks on the host
     "-persist_threshold": {"deepcompile_persist": "deepspeed"},
     "-coordinate_descent": {"coordinate_descent_tuning": False},
-    "+matmul_bias_grad": {"matmul_bias_grad": True, "triton_gelu_grad": False},  # the other backward of the two
     "-triton_gelu_grad": {"triton_gelu_grad": False},
     "-triton_loss": {"triton_loss": False},
     "-drop_eager_persist": {"deepcompile_eager_persist": "deepspeed"},

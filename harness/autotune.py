@@ -370,8 +370,6 @@ def fused_step_refusal(cfg: TrainConfig) -> str | None:
 def gelu_kernel_refusal(cfg) -> str | None:
     """Why `--triton_gelu_grad` cannot run in this configuration (a TrainConfig, or compare.py's parsed flags, where
     an unset flag is None), or None when it can: the search does not try it then, nor compare.py's GPU default."""
-    if cfg.matmul_bias_grad:
-        return "--matmul_bias_grad asks for the bias gradient as a matmul"
     if cfg.fused_bias_gelu is False:
         return "it is the backward of the fused bias + GELU, and --fused_bias_gelu is false"
     if not model_config.cuda_available():

@@ -271,7 +271,6 @@ def test_a_micro_batch_out_of_memory_with_the_triton_loss_retries_with_the_chunk
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (dict(matmul_bias_grad=True, fused_bias_gelu=True), "--matmul_bias_grad asks for the bias gradient as a matmul"),
     (dict(fused_bias_gelu=False), "it is the backward of the fused bias + GELU, and --fused_bias_gelu is false")])
 def test_search_does_not_try_the_bias_gelu_kernel_where_it_cannot_run(tmp_path, monkeypatch, capsys, overrides,
                                                                       message):

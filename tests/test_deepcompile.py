@@ -651,12 +651,11 @@ def test_compare_on_gpus_defaults_to_deepcompile_where_it_can_run(pretend_gpus, 
     train = pretend_gpus.parse(["--vocab_multiple", "64", "--triton_loss", "false", "--triton_dropout", "false"])[0]
     assert (train.vocab_multiple, train.triton_loss, train.triton_dropout) == (64, False, False)  # asked for: kept
     capsys.readouterr()
-    # the bias + GELU kernel is a backward of the fused bias + GELU: without it, or with the other backward (the
-    # bias gradient as a matmul), the default leaves the kernel off instead of refusing the flags
-    for args in (["--fused_bias_gelu", "false"], ["--matmul_bias_grad"]):
-        assert pretend_gpus.parse(args)[0].triton_gelu_grad is False, args
-        assert ("--triton_gelu_grad false --zero3_step fused --grad_norm_check host --deepcompile_backward_wait host "
-                "(the GPU default") in capsys.readouterr().out
+    # the bias + GELU kernel is a backward of the fused bias + GELU: without it the default leaves the kernel off
+    # instead of refusing the flags
+    assert pretend_gpus.parse(["--fused_bias_gelu", "false"])[0].triton_gelu_grad is False
+    assert ("--triton_gelu_grad false --zero3_step fused --grad_norm_check host --deepcompile_backward_wait host "
+            "(the GPU default") in capsys.readouterr().out
     assert pretend_gpus.parse(["--triton_gelu_grad", "false"])[0].triton_gelu_grad is False
     # the fused step is AdamW's kernel: another optimizer keeps the fast step; an asked-for step is kept
     assert pretend_gpus.parse(["--optimizer", "fusedadam"])[0].zero3_step == "fast"

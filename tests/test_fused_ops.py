@@ -159,14 +159,13 @@ def test_every_fused_flag_is_recorded():
     from shared.model.config import fused_paths
 
     on = dict.fromkeys(FUSED_FLAGS, True)
-    # two backwards of one bias + GELU, two losses of one head: one of each pair at a time
-    for off in (("matmul_bias_grad", "fused_loss"), ("triton_gelu_grad", "triton_loss")):
+    # two losses of one head: one at a time
+    for off in (("fused_loss",), ("triton_loss",)):
         paths = fused_paths(preset("tiny", **{**on, **dict.fromkeys(off, False)}))
         assert sorted(k for k, v in paths.items() if not v) == sorted(FUSED_RESULT_KEYS[k] for k in off)
     assert list(fused_paths(preset("tiny"))) == ["chunked_linear_cross_entropy", "triton_linear_cross_entropy",
-                                                 "bias_dropout_add", "bias_gelu", "bias_gelu_matmul_grad",
-                                                 "bias_gelu_triton_grad", "dropout_triton_mask",
-                                                 "layernorm_liger"]
+                                                 "bias_dropout_add", "bias_gelu", "bias_gelu_triton_grad",
+                                                 "dropout_triton_mask", "layernorm_liger"]
     assert set(fused_paths(preset("tiny")).values()) == {False}  # None (the CUDA rule) resolved: off on CPU
 
 
@@ -174,63 +173,6 @@ def test_every_fused_flag_is_recorded():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_bias_dropout_add_keep_rate_and_mask_gpu(dtype):
     _keep_rate_and_mask("cuda", dtype)
-
-
-def test_column_sum_is_the_sum_over_every_row():
-    g = torch.Generator().manual_seed(0)
-    t = torch.randn(3, 50, 7, generator=g, dtype=torch.float64)
-    torch.testing.assert_close(fused_ops.column_sum(t), t.sum(dim=(0, 1)))
-    assert fused_ops.column_sum(torch.ones(1, 5)).tolist() == [1.0] * 5  # a single row too
-
-
-def test_the_matmul_bias_grad_matches_autograd_of_the_reference():
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 5, 6, generator=g, dtype=torch.float64, requires_grad=True)
-    b = torch.randn(6, generator=g, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(fused_ops._BiasGeluMatmulGrad.apply, (x, b))
-    x32, b32 = x.detach().float().requires_grad_(), b.detach().float().requires_grad_()
-    gy = torch.randn(2, 5, 6, generator=g)
-    out = fused_ops.bias_gelu_matmul_grad(x32, b32)  # compiled, as the model runs it
-    ref = F.gelu(x32 + b32, approximate="tanh")
-    torch.testing.assert_close(out, ref)
-    for got, exp in zip(torch.autograd.grad(out, [x32, b32], gy), torch.autograd.grad(ref, [x32, b32], gy)):
-        torch.testing.assert_close(got, exp)
-    torch.testing.assert_close(fused_ops.bias_gelu_matmul_grad(x32, None), F.gelu(x32, approximate="tanh"))
-
-
-def test_the_model_takes_the_matmul_bias_grad_only_with_the_fused_gelu():
-    from shared.model.gpt import GeluLinear
-
-    on = preset("tiny", fused_bias_gelu=True, matmul_bias_grad=True)
-    assert GeluLinear(on).bias_gelu is fused_ops.bias_gelu_matmul_grad
-    assert GeluLinear(preset("tiny", fused_bias_gelu=True)).bias_gelu is fused_ops.bias_gelu
-    with pytest.raises(ValueError, match="matmul_bias_grad changes the backward of fused_bias_gelu"):
-        preset("tiny", fused_bias_gelu=False, matmul_bias_grad=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tuning", [False, True])
-def test_bf16_matmul_bias_grad_matches_the_reference_on_gpu(tuning):
-    """The bias gradient through the matmul, compiled with and without coordinate-descent tuning (under which
-    inductor rewrites products with a dimension of 1), against float32 autograd: 32k rows as in the model."""
-    import torch._inductor.config as inductor_config
-
-    torch._dynamo.reset()
-    dev, dt = torch.device("cuda"), torch.bfloat16
-    g = torch.Generator(device=dev).manual_seed(0)
-    x = torch.randn(16 * 2048, 1024, device=dev, generator=g, dtype=dt, requires_grad=True)
-    b = (0.1 * torch.randn(1024, device=dev, generator=g, dtype=dt)).requires_grad_()
-    gy = torch.randn_like(x)
-    with inductor_config.patch(coordinate_descent_tuning=tuning):
-        out = fused_ops.bias_gelu_matmul_grad(x, b)
-        dx, db = torch.autograd.grad(out, [x, b], gy)
-    xf, bf = x.detach().float().requires_grad_(), b.detach().float().requires_grad_()
-    ref = F.gelu(xf + bf, approximate="tanh")
-    dxf, dbf = torch.autograd.grad(ref, [xf, bf], gy.float())
-    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(dx.float(), dxf, rtol=2e-2, atol=2e-2)
-    assert (db.float() - dbf).norm() / dbf.norm() < 1e-2
-    torch._dynamo.reset()
 
 
 def _bf16_inputs():

@@ -62,18 +62,6 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-def column_sum(t: torch.Tensor) -> torch.Tensor:
-    """The sum over every row of t (..., n) -> (n,), as a matrix product with rows of ones: the matmul library
-    streams t once at memory bandwidth with fp32 accumulation, where a generated column reduction over B*T rows
-    leaves most of the GPU idle. COLUMN_SUM_ROWS identical rows of ones, not one: under coordinate-descent tuning
-    inductor rewrites a product with a dimension of 1 into the very reduction this avoids."""
-    rows = t.reshape(-1, t.shape[-1])
-    return (rows.new_ones(COLUMN_SUM_ROWS, rows.shape[0]) @ rows)[0]
-
-
-COLUMN_SUM_ROWS = 16  # one tensor-core tile of rows; the product's extra rows cost no memory traffic
-
-
 class _BiasGeluOwnGrad(torch.autograd.Function):
     """gelu(x + bias) with a backward of its own (a subclass's): x and bias are saved, x + bias recomputed there."""
 
@@ -81,16 +69,6 @@ class _BiasGeluOwnGrad(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, bias)
         return F.gelu(x + bias, approximate="tanh")
-
-
-class _BiasGeluMatmulGrad(_BiasGeluOwnGrad):
-    """The bias gradient from column_sum instead of a generated reduction."""
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x, bias = ctx.saved_tensors
-        dx = torch.ops.aten.gelu_backward(grad, x + bias, approximate="tanh")
-        return dx, column_sum(dx)
 
 
 class _BiasGeluTritonGrad(_BiasGeluOwnGrad):
@@ -116,8 +94,6 @@ def _bias_gelu_with(function: type[_BiasGeluOwnGrad], doc: str):
     return bias_gelu_with
 
 
-bias_gelu_matmul_grad = _bias_gelu_with(
-    _BiasGeluMatmulGrad, "bias_gelu, the same forward, with the bias gradient summed by a matmul (column_sum).")
 bias_gelu_triton_grad = _bias_gelu_with(
     _BiasGeluTritonGrad, "bias_gelu, the same forward, with the backward (input and bias gradients) as one Triton "
     "kernel.")

@@ -87,8 +87,7 @@ class GeluLinear(Linear):
     def __init__(self, cfg: GPTConfig):
         super().__init__(cfg.n_embd, 4 * cfg.n_embd, cfg.bias)
         self.fused = cfg.fused_bias_gelu
-        self.bias_gelu = (fused_ops.bias_gelu_triton_grad if cfg.triton_gelu_grad
-                          else fused_ops.bias_gelu_matmul_grad if cfg.matmul_bias_grad else fused_ops.bias_gelu)
+        self.bias_gelu = fused_ops.bias_gelu_triton_grad if cfg.triton_gelu_grad else fused_ops.bias_gelu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
