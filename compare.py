@@ -88,7 +88,7 @@ SHAPE_FLAGS = ("seq_len", "n_layer", "n_head", "n_embd", "vocab_size", "activati
 UNMEASURED_UNDER_DEEPCOMPILE = ("blocksparse",)
 DEEPCOMPILE_DEFAULT_HELP = ("(default on GPUs: deepcompile, with --deepcompile_schedule once, --micro_batch 16 "
                             "(at the 1.5b preset: 8 where 16's measured peak is not expected to fit the GPU), "
-                            "--vocab_multiple 128, --triton_loss (bf16, without --fused_loss), --triton_dropout "
+                            "--vocab_multiple 128, --triton_loss (bf16), --triton_dropout "
                             "(with the fused bias + dropout + add), "
                             "--coordinate_descent_tuning, --triton_gelu_grad, "
                             "--zero3_step fused (AdamW, ZeRO-3) and, on one GPU, --deepcompile_backward_wait device "

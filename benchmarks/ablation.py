@@ -17,9 +17,8 @@ counters) and ablation.md (the table). A configuration that fails is recorded wi
 micro-batch 16, coordinate-descent kernel tuning, the vocabulary padded to a multiple of 128, the LM head's loss by a
 Triton kernel, the residual dropouts' masks by a Triton kernel, the MLP's bias + GELU backward and the optimizer step
 each in one Triton kernel, DeepCompile's backward end waited for on the device, the step's gradient-norm check left on
-the device, the tuned ZeRO-3 buckets; 20 steps of which 10 warm-up) and changes one lever per configuration: the
-chunked linear + cross-entropy in place of the Triton loss (`+fused_loss`), that with the micro-batch it frees
-(`+fused_loss_mb24`), micro-batch 24 with the Triton loss (`+mb24`: each step's host work is the same, its kernels
+the device, the tuned ZeRO-3 buckets; 20 steps of which 10 warm-up) and changes one lever per configuration:
+micro-batch 24 (`+mb24`: each step's host work is the same, its kernels
 half as long again), the vocabulary unpadded (`-vocab128`), DeepSpeed's own optimizer step instead of this project's
 (`-fast_zero3_step`), the fast step's three passes (gradient copy, torch's fused AdamW, parameter copy) instead of the
 one kernel (`-fused_zero3_step`, shared/kernels/adamw.py), DeepCompile without the small parameters kept gathered
@@ -99,7 +98,6 @@ from shared.train.results import device_info, replace_text, versions
 
 SWITCHES = {
     "native_linear": {"memory_efficient_linear": False},
-    "fused_loss": {"fused_loss": True},
     "bias_dropout_add": {"fused_bias_dropout_add": True},
     "bias_gelu": {"fused_bias_gelu": True},
     "layernorm_liger": {"fused_layernorm": True},
@@ -116,8 +114,6 @@ NAIVE = {"fused_bias_dropout_add": False, "fused_bias_gelu": False, "zero3_step"
 # On top of compare.py's GPU default: one lever per configuration (see the module docstring).
 LAST_MILE = {
     "baseline": {},
-    "+fused_loss": {"fused_loss": True, "triton_loss": False},  # the chunked loss in place of the Triton one
-    "+fused_loss_mb24": {"fused_loss": True, "triton_loss": False, "micro_batch": 24},
     # 1.5x the work per step for the same host work per step: the host's launches hidden behind longer kernels
     "+mb24": {"micro_batch": 24},
     "-vocab128": {"vocab_multiple": 1},
@@ -296,7 +292,7 @@ def main(argv: list[str] | None = None) -> dict:
         p.error(f"--timeout must be positive seconds, got {ns.timeout}")
     if last_mile and ns.mb_sweep:
         p.error("--mb_sweep sweeps the naive and all configurations of --set fusions; with --set last_mile a "
-                "micro-batch is a lever (+fused_loss_mb24) or --micro_batch")
+                "micro-batch is a lever (+mb24) or --micro_batch")
     if ns.gpus < 1 or (ns.gpus > 1 and (not cuda or ns.gpus > torch.cuda.device_count())):
         p.error(f"--gpus takes 1 up to the GPUs this machine has ({torch.cuda.device_count() if cuda else 0}), "
                 f"got {ns.gpus}")

@@ -153,7 +153,7 @@ kernel_tests() {  # GPU $1: the block-sparse kernel's GPU tests
 last_mile() {  # GPU $1: the lever table on top of the DeepCompile default (benchmarks/ablation.py --set last_mile)
   if [ -n "${ABL:-}" ]; then cp -r "$ABL" "$W/ablation"; fi
   CUDA_VISIBLE_DEVICES=$1 timeout -k 10 "$(left)" python3 benchmarks/ablation.py --set last_mile \
-    --configs "${CONFIGS:-baseline,+fused_loss}" --keep --timeout 400 --out "$W/ablation" > "$W/ablation.log" 2>&1
+    --configs "${CONFIGS:-baseline,+mb24}" --keep --timeout 400 --out "$W/ablation" > "$W/ablation.log" 2>&1
 }
 REFS=(--reference ${REFROUNDS:+--reference_rounds "$REFROUNDS"})
 gpu_test_each() {  # GPU $1: each named deepcompile GPU test in its own pytest, so every one reports even if cut

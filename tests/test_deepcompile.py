@@ -640,9 +640,9 @@ def test_compare_on_gpus_defaults_to_deepcompile_where_it_can_run(pretend_gpus, 
             "--triton_loss true --triton_dropout true --coordinate_descent_tuning true --triton_gelu_grad true "
             "--zero3_step fused --grad_norm_check host --deepcompile_backward_wait host (the GPU default") in printed
     assert (train.vocab_multiple, train.triton_loss, train.triton_dropout) == (128, True, True)
-    # the Triton loss is the other loss than --fused_loss and was measured in bf16 only; the Triton dropout draws the
-    # fused bias + dropout + add's mask: where they cannot run the default leaves them off instead of refusing
-    for args in (["--fused_loss"], ["--precision", "fp16"], ["--precision", "32"]):
+    # the Triton loss was measured in bf16 only; the Triton dropout draws the fused bias + dropout + add's mask: where
+    # they cannot run the default leaves them off instead of refusing
+    for args in (["--precision", "fp16"], ["--precision", "32"]):
         train = pretend_gpus.parse(args)[0]
         assert train.compile == "deepcompile" and train.triton_loss is False and train.triton_dropout is True, args
         assert "--vocab_multiple 128 --triton_loss false --triton_dropout true" in capsys.readouterr().out, args

@@ -134,14 +134,13 @@ def test_both_paths_run_the_fused_compiled_model_under_zero3_and_record_it(tmp_p
     """Both paths, 2 CPU processes, ZeRO-3: same losses as each other and (no dropout) as the plain model; the
     compiled blocks are one graph with no break, recorded with every fused flag."""
     args = [*FAST, "--precision", "fp32", "--dropout", "0"]
-    fused = ["--fused_bias_dropout_add", "--fused_bias_gelu", "--fused_loss", "--compile", "blocks"]
+    fused = ["--fused_bias_dropout_add", "--fused_bias_gelu", "--compile", "blocks"]
     torchrun(RAW, 2, [*args, "--out", str(tmp_path / "plain.json")], timeout=400)
     torchrun(RAW, 2, [*args, *fused, "--out", str(tmp_path / "raw.json")], timeout=400)
     run([sys.executable, LIGHTNING, *args, *fused, "--devices", "2", "--out", tmp_path / "pl.json"], timeout=400)
     plain_run, raw, pl = (load(tmp_path / f) for f in ("plain.json", "raw.json", "pl.json"))
     for r in (raw, pl):
-        assert {k: r["fused"][k] for k in ("bias_dropout_add", "bias_gelu", "chunked_linear_cross_entropy")} \
-            == dict.fromkeys(("bias_dropout_add", "bias_gelu", "chunked_linear_cross_entropy"), True)
+        assert r["fused"]["bias_dropout_add"] is True and r["fused"]["bias_gelu"] is True
         assert r["fused"]["compile"] == "blocks" and r["fused"]["layernorm_liger"] is False
         assert r["fused"]["dynamo_graph_breaks"] == 0 and r["fused"]["dynamo_recompile_limit_hits"] == 0
         assert r["ds_config"]["zero_optimization"]["leaf_module"]["classes"] == ["shared.model.gpt.Block"]
@@ -159,13 +158,11 @@ def test_every_fused_flag_is_recorded():
     from shared.model.config import fused_paths
 
     on = dict.fromkeys(FUSED_FLAGS, True)
-    # two losses of one head: one at a time
-    for off in (("fused_loss",), ("triton_loss",)):
-        paths = fused_paths(preset("tiny", **{**on, **dict.fromkeys(off, False)}))
-        assert sorted(k for k, v in paths.items() if not v) == sorted(FUSED_RESULT_KEYS[k] for k in off)
-    assert list(fused_paths(preset("tiny"))) == ["chunked_linear_cross_entropy", "triton_linear_cross_entropy",
-                                                 "bias_dropout_add", "bias_gelu", "bias_gelu_triton_grad",
-                                                 "dropout_triton_mask", "layernorm_liger"]
+    assert fused_paths(preset("tiny", **on)) == {FUSED_RESULT_KEYS[k]: True for k in FUSED_FLAGS}
+    one_off = fused_paths(preset("tiny", **{**on, "triton_loss": False}))
+    assert [k for k, v in one_off.items() if not v] == ["triton_linear_cross_entropy"]
+    assert list(fused_paths(preset("tiny"))) == ["triton_linear_cross_entropy", "bias_dropout_add", "bias_gelu",
+                                                 "bias_gelu_triton_grad", "dropout_triton_mask", "layernorm_liger"]
     assert set(fused_paths(preset("tiny")).values()) == {False}  # None (the CUDA rule) resolved: off on CPU
 
 

@@ -23,12 +23,10 @@ class FusedSwitches:
     """The model-level fused paths, one switch each. None (not given) means: on where a CUDA device is, where it was
     measured to win; CPU runs stay eager (`resolve_fused`)."""
 
-    fused_loss: bool = False
-    """chunked linear + cross-entropy in the LM head (no full fp32 logits; shared/model/fused_loss.py)"""
     triton_loss: bool = False
     """the LM head's loss and its logits' gradient by one Triton kernel per row in forward, the backward's products
-    scaled afterwards (shared/kernels/cross_entropy.py, shared/model/fused_loss.py); CUDA, or a CPU under
-    TRITON_INTERPRET=1; on in compare.py's GPU default (bf16, without fused_loss)"""
+    scaled afterwards (shared/kernels/cross_entropy.py, shared/model/linear_cross_entropy.py); CUDA, or a CPU under
+    TRITON_INTERPRET=1; on in compare.py's GPU default (bf16)"""
     fused_bias_dropout_add: bool | None = None
     """residual + dropout(x W^T + b) as one compiled kernel (shared/model/fused_ops.py); default: on with CUDA, off
     on CPU. Chosen from a single run (+4.1% raw on one H200, one run per path, no repeat: inside single-run noise;
@@ -55,7 +53,7 @@ class FusedSwitches:
 
 # The switches' names (the fields of FusedSwitches), and the key each has in a result JSON's `fused` dict.
 FUSED_FLAGS = tuple(f.name for f in dataclasses.fields(FusedSwitches))
-FUSED_RESULT_KEYS = {"fused_loss": "chunked_linear_cross_entropy", "triton_loss": "triton_linear_cross_entropy",
+FUSED_RESULT_KEYS = {"triton_loss": "triton_linear_cross_entropy",
                      "fused_bias_dropout_add": "bias_dropout_add", "fused_bias_gelu": "bias_gelu",
                      "triton_gelu_grad": "bias_gelu_triton_grad",
                      "triton_dropout": "dropout_triton_mask", "fused_layernorm": "layernorm_liger"}
@@ -153,8 +151,6 @@ class GPTConfig(FusedSwitches):
         if self.triton_dropout and not self.fused_bias_dropout_add:
             raise ValueError("triton_dropout draws the mask of fused_bias_dropout_add, which is off here (it is off "
                              "on CPU unless asked): turn on fused_bias_dropout_add too")
-        if self.triton_loss and self.fused_loss:
-            raise ValueError("triton_loss and fused_loss are two ways of the LM head's loss: choose one")
         if self.fused_layernorm and not self.bias:
             raise ValueError("fused_layernorm (liger-kernel's LayerNorm) needs bias=True")
 

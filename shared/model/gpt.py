@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from shared.model import fused_ops
 from shared.model.attention import build_attention
 from shared.model.config import GPTConfig
-from shared.model.fused_loss import chunked_linear_cross_entropy, triton_linear_cross_entropy
+from shared.model.linear_cross_entropy import triton_linear_cross_entropy
 
 INIT_STD = 0.02
 
@@ -162,18 +162,14 @@ class LMHead(nn.Module):
     right after it: the softmax, the loss and every caller see the vocab_size real ones, so the padding is never
     predicted and gets no gradient."""
 
-    def __init__(self, weight: nn.Parameter, fused_loss: bool = False, vocab_size: int | None = None,
-                 triton_loss: bool = False):
+    def __init__(self, weight: nn.Parameter, vocab_size: int | None = None, triton_loss: bool = False):
         super().__init__()
         self.weight = weight
-        self.fused_loss = fused_loss
         self.triton_loss = triton_loss
         self.vocab_size = vocab_size
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         V = self.vocab_size or self.weight.shape[0]
-        if targets is not None and self.fused_loss:
-            return chunked_linear_cross_entropy(x, self.weight[:V], targets)
         if targets is not None and self.triton_loss:
             return triton_linear_cross_entropy(x, self.weight, targets, V)
         logits = F.linear(x, self.weight)  # (B, T, padded V)
@@ -193,7 +189,7 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = LayerNorm(cfg)
-        self.head = LMHead(self.wte.weight, cfg.fused_loss, cfg.vocab_size, cfg.triton_loss)
+        self.head = LMHead(self.wte.weight, cfg.vocab_size, cfg.triton_loss)
         self.attention_backend = self.blocks[0].attn.attn.backend
         self.register_buffer("pos", torch.arange(cfg.seq_len), persistent=False)
 

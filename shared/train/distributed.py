@@ -106,7 +106,7 @@ def estimate_memory(train, world: int, device_type: str) -> dict[str, float]:
     tokens = train.micro_batch * m.seq_len
     per_block = 1 if m.activation_checkpointing else 10
     activations = per_block * tokens * m.n_embd * dtype_bytes * m.n_layer
-    logits = 0.0 if m.fused_loss else 4.0 * tokens * m.vocab_size
+    logits = 4.0 * tokens * m.vocab_size
     keeps_scores = m.attention == "reference" or (m.attention == "sdpa" and device_type == "cpu"
                                                   and m.attn_dropout > 0)
     scores = 0.0
