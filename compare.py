@@ -94,7 +94,7 @@ DEEPCOMPILE_DEFAULT_HELP = ("(default on GPUs: deepcompile, with --deepcompile_s
                             "--zero3_step fused (AdamW, ZeRO-3) and, on one GPU, --deepcompile_backward_wait device "
                             "and --grad_norm_check device (ZeRO-3, not fp16), "
                             "where it can run and has been measured: ZeRO stage 1-3, no --val_every/--save_every, "
-                            "--ds_config, --fused_layernorm, --attention blocksparse/xformers, --explain or "
+                            "--ds_config, --attention blocksparse/xformers, --explain or "
                             "--autotune; else none)")
 
 
@@ -105,7 +105,7 @@ def deepcompile_by_default(ns: argparse.Namespace) -> bool:
     not_default = (*GRAPH_BREAKING_BACKENDS, *UNMEASURED_UNDER_DEEPCOMPILE)
     return (ns.compile is None and ns.ds_config is None and not (ns.explain or ns.autotune)
             and (ns.stage is None or ns.stage >= 1) and not ns.val_every and not ns.save_every
-            and not ns.fused_layernorm and ns.attention not in not_default)
+            and ns.attention not in not_default)
 
 
 def gpu_memory_gib() -> float:

@@ -1,7 +1,7 @@
 """The fused-kernel / compile ablation: both paths, one configuration at a time, in one run.
 
     python benchmarks/ablation.py --preset 1.5b --micro_batch 8 --out benchmarks/results/ablation_1xh200
-    python benchmarks/ablation.py                       # no GPU: tiny preset on CPU (fused_layernorm left out)
+    python benchmarks/ablation.py                       # no GPU: tiny preset on CPU
 
 Each configuration adds one switch to the naive model (every switch off), then `compile` (blocks), then `all`
 (every switch that ran). Each runs through the raw DeepSpeed loop and the Lightning path: with two or more GPUs
@@ -100,7 +100,6 @@ SWITCHES = {
     "native_linear": {"memory_efficient_linear": False},
     "bias_dropout_add": {"fused_bias_dropout_add": True},
     "bias_gelu": {"fused_bias_gelu": True},
-    "layernorm_liger": {"fused_layernorm": True},
     "compile": {"compile": "blocks"},
     "fast_zero3_step": {"zero3_step": "fast"},
 }
@@ -135,14 +134,11 @@ LAST_MILE = {
 REFERENCE = {"fusions": "naive", "last_mile": "baseline"}  # each set's ratios are against these runs
 
 
-def configurations(cuda: bool) -> dict[str, dict]:
-    switches = {k: v for k, v in SWITCHES.items() if cuda or k != "layernorm_liger"}  # liger is CUDA-only
+def configurations() -> dict[str, dict]:
     # naive, compile and all first: a run cut short by a time limit still has the main comparison
-    # all: every switch that combines with compile (liger's LayerNorm does not: see shared/train/config.py)
-    configs = {"naive": {}, "+compile": switches["compile"],
-               "all": {k: v for name, flags in switches.items() for k, v in flags.items()
-                       if name != "layernorm_liger"}}
-    configs.update({f"+{k}": v for k, v in switches.items() if k != "compile"})
+    configs = {"naive": {}, "+compile": SWITCHES["compile"],
+               "all": {k: v for flags in SWITCHES.values() for k, v in flags.items()}}
+    configs.update({f"+{k}": v for k, v in SWITCHES.items() if k != "compile"})
     return {name: {**NAIVE, **flags} for name, flags in configs.items()}
 
 
@@ -279,7 +275,7 @@ def main(argv: list[str] | None = None) -> dict:
     t_start = time.monotonic()
     ns = p.parse_args(configs_value_joined(sys.argv[1:] if argv is None else argv))
     last_mile = ns.lever_set == "last_mile"
-    all_configs = LAST_MILE if last_mile else configurations(cuda)
+    all_configs = LAST_MILE if last_mile else configurations()
     names = list(all_configs) if ns.configs is None else [c.strip() for c in ns.configs.split(",") if c.strip()]
     unknown = [n for n in names if n not in all_configs]
     if unknown:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The fused-kernel measurements in one device call on nvidia-h200-x2:
-#   1. the gpu-marked tests of the fused paths (bf16 keep-rate/mask, liger LayerNorm, bias-GELU)
+#   1. the gpu-marked tests of the fused paths (bf16 keep-rate/mask, bias-GELU)
 #   2. benchmarks/ablation.py: 1.5b, ZeRO-3 bf16, micro-batch 8, both paths (raw on GPU 0, Lightning on GPU 1)
 # Usage on the device machine, from the repo root:  bash benchmarks/h200_fused.sh OUTDIR [ablation args...]
 set -uo pipefail

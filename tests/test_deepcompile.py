@@ -60,7 +60,6 @@ def test_deepcompile_turns_the_pass_on_in_the_one_ds_dict(pretend_cuda):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(stage=0), "ZeRO stage 1, 2 or 3"),
     (dict(warmup_steps=DEEPCOMPILE_WARMUP), "warmup_steps > 5"),
-    (dict(fused_layernorm=True), "liger"),
     (dict(steps=20, val_every=10), "--val_every 10 .< --steps 20.*DoubleBufferedReduceBucket"),
     (dict(steps=20, save_every=10, ckpt_dir="ck"), "--save_every 10 .< --steps 20"),
     (dict(attention="xformers"), "--attention xformers does not combine with --compile deepcompile"),

@@ -1,7 +1,7 @@
 """Fused elementwise paths (shared/model/fused_ops.py) against their PyTorch references, and in the model.
 
-CPU: the torch.compile'd functions run through inductor's C++ backend; liger-kernel's LayerNorm is CUDA-only
-(its CPU refusal is tested here, its numbers in the gpu-marked tests, run on the H200).
+CPU: the torch.compile'd functions run through inductor's C++ backend; the bf16 numbers are the gpu-marked tests,
+run on the H200.
 """
 
 import sys
@@ -76,13 +76,6 @@ def test_bias_gelu_matches_the_reference():
         torch.testing.assert_close(a, e)
 
 
-def test_fused_layernorm_refuses_cpu_tensors():
-    with pytest.raises(RuntimeError, match="needs a CUDA tensor"):
-        fused_ops.layer_norm(torch.randn(4, 8), torch.ones(8), torch.zeros(8), 1e-5)
-    with pytest.raises(RuntimeError, match="needs a CUDA tensor"):
-        GPT(preset("tiny", fused_layernorm=True))(torch.zeros(1, 8, dtype=torch.long))
-
-
 @pytest.mark.parametrize("flags", [{"fused_bias_dropout_add": True}, {"fused_bias_gelu": True},
                                    {"compile": "blocks"},
                                    {"fused_bias_dropout_add": True, "fused_bias_gelu": True, "compile": "blocks"}])
@@ -141,7 +134,7 @@ def test_both_paths_run_the_fused_compiled_model_under_zero3_and_record_it(tmp_p
     plain_run, raw, pl = (load(tmp_path / f) for f in ("plain.json", "raw.json", "pl.json"))
     for r in (raw, pl):
         assert r["fused"]["bias_dropout_add"] is True and r["fused"]["bias_gelu"] is True
-        assert r["fused"]["compile"] == "blocks" and r["fused"]["layernorm_liger"] is False
+        assert r["fused"]["compile"] == "blocks"
         assert r["fused"]["dynamo_graph_breaks"] == 0 and r["fused"]["dynamo_recompile_limit_hits"] == 0
         assert r["ds_config"]["zero_optimization"]["leaf_module"]["classes"] == ["shared.model.gpt.Block"]
     assert plain_run["fused"]["compile"] == "none" and plain_run["fused"]["dynamo_graphs"] == 0
@@ -162,7 +155,7 @@ def test_every_fused_flag_is_recorded():
     one_off = fused_paths(preset("tiny", **{**on, "triton_loss": False}))
     assert [k for k, v in one_off.items() if not v] == ["triton_linear_cross_entropy"]
     assert list(fused_paths(preset("tiny"))) == ["triton_linear_cross_entropy", "bias_dropout_add", "bias_gelu",
-                                                 "bias_gelu_triton_grad", "dropout_triton_mask", "layernorm_liger"]
+                                                 "bias_gelu_triton_grad", "dropout_triton_mask"]
     assert set(fused_paths(preset("tiny")).values()) == {False}  # None (the CUDA rule) resolved: off on CPU
 
 
@@ -179,21 +172,6 @@ def _bf16_inputs():
     w = torch.randn(2304, device=dev, generator=g, dtype=dt).requires_grad_()
     b = torch.randn(2304, device=dev, generator=g, dtype=dt).requires_grad_()
     return x, w, b, torch.randn(x.shape, device=dev, generator=g, dtype=dt)
-
-
-@pytest.mark.gpu
-def test_bf16_liger_layernorm_matches_the_reference_on_gpu():
-    pytest.importorskip("liger_kernel", reason="fused_layernorm's liger-kernel is not installed here")
-    x, w, b, gy = _bf16_inputs()
-    # liger LayerNorm vs F.layer_norm: bf16 in and out, fp32 statistics in both
-    out = fused_ops.layer_norm(x, w, b, 1e-5)
-    ref = F.layer_norm(x, (2304,), w, b, 1e-5)
-    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
-    got = torch.autograd.grad(out, [x, w, b], gy)
-    exp = torch.autograd.grad(ref, [x, w, b], gy)
-    torch.testing.assert_close(got[0], exp[0], rtol=2e-2, atol=2e-2)
-    for a, e in zip(got[1:], exp[1:]):  # summed over 16k rows: compare relative to the norm
-        assert (a.float() - e.float()).norm() / e.float().norm() < 1e-2
 
 
 @pytest.mark.gpu
@@ -237,8 +215,6 @@ def test_the_leaf_class_name_is_the_blocks():
 def test_combinations_that_cannot_work_are_refused():
     from shared.train.config import TrainConfig
 
-    with pytest.raises(ValueError, match="fused_layernorm does not combine with --compile blocks"):
-        TrainConfig(fused_layernorm=True, compile="blocks")
     with pytest.raises(ValueError, match="memory_efficient_linear true cannot be used with --compile blocks"):
         TrainConfig(stage=3, compile="blocks", memory_efficient_linear=True)
 
@@ -280,12 +256,15 @@ def test_exported_weights_of_a_fused_gpu_run_load_into_the_plain_model_on_cpu(tm
 
     from shared.train.checkpoint import load_exported, save_exported
 
-    cfg = preset("tiny", fused_layernorm=True, fused_bias_gelu=True, fused_bias_dropout_add=True)
+    cfg = preset("tiny", fused_bias_gelu=True, fused_bias_dropout_add=True)
     plain = GPT(preset("tiny"))
     state = {k: v for k, v in plain.state_dict().items() if k != "head.weight"}
-    path = save_exported(tmp_path / "w.safetensors", state, dataclasses.asdict(cfg))
+    # written by a version with switches since removed (docs/ledger.md): the file still loads
+    written = {**dataclasses.asdict(cfg), "fused_layernorm": True, "fused_loss": False, "matmul_bias_grad": False}
+    path = save_exported(tmp_path / "w.safetensors", state, written)
     model, meta = load_exported(path)
-    assert meta["model_config"]["fused_layernorm"] is True  # what the run trained with stays recorded
+    assert meta["model_config"]["fused_bias_gelu"] is True  # what the run trained with stays recorded
+    assert meta["model_config"]["fused_layernorm"] is True
     idx = torch.randint(0, 256, (1, 16))
     torch.testing.assert_close(model(idx), plain.eval()(idx))  # and the plain model runs it on the CPU
 
@@ -322,13 +301,12 @@ def test_ablation_naive_has_every_switch_off_even_where_cuda_defaults_them_on():
     sys.path.insert(0, str(__import__("tests.helpers", fromlist=["ROOT"]).ROOT / "benchmarks"))
     import ablation
 
-    configs = ablation.configurations(cuda=True)
+    configs = ablation.configurations()
     off = {"fused_bias_dropout_add": False, "fused_bias_gelu": False, "zero3_step": "deepspeed"}
     assert configs["naive"] == off
     assert configs["+bias_gelu"] == {**off, "fused_bias_gelu": True}
     assert configs["+fast_zero3_step"] == {**off, "zero3_step": "fast"} and configs["all"]["zero3_step"] == "fast"
     assert configs["+compile"]["fused_bias_gelu"] is False and configs["+compile"]["compile"] == "blocks"
-    assert "fused_layernorm" not in configs["all"] and configs["+layernorm_liger"]["fused_layernorm"] is True
 
 
 def test_explain_with_lightnings_own_ds_dict_refuses_compiled_blocks():

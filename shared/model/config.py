@@ -43,8 +43,6 @@ class FusedSwitches:
     instead of inductor's one per element (shared/kernels/dropout_mask.py; the rate p rounded to a multiple of
     1/65536); CUDA, or a CPU under TRITON_INTERPRET=1; on in compare.py's GPU default (with
     fused_bias_dropout_add)"""
-    fused_layernorm: bool = False
-    """liger-kernel's Triton LayerNorm (CUDA only)"""
 
     def resolve_fused(self) -> dict[str, bool]:
         """Each switch's value, None replaced by the default rule (on with CUDA, off on CPU)."""
@@ -56,7 +54,7 @@ FUSED_FLAGS = tuple(f.name for f in dataclasses.fields(FusedSwitches))
 FUSED_RESULT_KEYS = {"triton_loss": "triton_linear_cross_entropy",
                      "fused_bias_dropout_add": "bias_dropout_add", "fused_bias_gelu": "bias_gelu",
                      "triton_gelu_grad": "bias_gelu_triton_grad",
-                     "triton_dropout": "dropout_triton_mask", "fused_layernorm": "layernorm_liger"}
+                     "triton_dropout": "dropout_triton_mask"}
 assert set(FUSED_RESULT_KEYS) == set(FUSED_FLAGS), "every fused switch needs its result key"
 
 
@@ -151,8 +149,6 @@ class GPTConfig(FusedSwitches):
         if self.triton_dropout and not self.fused_bias_dropout_add:
             raise ValueError("triton_dropout draws the mask of fused_bias_dropout_add, which is off here (it is off "
                              "on CPU unless asked): turn on fused_bias_dropout_add too")
-        if self.fused_layernorm and not self.bias:
-            raise ValueError("fused_layernorm (liger-kernel's LayerNorm) needs bias=True")
 
     @property
     def padded_vocab_size(self) -> int:

@@ -1,4 +1,4 @@
-"""The block's elementwise tails, fused: bias + dropout + residual add, bias + GELU, and LayerNorm.
+"""The block's elementwise tails, fused: bias + dropout + residual add, and bias + GELU.
 
 Eager PyTorch runs `residual + dropout(x @ W^T + b)` as a bias epilogue in the matmul, a dropout kernel that
 draws the mask, scales and writes the mask (kept for backward), and an add: separate passes over a B*T x h
@@ -12,14 +12,9 @@ bf16 (its FusedDropout had no bf16 kernel); inductor generates it for every dtyp
 Both are plain functions of tensors, called inside the module that owns the bias, so ZeRO-3's hooks have
 gathered it; they take the parameters as arguments and never hold a module, so compiling them needs no
 DeepSpeed cooperation. On CPU inductor emits C++ for the same graph (CI runs them there).
-
-`layer_norm` is liger-kernel's Triton LayerNorm (forward and backward in one kernel each): a well-kept library
-kernel, CUDA only. It refuses CPU tensors with an error instead of running something else.
 """
 
 from __future__ import annotations
-
-import importlib.util
 
 import torch
 import torch.nn.functional as F
@@ -98,27 +93,3 @@ bias_gelu_triton_grad = _bias_gelu_with(
     _BiasGeluTritonGrad, "bias_gelu, the same forward, with the backward (input and bias gradients) as one Triton "
     "kernel.")
 
-
-def liger_refusal(device_type: str) -> str | None:
-    """Why liger-kernel's LayerNorm (--fused_layernorm) cannot run on a `device_type` device here, or None: the one
-    check that the preflight (shared/train/distributed.check_kernels) and layer_norm itself make."""
-    if device_type != "cuda":
-        return (f"--fused_layernorm runs liger-kernel's Triton LayerNorm, which needs a CUDA tensor; this run's are on "
-                f"{device_type}: drop --fused_layernorm on this machine")
-    if importlib.util.find_spec("liger_kernel") is None:
-        return ("--fused_layernorm needs liger-kernel, which is not installed: pip install liger-kernel==0.8.5, or "
-                "drop it")
-    return None
-
-
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
-    """liger-kernel's fused LayerNorm; raises on CPU tensors or without liger-kernel installed."""
-    if reason := liger_refusal(x.device.type):
-        raise RuntimeError(reason)
-    try:
-        from liger_kernel.ops.layer_norm import LigerLayerNormFunction
-    except ImportError as e:  # installed, yet its import fails
-        raise RuntimeError(
-            "fused_layernorm needs liger-kernel (pip install liger-kernel==0.8.5); it is not importable: " + str(e)
-        ) from e
-    return LigerLayerNormFunction.apply(x, weight, bias, eps)

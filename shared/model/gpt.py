@@ -95,19 +95,6 @@ class GeluLinear(Linear):
         return F.gelu(F.linear(x, self.weight, self.bias), approximate="tanh")
 
 
-class LayerNorm(nn.LayerNorm):
-    """nn.LayerNorm, or liger-kernel's fused Triton LayerNorm with cfg.fused_layernorm (same parameters)."""
-
-    def __init__(self, cfg: GPTConfig):
-        super().__init__(cfg.n_embd, bias=cfg.bias)
-        self.fused = cfg.fused_layernorm
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            return fused_ops.layer_norm(x, self.weight, self.bias, self.eps)
-        return super().forward(x)
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -145,9 +132,9 @@ class Block(nn.Module):
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.ln_1 = LayerNorm(cfg)
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = LayerNorm(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -188,7 +175,7 @@ class GPT(nn.Module):
         self.wpe = Embedding(cfg.seq_len, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = LayerNorm(cfg)
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.head = LMHead(self.wte.weight, cfg.vocab_size, cfg.triton_loss)
         self.attention_backend = self.blocks[0].attn.attn.backend
         self.register_buffer("pos", torch.arange(cfg.seq_len), persistent=False)

@@ -351,12 +351,6 @@ class TrainConfig(FusedSwitches):
             raise ValueError("--memory_efficient_linear true cannot be used with --compile blocks under ZeRO-3: "
                              "DeepSpeed's linear makes dynamo recompile for every block "
                              "(see shared/train/ds_config.py)")
-        if self.fused_layernorm and self.compile == "blocks":
-            raise ValueError(
-                "fused_layernorm does not combine with --compile blocks: liger-kernel's LayerNorm kernel fails to "
-                "compile when torch.compile traces it (Triton CompilationError on its eps argument, seen on the "
-                "H200), and the compiled block fuses its LayerNorms itself; drop one of the two"
-            )
         # Built once, here: the model overrides are validated now, not after the process group is up, and every
         # caller reads the same object (dataclasses.replace runs __post_init__ again, so a copy gets its own).
         self._model = self._build_model()
@@ -428,9 +422,6 @@ def _check_deepcompile(train: TrainConfig) -> None:
                          "0.19.8: 'DoubleBufferedReduceBucket::swap: Assertion hasKey(current_buffer_, scalar_type) "
                          "failed', seen on the H200); validate and save at the end only (0 or >= --steps; a run "
                          "still saves at its last step and on SIGTERM), or use --compile blocks")
-    if train.fused_layernorm:
-        raise ValueError("fused_layernorm does not combine with --compile deepcompile: liger-kernel's LayerNorm "
-                         "fails to compile under torch.compile (Triton CompilationError on its eps argument)")
 
 
 _PRECISION_ALIASES = {

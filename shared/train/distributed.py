@@ -223,11 +223,6 @@ def check_kernels(train, device: torch.device) -> None:
         if getattr(model, flag):
             kernel = importlib.import_module(f"shared.kernels.{module}")
             require_cuda_or_interpreter(op, device, kernel.interpreted(), f"--{flag}")
-    if model.fused_layernorm:
-        from shared.model.fused_ops import liger_refusal
-
-        if reason := liger_refusal(device.type):
-            raise ValueError(reason)
 
 
 def check_attention(train) -> None:
