@@ -91,7 +91,7 @@ DEEPCOMPILE_DEFAULT_HELP = ("(default on GPUs: deepcompile, with --deepcompile_s
                             "--vocab_multiple 128, --triton_loss (bf16), --triton_dropout "
                             "(with the fused bias + dropout + add), "
                             "--coordinate_descent_tuning, --triton_gelu_grad, "
-                            "--zero3_step fused (AdamW, ZeRO-3) and, on one GPU, --deepcompile_backward_wait device "
+                            "--zero3_step fused (ZeRO-3) and, on one GPU, --deepcompile_backward_wait device "
                             "and --grad_norm_check device (ZeRO-3, not fp16), "
                             "where it can run and has been measured: ZeRO stage 1-3, no --val_every/--save_every, "
                             "--ds_config, --attention blocksparse/xformers, --explain or "
@@ -271,9 +271,8 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
                 raise ValueError(f"--budget_s must be positive, got {ns.budget_s}")
         ns.world = ns.gpus or n_gpus or ns.nproc or 1
         if n_gpus and deepcompile_by_default(ns):
-            # the fused step's kernel is AdamW's, and a ZeRO-3 step: another optimizer or stage keeps the default
+            # the fused step is a ZeRO-3 step: another stage keeps the default
             zero3 = (ns.stage or TrainConfig.stage) == 3
-            fused_step = zero3 and (ns.optimizer or TrainConfig.optimizer) == "adamw"
             # where the bias + GELU kernel cannot run, the search's reasons (the flags as given; ns has their names)
             gelu_kernel = autotune.gelu_kernel_refusal(ns) is None
             # the device wait and the device norm check were measured and tested on one GPU only (--parallel's runs
@@ -290,7 +289,7 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
                 ns.micro_batch, memory_note = default_micro_batch(
                     1 if "ceiling" in ns.references else ns.world, gpu_memory_gib(), ns.stage or TrainConfig.stage)
             _fill_unset(ns, {**GPU_DEEPCOMPILE_DEFAULTS,
-                             **({} if fused_step else {"zero3_step": TrainConfig.zero3_step}),
+                             **({} if zero3 else {"zero3_step": TrainConfig.zero3_step}),
                              **({} if gelu_kernel else {"triton_gelu_grad": TrainConfig.triton_gelu_grad}),
                              **host_wait, **({} if norm_check else {"grad_norm_check": TrainConfig.grad_norm_check}),
                              **autotune.default_kernels_refusals(ns)})

@@ -12,7 +12,7 @@ Search, on the raw path (the faster one to start), each candidate a short run of
      of memory or is slower; each candidate includes its ~2 min warm-up, so a 1.5b search wants a budget of 20 min
      or more.
   4. the optimizer step's three passes in one kernel (`--zero3_step fused`, shared/kernels/adamw.py) on the best
-     so far: ZeRO-3, AdamW and CUDA only (Triton's interpreter runs the kernel on a CPU for tests, not for speed);
+     so far: ZeRO-3 and CUDA only (Triton's interpreter runs the kernel on a CPU for tests, not for speed);
      on one H200 it gave 1.015x the whole step under DeepCompile at micro-batch 16, and compare.py's GPU default
      runs it (docs/results.md); the search measures it on its own best configuration. Then the MLP's bias + GELU
      backward as one Triton kernel (`--triton_gelu_grad`, shared/kernels/bias_gelu_grad.py; CUDA only, with the
@@ -341,8 +341,6 @@ def fused_step_refusal(cfg: TrainConfig) -> str | None:
     """Why the search does not try `--zero3_step fused` for this configuration, or None when it does."""
     if cfg.zero3_step == "deepspeed":
         return "--zero3_step deepspeed asks for DeepSpeed's own step"
-    if cfg.optimizer != "adamw":
-        return f"its kernel is AdamW's, and --optimizer is {cfg.optimizer}"
     if not model_config.cuda_available():
         return "its Triton kernel needs a CUDA GPU to be timed (on a CPU only Triton's interpreter runs it)"
     return None

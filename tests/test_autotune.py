@@ -240,10 +240,9 @@ def test_the_winner_flags_keep_the_kernel_tuning_its_compiled_candidates_ran_wit
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (dict(optimizer="fusedadam"), "its kernel is AdamW's, and --optimizer is fusedadam"),
     (dict(zero3_step="deepspeed"), "--zero3_step deepspeed asks for DeepSpeed's own step"),
     (dict(stage=2), None)])  # ZeRO 1/2 run no ZeRO-3 step: nothing to say
-def test_search_does_not_try_the_fused_step_for_another_optimizer_step_or_stage(tmp_path, monkeypatch, capsys,
+def test_search_does_not_try_the_fused_step_for_another_step_or_stage(tmp_path, monkeypatch, capsys,
                                                                               overrides, message):
     from shared.model import config as model_config
 

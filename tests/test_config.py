@@ -47,7 +47,6 @@ def test_study_preset_shape():
         (dict(precision="fp8"), "unknown precision 'fp8'"),
         (dict(attention="nope"), "unknown attention backend"),
         (dict(attn_dropout_mask="mask"), "unknown attn_dropout_mask 'mask'"),
-        (dict(optimizer="sgd"), "unknown optimizer"),
         (dict(lr=-1.0), "lr must be positive and finite, got -1.0"),
         (dict(lr=float("nan")), "lr must be positive and finite, got nan"),
         (dict(lr=float("inf")), "lr must be positive and finite, got inf"),

@@ -23,7 +23,6 @@ from shared.model.config import (  # noqa: F401  (ATTENTION_BACKENDS, LAYOUTS: n
 )
 
 PRECISIONS = ("bf16", "fp16", "fp32")
-OPTIMIZERS = ("adamw", "fusedadam")
 ZERO_PROFILES = ("original", "tuned")
 GC_POLICIES = ("auto", "freeze")
 # How the model is compiled, applied from outside the model: blocks by shared/train/compile.py (each block's forward
@@ -86,8 +85,6 @@ class TrainConfig(FusedSwitches):
     or LayerNorm parameters (nanoGPT, Megatron)"""
     grad_clip: float = 1.0
     """global gradient-norm clip, handed to DeepSpeed's gradient_clipping (0 disables)"""
-    optimizer: str = "adamw"
-    """adamw (torch AdamW, fused kernel on CUDA) | fusedadam (DeepSpeed FusedAdam, JIT-compiled)"""
     seed: int = 1234
     """seeds model init, dropout and the data order"""
     attention: str | None = None
@@ -294,8 +291,6 @@ class TrainConfig(FusedSwitches):
         if self.min_lr > self.lr:
             raise ValueError(f"min_lr {self.min_lr!r} is above lr {self.lr!r}: the cosine schedule would rise from lr "
                              "to min_lr instead of decaying; lower --min_lr (e.g. lr / 10) or raise --lr")
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"unknown optimizer {self.optimizer!r}; choose one of {OPTIMIZERS}")
         if self.zero_profile not in ZERO_PROFILES:
             raise ValueError(f"unknown zero_profile {self.zero_profile!r}; choose one of {ZERO_PROFILES}")
         if self.python_gc not in GC_POLICIES:

@@ -166,7 +166,7 @@ def check_build_locks(min_age_s: float = 10.0) -> None:
     """Refuse to start when an extension build left its lock behind.
 
     torch's FileBaton creates BUILD_DIR/lock, holds it open while one process builds (DeepSpeed's CPU
-    communication op on a first CPU run, FusedAdam with --optimizer fusedadam) and removes it when done; every
+    communication op on a first CPU run, DeepCompile's op) and removes it when done; every
     other process waits while the file exists, with no timeout and no output. A build killed mid-way leaves the
     file, and every later DeepSpeed start would hang. A lock no process holds open, older than min_age_s, is
     such a leftover. (A build running in another container that shares the cache is invisible here: the

@@ -71,7 +71,7 @@ def normalize_cuda_arch_list(environ=os.environ) -> str | None:
 
     PyTorch accepts arch-specific entries such as "9.0a" (Hopper's wgmma/TMA variant), and some CUDA images set
     them; DeepSpeed's builder sorts the list by int() of each part and fails with "invalid literal for int() with
-    base 10: '0a'" when DeepCompile (or FusedAdam) builds its op. Its ops use no arch-specific instruction, so the
+    base 10: '0a'" when DeepCompile builds its op. Its ops use no arch-specific instruction, so the
     plain capability ("9.0") builds the same code. "+PTX" suffixes are kept.
     """
     value = environ.get("TORCH_CUDA_ARCH_LIST")
@@ -88,7 +88,7 @@ def normalize_cuda_arch_list(environ=os.environ) -> str | None:
 
 
 def prepare_op_build(rank: int = 0) -> None:
-    """Call before anything that makes DeepSpeed JIT-build a CUDA op (DeepCompile, FusedAdam): the arch list fix
+    """Call before anything that makes DeepSpeed JIT-build a CUDA op (DeepCompile's op): the arch list fix
     above, announced once (rank 0)."""
     note = normalize_cuda_arch_list()
     if note and rank == 0:
