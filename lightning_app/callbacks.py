@@ -22,7 +22,7 @@ from lightning_app.module import GPTModule
 from shared.model.gpt import count_parameters
 from shared.train import checkpoint, zero3_step
 from shared.train.config import TrainConfig
-from shared.train.distributed import apply_gc_policy, dropout_seed
+from shared.train.distributed import dropout_seed, freeze_gc
 from shared.train.ds_runtime import BreakdownCollector, GradNormRecorder, param_checksum
 from shared.train.loop import peak_memory_bytes, start_progress
 from shared.train.preemption import Preemption
@@ -119,7 +119,8 @@ class RunCallback(pl.Callback):
     def on_train_start(self, trainer, pl_module):
         on = self.train.overheads
         self.sigterm = SigtermCheck(trainer, 1 if "sigterm_check" in on else self.train.sigterm_check_every)
-        apply_gc_policy("auto" if "python_gc_auto" in on else self.train.python_gc)
+        if "python_gc_auto" not in on:
+            freeze_gc()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self._first_batch:

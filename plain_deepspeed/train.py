@@ -27,11 +27,11 @@ from shared.train.compile import compile_blocks, configure_inductor
 from shared.train.config import TrainConfig
 from shared.train.data import train_loader, val_loader
 from shared.train.distributed import (
-    apply_gc_policy,
     backend_for,
     check_before_start,
     dropout_seed,
     ensure_env,
+    freeze_gc,
     local_world_size,
     oom_message,
     pick_device,
@@ -138,7 +138,7 @@ def main(train: TrainConfig) -> RunResult:
         torch.manual_seed(dropout_seed(train.seed, rank))
     engine.train()
     batches = iter(loader)
-    apply_gc_policy(train.python_gc)
+    freeze_gc()
     timer.start()
     try:
         for step in range(start, train.steps):

@@ -24,7 +24,6 @@ from shared.model.config import (  # noqa: F401  (ATTENTION_BACKENDS, LAYOUTS: n
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 ZERO_PROFILES = ("original", "tuned")
-GC_POLICIES = ("auto", "freeze")
 # How the model is compiled, applied from outside the model: blocks by shared/train/compile.py (each block's forward
 # compiled), deepcompile by DeepSpeed's compiler pass for ZeRO (the engine compiles the whole GPT forward + loss;
 # shared/train/ds_config.py).
@@ -191,8 +190,6 @@ class TrainConfig(FusedSwitches):
     """path to a user DeepSpeed JSON that replaces the built dict (micro-batch and precision must agree)"""
     wall_clock_breakdown: bool = False
     """turn on DeepSpeed's own synchronized forward/backward/step timers (diagnostics: adds syncs)"""
-    python_gc: str = "freeze"
-    """auto (Python's default) | freeze: gc.freeze() after set-up, so collections skip the model's objects"""
     lightning_overheads: str = ""
     """comma-separated overheads to switch on in the Lightning path (names: lightning_app/overheads.py; compare.py
     --explain runs each); the raw loop ignores them"""
@@ -293,8 +290,6 @@ class TrainConfig(FusedSwitches):
                              "to min_lr instead of decaying; lower --min_lr (e.g. lr / 10) or raise --lr")
         if self.zero_profile not in ZERO_PROFILES:
             raise ValueError(f"unknown zero_profile {self.zero_profile!r}; choose one of {ZERO_PROFILES}")
-        if self.python_gc not in GC_POLICIES:
-            raise ValueError(f"unknown python_gc {self.python_gc!r}; choose one of {GC_POLICIES}")
         if self.nan_policy not in NAN_POLICIES:
             raise ValueError(f"unknown nan_policy {self.nan_policy!r}; choose one of {NAN_POLICIES}")
         for name in ("save_every", "keep_last", "val_every", "max_nan_skips"):

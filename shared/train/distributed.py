@@ -329,16 +329,14 @@ def seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def apply_gc_policy(policy: str) -> None:
-    """Python GC policy for the training loop, applied after set-up in both paths.
-
-    `freeze` collects once and moves every object alive after set-up (modules, parameters, DeepSpeed's and
-    Lightning's bookkeeping) to a permanent generation: automatic collections then scan only what the steps
-    allocate, instead of pausing the host for a full scan of the process whenever the oldest generation fills.
-    """
-    if policy == "freeze":
-        gc.collect()
-        gc.freeze()
+def freeze_gc() -> None:
+    """Python's GC for the training loop, called after set-up in both paths: one collection, then every object alive
+    (modules, parameters, DeepSpeed's and Lightning's bookkeeping) moves to a permanent generation, so automatic
+    collections scan only what the steps allocate instead of pausing the host for a full scan of the process whenever
+    the oldest generation fills. Python's own policy measured no different (docs/ledger.md); the Lightning path's
+    overhead python_gc_auto (compare.py --explain) runs it."""
+    gc.collect()
+    gc.freeze()
 
 
 def dropout_seed(seed: int, rank: int) -> int:
