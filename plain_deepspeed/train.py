@@ -128,7 +128,7 @@ def main(train: TrainConfig) -> RunResult:
     timer, progress = start_progress(train, device, rank, "[deepspeed] ", scheduler, engine, start)
     breakdown = BreakdownCollector(engine)
     grad_norms = GradNormRecorder(engine)
-    preemption = Preemption(device, train.sigterm_check_every)
+    preemption = Preemption(device)
     nan_guard = NanGuard(train, device)
     history = {"val": []}
 

@@ -193,8 +193,6 @@ class TrainConfig(FusedSwitches):
     lightning_overheads: str = ""
     """comma-separated overheads to switch on in the Lightning path (names: lightning_app/overheads.py; compare.py
     --explain runs each); the raw loop ignores them"""
-    sigterm_check_every: int = 50
-    """Lightning path: steps between Lightning's SIGTERM broadcast (it does one every step, a host sync)"""
     data: str = "synthetic"
     """synthetic (seeded random tokens) or the prefix of a token file made by `python -m shared.tools.prepare_data`"""
     profile_step: int | None = None
@@ -302,8 +300,6 @@ class TrainConfig(FusedSwitches):
             raise ValueError(f"val_batches must be positive, got {self.val_batches!r}")
         if (self.save_every or self.resume == "auto") and not self.ckpt_dir:
             raise ValueError("--save_every and --resume auto need --ckpt_dir")
-        if self.sigterm_check_every <= 0:
-            raise ValueError(f"sigterm_check_every must be positive, got {self.sigterm_check_every!r}")
         if self.log_every <= 0:
             raise ValueError(f"log_every must be positive, got {self.log_every!r}")
         if self.devices is not None and self.devices <= 0:
