@@ -97,7 +97,6 @@ from shared.train.config import TrainConfig
 from shared.train.results import device_info, replace_text, versions
 
 SWITCHES = {
-    "native_linear": {"memory_efficient_linear": False},
     "bias_dropout_add": {"fused_bias_dropout_add": True},
     "bias_gelu": {"fused_bias_gelu": True},
     "compile": {"compile": "blocks"},

@@ -211,12 +211,7 @@ def run_autotune(train: TrainConfig, ns, launch, out_dir: Path, kept: list[dict]
     # 2. compiled blocks, from the best so far
     best = search.best()
     if best is not None and best["knobs"]["compile"] == "none":
-        try:
-            compiled = dataclasses.replace(base, **{**best["knobs"], "compile": "blocks"})
-        except ValueError as e:  # a flag of the run excludes compiled blocks (e.g. --memory_efficient_linear true)
-            print(f"  compiled blocks not tried: {e}", flush=True)
-        else:
-            search.run(compiled)
+        search.run(dataclasses.replace(base, **{**best["knobs"], "compile": "blocks"}))
 
     # 3. DeepCompile, from the best micro-batch so far upwards
     best = search.best()

@@ -279,16 +279,6 @@ def test_keep_runs_takes_a_search_written_with_other_knobs(tmp_path):
     assert calls == [] and report["winner"]["knobs"] == first["winner"]["knobs"]  # nothing measured twice
 
 
-def test_search_skips_compiled_blocks_when_a_flag_excludes_them(tmp_path, capsys):
-    calls = []
-    ns = SimpleNamespace(mb_grid="4,8", budget_s=1e9, world=1)
-    report = autotune.run_autotune(TrainConfig(preset="tiny", memory_efficient_linear=True), ns,
-                                   fake_launch(8, calls), tmp_path)
-    assert all(c.compile == "none" for c in calls) and report["winner"] is not None
-    assert "compiled blocks not tried: --memory_efficient_linear true cannot be used" in capsys.readouterr().out
-    assert (tmp_path / "autotune.json").is_file()
-
-
 def test_search_under_zero2_has_no_zero3_knobs_and_formats(tmp_path):
     calls = []
     ns = SimpleNamespace(mb_grid="4,8", budget_s=1e9, world=1)

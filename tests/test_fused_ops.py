@@ -194,8 +194,6 @@ def test_compiled_blocks_get_a_leaf_module_and_torch_linear_in_the_ds_dict():
     assert zero["leaf_module"] == {"classes": ["shared.model.gpt.Block"]} and zero["memory_efficient_linear"] is False
     eager = build_ds_config(TrainConfig(stage=3))["zero_optimization"]
     assert "leaf_module" not in eager and "memory_efficient_linear" not in eager  # DeepSpeed's defaults
-    assert build_ds_config(TrainConfig(stage=3, memory_efficient_linear=False))["zero_optimization"][
-        "memory_efficient_linear"] is False
     assert "leaf_module" not in build_ds_config(TrainConfig(stage=2, compile="blocks"))["zero_optimization"]
 
 
@@ -210,13 +208,6 @@ def test_the_leaf_class_name_is_the_blocks():
     assert getattr(importlib.import_module(module), name) is Block  # what DeepSpeed resolves the name to
     zero = build_ds_config(TrainConfig(stage=3, compile="blocks"))["zero_optimization"]
     assert zero["leaf_module"]["classes"] == [leaf_module_class()]
-
-
-def test_combinations_that_cannot_work_are_refused():
-    from shared.train.config import TrainConfig
-
-    with pytest.raises(ValueError, match="memory_efficient_linear true cannot be used with --compile blocks"):
-        TrainConfig(stage=3, compile="blocks", memory_efficient_linear=True)
 
 
 def test_a_user_ds_config_without_the_leaf_module_is_refused_when_compiling(tmp_path):
@@ -238,8 +229,6 @@ def test_a_user_ds_config_without_the_leaf_module_is_refused_when_compiling(tmp_
     path.write_text(__import__("json").dumps(cfg))
     with pytest.raises(ValueError, match="memory_efficient_linear false"):
         build_ds_config(TrainConfig(stage=3, compile="blocks", ds_config=str(path)))
-    with pytest.raises(ValueError, match="--memory_efficient_linear has no effect with --ds_config"):
-        build_ds_config(TrainConfig(stage=3, memory_efficient_linear=False, ds_config=str(path)))
 
 
 @pytest.mark.gpu

@@ -181,11 +181,6 @@ class TrainConfig(FusedSwitches):
     """override the profile's ZeRO-3 prefetch bucket (elements)"""
     param_persistence_threshold: int | None = None
     """override the profile's ZeRO-3 persistence threshold (params at most this large stay gathered)"""
-    max_live_parameters: int | None = None
-    """override the profile's ZeRO-3 limit of gathered parameters (elements)"""
-    memory_efficient_linear: bool | None = None
-    """ZeRO-3: DeepSpeed's replacement of F.linear (its default, on) or torch's own; off whenever blocks are
-    compiled (its per-layer ds_id check makes dynamo recompile for every block)"""
     ds_config: str | None = None
     """path to a user DeepSpeed JSON that replaces the built dict (micro-batch and precision must agree)"""
     wall_clock_breakdown: bool = False
@@ -333,10 +328,6 @@ class TrainConfig(FusedSwitches):
         if self.coordinate_descent_tuning and not model_config.cuda_available():
             raise ValueError("--coordinate_descent_tuning tunes inductor's Triton kernels, which only run on a CUDA "
                              "GPU; on this machine inductor emits C++ and the flag would change nothing: drop it")
-        if self.memory_efficient_linear and self.compile == "blocks" and self.stage == 3:
-            raise ValueError("--memory_efficient_linear true cannot be used with --compile blocks under ZeRO-3: "
-                             "DeepSpeed's linear makes dynamo recompile for every block "
-                             "(see shared/train/ds_config.py)")
         # Built once, here: the model overrides are validated now, not after the process group is up, and every
         # caller reads the same object (dataclasses.replace runs __post_init__ again, so a copy gets its own).
         self._model = self._build_model()
