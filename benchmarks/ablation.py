@@ -17,26 +17,26 @@ counters) and ablation.md (the table). A configuration that fails is recorded wi
 micro-batch 16, coordinate-descent kernel tuning, the vocabulary padded to a multiple of 128, the LM head's loss by a
 Triton kernel, the residual dropouts' masks by a Triton kernel, the MLP's bias + GELU backward and the optimizer step
 each in one Triton kernel, DeepCompile's backward end waited for on the device, the step's gradient-norm check left on
-the device, the tuned ZeRO-3 buckets; 20 steps of which 10 warm-up) and changes one lever per configuration:
-micro-batch 24 (`+mb24`: each step's host work is the same, its kernels
-half as long again), the vocabulary unpadded (`-vocab128`), DeepSpeed's own optimizer step instead of this project's
-(`-fast_zero3_step`), the fast step's three passes (gradient copy, torch's fused AdamW, parameter copy) instead of the
-one kernel (`-fused_zero3_step`, shared/kernels/adamw.py), DeepCompile without the small parameters kept gathered
-(`-persist_threshold`, shared/train/deepcompile_passes.py), inductor's generated kernels without coordinate-descent
-tuning (`-coordinate_descent`), inductor's generated bias + GELU backward instead of that kernel (`-triton_gelu_grad`,
-shared/kernels/bias_gelu_grad.py), the model's own loss (inductor's kernels over the whole logits) instead of one
-Triton kernel per row (`-triton_loss`, shared/kernels/cross_entropy.py), eager ZeRO-3's list of persistent
-parameters kept under DeepCompile, so each step gathers them again (`-drop_eager_persist`,
-shared/train/ds_runtime.drop_eager_persistent), DeepSpeed's own walks of the model around each step instead of lists
-taken once (`-cached_walks`, shared/train/ds_runtime.cache_deepcompile_walks), inductor's dropout masks, one Philox call
-per element, instead of the Triton kernel's eight draws per call (`-triton_dropout`, shared/kernels/dropout_mask.py),
-DeepSpeed's own DeepCompile op, whose host waits for the backward's end, instead of the one whose compute stream waits
-for it (`-device_backward_wait`, shared/train/deepcompile_op.py), DeepSpeed's read of the gradient norm's inf/NaN check
-on the host instead of the flag left on the device, each update skipping itself there (`-device_norm_check`,
-shared/train/zero3_step.py), and the padded vocabulary, the Triton loss
-and the Triton dropout all off (`-together`: each measured within its baselines' noise alone, the three 1.017x
-together). The block-sparse kernel is not a lever here: on the causal layout SDPA (cuDNN) is faster, with and
-without dropout; benchmarks/attention.py and attention_dropout.py compare them at the model's shape.
+the device, the tuned ZeRO-3 buckets; 20 steps of which 10 warm-up) and changes one lever per configuration: micro-batch
+24 (`+mb24`: each step's host work is the same, its kernels half as long again), the vocabulary unpadded (`-vocab128`),
+DeepSpeed's own optimizer step instead of this project's (`-fast_zero3_step`), the fast step's three passes (gradient
+copy, torch's fused AdamW, parameter copy) instead of the one kernel (`-fused_zero3_step`, shared/kernels/adamw.py),
+DeepCompile without the small parameters kept gathered (`-persist_threshold`, shared/train/deepcompile_passes.py),
+inductor's generated kernels without coordinate-descent tuning (`-coordinate_descent`), inductor's generated bias + GELU
+backward instead of that kernel (`-triton_gelu_grad`, shared/kernels/bias_gelu_grad.py), the model's own loss
+(inductor's kernels over the whole logits) instead of one Triton kernel per row (`-triton_loss`,
+shared/kernels/cross_entropy.py), eager ZeRO-3's list of persistent parameters kept under DeepCompile, so each step
+gathers them again (`-drop_eager_persist`, shared/train/ds_runtime.drop_eager_persistent), DeepSpeed's own walks of the
+model around each step instead of lists taken once (`-cached_walks`, shared/train/ds_runtime.cache_deepcompile_walks),
+inductor's dropout masks, one Philox call per element, instead of the Triton kernel's eight draws per call
+(`-triton_dropout`, shared/kernels/dropout_mask.py), DeepSpeed's own DeepCompile op, whose host waits for the backward's
+end, instead of the one whose compute stream waits for it (`-device_backward_wait`, shared/train/deepcompile_op.py),
+DeepSpeed's read of the gradient norm's inf/NaN check on the host instead of the flag left on the device, each update
+skipping itself there (`-device_norm_check`, shared/train/zero3_step.py), and the padded vocabulary, the Triton loss and
+the Triton dropout all off (`-together`: each measured within its baselines' noise alone, the three 1.017x together).
+The levers measured here and removed since are in docs/ledger.md. The block-sparse kernel is not a lever here: on the
+causal layout SDPA (cuDNN) is faster, with and without dropout; benchmarks/attention.py and attention_dropout.py compare
+them at the model's shape.
 `baseline` runs first and again last (`baseline_again`): each configuration's ratio is against the
 mean of the baseline runs, whose two values give the noise. Raw path only by default (`--paths`): a lever changes
 the shared model or step, which both paths run alike (compare.py measures their ratio). A DeepCompile run of the
@@ -53,8 +53,8 @@ one after the other on one GPU: every GPU runs the reference configurations name
 first lever first, those named after it last), each other configuration runs once, on the first GPU free, and its
 ratio is against the reference runs of its own GPU, since GPUs of one kind differ in clock (each row records its
 GPU's index and UUID; the table names the GPU). With --keep every reference run measured stays, rating the runs of
-its own GPU, and a GPU of this machine without one runs it again. On 8 GPUs the last-mile set (19 levers, a baseline
-and a baseline again on every GPU) takes at most 5 runs a GPU, against 21 one after the other on one GPU. The runs of a
+its own GPU, and a GPU of this machine without one runs it again. On 8 GPUs the last-mile set (14 levers, a baseline
+and a baseline again on every GPU) takes at most 4 runs a GPU, against 16 one after the other on one GPU. The runs of a
 round compile at the same time on the host's CPUs, baselines and levers alike.
 """
 
