@@ -8,6 +8,7 @@ offending value, so a bad flag fails before any process group or GPU is touched.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -375,6 +376,17 @@ class TrainConfig(FusedSwitches):
     def flops_factor(self) -> int:
         """k in the Megatron formula: 3 (forward + 2x backward), 4 with activation recompute."""
         return 4 if self.activation_checkpointing else 3
+
+
+# The expert levers: fields that change how fast a run trains, not what it trains or how it is run. Their defaults and
+# compare.py's GPU default (the fast profile) set those measured faster; what each one measured is in docs/ledger.md.
+# --help lists them in a group of their own, after the common flags (shared/train/cli.add_config_args).
+LEVERS = frozenset({
+    *FUSED_FLAGS, "attn_dropout_mask", "vocab_multiple", "deepcompile_schedule", "deepcompile_persist",
+    "deepcompile_eager_persist", "deepcompile_cached_walks", "deepcompile_backward_wait", "coordinate_descent_tuning",
+    "zero3_step", "grad_norm_check", "zero_profile", "reduce_bucket_size", "prefetch_bucket_size",
+    "param_persistence_threshold"})
+assert LEVERS <= {f.name for f in dataclasses.fields(TrainConfig)}, "every lever is a TrainConfig field"
 
 
 def _check_deepcompile(train: TrainConfig) -> None:
