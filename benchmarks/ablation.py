@@ -459,14 +459,16 @@ def run_spread(base: TrainConfig, names: list[str], configs: dict, paths: list[s
 
 def earlier_report(path: Path, base: TrainConfig) -> dict:
     """The earlier ablation in the same --out, if its rows may stand beside new runs: same base settings, package
-    versions and device (else a ValueError names what differs); {} when there is none."""
+    versions and device (else a ValueError names what differs); {} when there is none. What this version no longer
+    records (a setting or package of a removed option, docs/ledger.md) is not a difference, as in
+    shared/train/results.differences."""
     if not path.exists():
         return {}
     old = json.loads(path.read_text())
     for what, key, value in (("base settings", "base", dataclasses.asdict(base)), ("versions", "versions", versions())):
-        theirs = old.get(key)
-        if theirs != value:
-            diff = sorted(k for k in set(value) | set(theirs or {}) if (theirs or {}).get(k) != value.get(k))
+        theirs = old.get(key) or {}
+        diff = sorted(k for k in value if theirs.get(k) != value[k])
+        if diff:
             raise ValueError(f"--keep: {path} was measured with other {what} ({', '.join(diff)}); use another --out")
     device = device_info()["name"]
     if old.get("device") not in (None, device):

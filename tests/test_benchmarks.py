@@ -80,11 +80,16 @@ def test_ablation_last_mile_set_needs_cuda_and_keep_refuses_other_settings(tmp_p
     proc = run([sys.executable, ABLATION, "--configs", "naive", "--keep", "--out", tmp_path], check=False,
                timeout=60)
     assert proc.returncode == 2 and "was measured with other base settings (micro_batch)" in proc.stderr
+    # one written before options were removed (docs/ledger.md) records their settings and packages: not a difference
+    earlier.update(base={**dataclasses.asdict(cpu_base), "python_gc": "freeze", "fused_loss": False},
+                   versions={**ablation.versions(), "liger-kernel": "0.8.5"})
+    (tmp_path / "ablation.json").write_text(json.dumps(earlier))
+    assert ablation.earlier_report(tmp_path / "ablation.json", cpu_base) == earlier
 
 
 def test_every_last_mile_lever_is_a_valid_change_of_compare_gpu_default(monkeypatch):
     """Each lever of --set last_mile on compare.py's GPU default is a config the runs accept: a lever that clashes
-    with a default (the bias gradient as a matmul against the bias + GELU backward kernel) turns that default off."""
+    with a default (DeepSpeed's own optimizer step against the norm check on the device) turns that default off."""
     from compare import GPU_DEEPCOMPILE_DEFAULTS
     from shared.model import config as model_config
 
