@@ -181,6 +181,18 @@ def test_a_removed_lever_is_refused_by_the_parsers_naming_it(name, capsys):
             assert e.value.code == 2 and f"unrecognized arguments: {flag} {REMOVED[name]}" in capsys.readouterr().err
 
 
+def test_the_ledger_keeps_each_removed_levers_measurement_and_has_a_row_for_each_of_the_gpu_default():
+    import compare
+
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in (ROOT / "docs" / "ledger.md").read_text()
+            .splitlines() if line.startswith("| `")]
+    of = lambda name: [row for row in rows if re.match(rf"`--{name}\b", row[0])]
+    for name in REMOVED:  # what it does, what it measured (or that nothing was), and that it is removed
+        assert [(bool(r[1] and r[2]), r[-1].split(":")[0]) for r in of(name)] == [(True, "removed")], name
+    for name in set(compare.GPU_DEEPCOMPILE_DEFAULTS) - {"micro_batch"}:  # the micro-batch's row is "+mb24"
+        assert any(r[2] and r[-1].startswith("kept: GPU default") for r in of(name)), name
+
+
 # DeepSpeed's own config key of that name, which the DeepSpeed dict sets false for compiled blocks
 DEEPSPEED_KEYS = {("shared/train/ds_config.py", "memory_efficient_linear")}
 
