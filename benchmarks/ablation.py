@@ -1,7 +1,7 @@
 """The fused-kernel / compile ablation: both paths, one configuration at a time, in one run.
 
     python benchmarks/ablation.py --preset 1.5b --micro_batch 8 --out benchmarks/results/ablation_1xh200
-    python benchmarks/ablation.py                       # no GPU: tiny preset on CPU (fused_layernorm left out)
+    python benchmarks/ablation.py                       # no GPU: tiny preset on CPU
 
 Each configuration adds one switch to the naive model (every switch off), then `compile` (blocks), then `all`
 (every switch that ran). Each runs through the raw DeepSpeed loop and the Lightning path: with two or more GPUs
@@ -17,30 +17,26 @@ counters) and ablation.md (the table). A configuration that fails is recorded wi
 micro-batch 16, coordinate-descent kernel tuning, the vocabulary padded to a multiple of 128, the LM head's loss by a
 Triton kernel, the residual dropouts' masks by a Triton kernel, the MLP's bias + GELU backward and the optimizer step
 each in one Triton kernel, DeepCompile's backward end waited for on the device, the step's gradient-norm check left on
-the device, the tuned ZeRO-3 buckets; 20 steps of which 10 warm-up) and changes one lever per configuration: the
-chunked linear + cross-entropy in place of the Triton loss (`+fused_loss`), that with the micro-batch it frees
-(`+fused_loss_mb24`), micro-batch 24 with the Triton loss (`+mb24`: each step's host work is the same, its kernels
-half as long again), the vocabulary unpadded (`-vocab128`), DeepSpeed's own optimizer step instead of this project's
-(`-fast_zero3_step`), the fast step's three passes (gradient copy, torch's fused AdamW, parameter copy) instead of the
-one kernel (`-fused_zero3_step`, shared/kernels/adamw.py), DeepCompile without the small parameters kept gathered
-(`-persist_threshold`, shared/train/deepcompile_passes.py), inductor's generated kernels without coordinate-descent
-tuning (`-coordinate_descent`), the MLP bias's gradient summed by a matmul instead of the bias + GELU backward kernel
-(`+matmul_bias_grad`), inductor's generated bias + GELU backward instead of that kernel (`-triton_gelu_grad`,
-shared/kernels/bias_gelu_grad.py), the model's own loss (inductor's kernels over the whole logits) instead of one
-Triton kernel per row (`-triton_loss`, shared/kernels/cross_entropy.py), eager ZeRO-3's list of persistent
-parameters kept under DeepCompile, so each step gathers them again (`-drop_eager_persist`,
-shared/train/ds_runtime.drop_eager_persistent), DeepSpeed's own walks of the model around each step instead of lists
-taken once (`-cached_walks`, shared/train/ds_runtime.cache_deepcompile_walks), inductor's dropout masks, one Philox call
-per element, instead of the Triton kernel's eight draws per call (`-triton_dropout`, shared/kernels/dropout_mask.py),
-DeepSpeed's own DeepCompile op, whose host waits for the backward's end, instead of the one whose compute stream waits
-for it (`-device_backward_wait`, shared/train/deepcompile_op.py), DeepSpeed's read of the gradient norm's inf/NaN check
-on the host instead of the flag left on the device, each update skipping itself there (`-device_norm_check`,
-shared/train/zero3_step.py), DeepCompile's op without its division of every gradient by a world size of 1
-(`+skip_divide_by_one`, shared/train/deepcompile_op.py), the training forward without dynamo's guard checks once the
-compiles are done (`+skip_guard_eval`, shared/train/compile.GuardSkip), and the padded vocabulary, the Triton loss
-and the Triton dropout all off (`-together`: each measured within its baselines' noise alone, the three 1.017x
-together). The block-sparse kernel is not a lever here: on the causal layout SDPA (cuDNN) is faster, with and
-without dropout; benchmarks/attention.py and attention_dropout.py compare them at the model's shape.
+the device, the tuned ZeRO-3 buckets; 20 steps of which 10 warm-up) and changes one lever per configuration: micro-batch
+24 (`+mb24`: each step's host work is the same, its kernels half as long again), the vocabulary unpadded (`-vocab128`),
+DeepSpeed's own optimizer step instead of this project's (`-fast_zero3_step`), the fast step's three passes (gradient
+copy, torch's fused AdamW, parameter copy) instead of the one kernel (`-fused_zero3_step`, shared/kernels/adamw.py),
+DeepCompile without the small parameters kept gathered (`-persist_threshold`, shared/train/deepcompile_passes.py),
+inductor's generated kernels without coordinate-descent tuning (`-coordinate_descent`), inductor's generated bias + GELU
+backward instead of that kernel (`-triton_gelu_grad`, shared/kernels/bias_gelu_grad.py), the model's own loss
+(inductor's kernels over the whole logits) instead of one Triton kernel per row (`-triton_loss`,
+shared/kernels/cross_entropy.py), eager ZeRO-3's list of persistent parameters kept under DeepCompile, so each step
+gathers them again (`-drop_eager_persist`, shared/train/ds_runtime.drop_eager_persistent), DeepSpeed's own walks of the
+model around each step instead of lists taken once (`-cached_walks`, shared/train/ds_runtime.cache_deepcompile_walks),
+inductor's dropout masks, one Philox call per element, instead of the Triton kernel's eight draws per call
+(`-triton_dropout`, shared/kernels/dropout_mask.py), DeepSpeed's own DeepCompile op, whose host waits for the backward's
+end, instead of the one whose compute stream waits for it (`-device_backward_wait`, shared/train/deepcompile_op.py),
+DeepSpeed's read of the gradient norm's inf/NaN check on the host instead of the flag left on the device, each update
+skipping itself there (`-device_norm_check`, shared/train/zero3_step.py), and the padded vocabulary, the Triton loss and
+the Triton dropout all off (`-together`: each measured within its baselines' noise alone, the three 1.017x together).
+The levers measured here and removed since are in docs/ledger.md. The block-sparse kernel is not a lever here: on the
+causal layout SDPA (cuDNN) is faster, with and without dropout; benchmarks/attention.py and attention_dropout.py compare
+them at the model's shape.
 `baseline` runs first and again last (`baseline_again`): each configuration's ratio is against the
 mean of the baseline runs, whose two values give the noise. Raw path only by default (`--paths`): a lever changes
 the shared model or step, which both paths run alike (compare.py measures their ratio). A DeepCompile run of the
@@ -57,8 +53,8 @@ one after the other on one GPU: every GPU runs the reference configurations name
 first lever first, those named after it last), each other configuration runs once, on the first GPU free, and its
 ratio is against the reference runs of its own GPU, since GPUs of one kind differ in clock (each row records its
 GPU's index and UUID; the table names the GPU). With --keep every reference run measured stays, rating the runs of
-its own GPU, and a GPU of this machine without one runs it again. On 8 GPUs the last-mile set (19 levers, a baseline
-and a baseline again on every GPU) takes at most 5 runs a GPU, against 21 one after the other on one GPU. The runs of a
+its own GPU, and a GPU of this machine without one runs it again. On 8 GPUs the last-mile set (14 levers, a baseline
+and a baseline again on every GPU) takes at most 4 runs a GPU, against 16 one after the other on one GPU. The runs of a
 round compile at the same time on the host's CPUs, baselines and levers alike.
 """
 
@@ -102,11 +98,8 @@ from shared.train.config import TrainConfig
 from shared.train.results import device_info, replace_text, versions
 
 SWITCHES = {
-    "native_linear": {"memory_efficient_linear": False},
-    "fused_loss": {"fused_loss": True},
     "bias_dropout_add": {"fused_bias_dropout_add": True},
     "bias_gelu": {"fused_bias_gelu": True},
-    "layernorm_liger": {"fused_layernorm": True},
     "compile": {"compile": "blocks"},
     "fast_zero3_step": {"zero3_step": "fast"},
 }
@@ -120,15 +113,12 @@ NAIVE = {"fused_bias_dropout_add": False, "fused_bias_gelu": False, "zero3_step"
 # On top of compare.py's GPU default: one lever per configuration (see the module docstring).
 LAST_MILE = {
     "baseline": {},
-    "+fused_loss": {"fused_loss": True, "triton_loss": False},  # the chunked loss in place of the Triton one
-    "+fused_loss_mb24": {"fused_loss": True, "triton_loss": False, "micro_batch": 24},
     # 1.5x the work per step for the same host work per step: the host's launches hidden behind longer kernels
     "+mb24": {"micro_batch": 24},
     "-vocab128": {"vocab_multiple": 1},
     "-fast_zero3_step": {"zero3_step": "deepspeed", "grad_norm_check": "host"},  # DeepSpeed's step checks on the host
     "-persist_threshold": {"deepcompile_persist": "deepspeed"},
     "-coordinate_descent": {"coordinate_descent_tuning": False},
-    "+matmul_bias_grad": {"matmul_bias_grad": True, "triton_gelu_grad": False},  # the other backward of the two
     "-triton_gelu_grad": {"triton_gelu_grad": False},
     "-triton_loss": {"triton_loss": False},
     "-drop_eager_persist": {"deepcompile_eager_persist": "deepspeed"},
@@ -137,8 +127,6 @@ LAST_MILE = {
     "-triton_dropout": {"triton_dropout": False},
     "-device_backward_wait": {"deepcompile_backward_wait": "host"},
     "-device_norm_check": {"grad_norm_check": "host"},
-    "+skip_divide_by_one": {"deepcompile_skip_divide_by_one": True},  # no division by the world size of 1
-    "+skip_guard_eval": {"skip_guard_eval": True},  # the forward's guard checks skipped after the compiles
     # the three levers of the default that measured within their baselines' noise alone and a gain together, all off
     "-together": {"vocab_multiple": 1, "triton_loss": False, "triton_dropout": False},
     "baseline_again": {},
@@ -146,14 +134,11 @@ LAST_MILE = {
 REFERENCE = {"fusions": "naive", "last_mile": "baseline"}  # each set's ratios are against these runs
 
 
-def configurations(cuda: bool) -> dict[str, dict]:
-    switches = {k: v for k, v in SWITCHES.items() if cuda or k != "layernorm_liger"}  # liger is CUDA-only
+def configurations() -> dict[str, dict]:
     # naive, compile and all first: a run cut short by a time limit still has the main comparison
-    # all: every switch that combines with compile (liger's LayerNorm does not: see shared/train/config.py)
-    configs = {"naive": {}, "+compile": switches["compile"],
-               "all": {k: v for name, flags in switches.items() for k, v in flags.items()
-                       if name != "layernorm_liger"}}
-    configs.update({f"+{k}": v for k, v in switches.items() if k != "compile"})
+    configs = {"naive": {}, "+compile": SWITCHES["compile"],
+               "all": {k: v for flags in SWITCHES.values() for k, v in flags.items()}}
+    configs.update({f"+{k}": v for k, v in SWITCHES.items() if k != "compile"})
     return {name: {**NAIVE, **flags} for name, flags in configs.items()}
 
 
@@ -290,7 +275,7 @@ def main(argv: list[str] | None = None) -> dict:
     t_start = time.monotonic()
     ns = p.parse_args(configs_value_joined(sys.argv[1:] if argv is None else argv))
     last_mile = ns.lever_set == "last_mile"
-    all_configs = LAST_MILE if last_mile else configurations(cuda)
+    all_configs = LAST_MILE if last_mile else configurations()
     names = list(all_configs) if ns.configs is None else [c.strip() for c in ns.configs.split(",") if c.strip()]
     unknown = [n for n in names if n not in all_configs]
     if unknown:
@@ -303,7 +288,7 @@ def main(argv: list[str] | None = None) -> dict:
         p.error(f"--timeout must be positive seconds, got {ns.timeout}")
     if last_mile and ns.mb_sweep:
         p.error("--mb_sweep sweeps the naive and all configurations of --set fusions; with --set last_mile a "
-                "micro-batch is a lever (+fused_loss_mb24) or --micro_batch")
+                "micro-batch is a lever (+mb24) or --micro_batch")
     if ns.gpus < 1 or (ns.gpus > 1 and (not cuda or ns.gpus > torch.cuda.device_count())):
         p.error(f"--gpus takes 1 up to the GPUs this machine has ({torch.cuda.device_count() if cuda else 0}), "
                 f"got {ns.gpus}")
@@ -475,14 +460,16 @@ def run_spread(base: TrainConfig, names: list[str], configs: dict, paths: list[s
 
 def earlier_report(path: Path, base: TrainConfig) -> dict:
     """The earlier ablation in the same --out, if its rows may stand beside new runs: same base settings, package
-    versions and device (else a ValueError names what differs); {} when there is none."""
+    versions and device (else a ValueError names what differs); {} when there is none. What this version no longer
+    records (a setting or package of a removed option, docs/ledger.md) is not a difference, as in
+    shared/train/results.differences."""
     if not path.exists():
         return {}
     old = json.loads(path.read_text())
     for what, key, value in (("base settings", "base", dataclasses.asdict(base)), ("versions", "versions", versions())):
-        theirs = old.get(key)
-        if theirs != value:
-            diff = sorted(k for k in set(value) | set(theirs or {}) if (theirs or {}).get(k) != value.get(k))
+        theirs = old.get(key) or {}
+        diff = sorted(k for k in value if theirs.get(k) != value[k])
+        if diff:
             raise ValueError(f"--keep: {path} was measured with other {what} ({', '.join(diff)}); use another --out")
     device = device_info()["name"]
     if old.get("device") not in (None, device):

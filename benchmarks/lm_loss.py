@@ -5,10 +5,10 @@
 
 loss = cross_entropy(x @ W^T, targets), x (rows = micro-batch x sequence, hidden), W (vocabulary, hidden), both in the
 model's dtype. `inductor` is the model's LM head (shared/model/gpt.LMHead: the logits upcast to fp32 inside
-F.cross_entropy), torch.compile'd. `triton` is shared/model/fused_loss.triton_linear_cross_entropy, torch.compile'd:
-the same matmul, then shared/kernels/cross_entropy.py's kernel writes each row's loss and the logits' gradient in
-forward, and the backward's two products are scaled afterwards (on a CPU only under TRITON_INTERPRET=1, else it is
-left out and the JSON says why). `--vocab_multiple 128` pads W's rows as the model's flag does.
+F.cross_entropy), torch.compile'd. `triton` is shared/model/linear_cross_entropy.triton_linear_cross_entropy,
+torch.compile'd: the same matmul, then shared/kernels/cross_entropy.py's kernel writes each row's loss and the logits'
+gradient in forward, and the backward's two products are scaled afterwards (on a CPU only under TRITON_INTERPRET=1,
+else it is left out and the JSON says why). `--vocab_multiple 128` pads W's rows as the model's flag does.
 
 Timing: triton.testing.do_bench medians of forward + backward (torch.autograd.grad of the loss for x and W), the
 variants alternated `--rounds` times, each compiled and checked first. Correctness: each variant's loss, dx and dW
@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mlp_tail import time_alternated, write_result  # noqa: E402
 
 from shared.kernels import cross_entropy
-from shared.model.fused_loss import triton_linear_cross_entropy
 from shared.model.gpt import LMHead
+from shared.model.linear_cross_entropy import triton_linear_cross_entropy
 from shared.train.cli import check_out_flag
 from shared.train.results import device_info, versions
 
@@ -58,7 +58,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def variants(vocab: int) -> dict:
     def inductor(x, w, t):  # the model's LMHead.forward on this weight
-        return LMHead.forward(SimpleNamespace(weight=w, vocab_size=vocab, fused_loss=False, triton_loss=False), x, t)
+        return LMHead.forward(SimpleNamespace(weight=w, vocab_size=vocab, triton_loss=False), x, t)
 
     return {"inductor": torch.compile(inductor, dynamic=False),
             "triton": torch.compile(lambda x, w, t: triton_linear_cross_entropy(x, w, t, vocab), dynamic=False)}

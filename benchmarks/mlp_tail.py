@@ -1,17 +1,15 @@
-"""The MLP's bias + GELU tail, forward + backward, three ways: inductor's kernels, the bias gradient as a matmul, or
-the whole backward as one Triton kernel.
+"""The MLP's bias + GELU tail, forward + backward, two ways: inductor's kernels, or the whole backward as one Triton
+kernel.
 
     python benchmarks/mlp_tail.py --out mlp_tail.json            # the 1.5b model's shape, micro-batch 16 (a GPU)
     python benchmarks/mlp_tail.py --rows 256 --cols 384 --rounds 1   # a small shape, runs on a CPU too
 
 gelu(x + b) (tanh approximation), x the up projection's output (rows = micro-batch x sequence, cols = 4 x hidden),
 b its bias. `inductor` is shared.model.fused_ops.bias_gelu: inductor generates the forward as one kernel and, in
-backward, the GELU gradient and the bias gradient (its sum over every row) as one reduction kernel.
-`matmul_grad` is fused_ops.bias_gelu_matmul_grad: the same forward, the GELU gradient as one generated pointwise
-kernel, the bias gradient as a row of ones times it (the matmul library). `triton_grad` is
+backward, the GELU gradient and the bias gradient (its sum over every row) as one reduction kernel. `triton_grad` is
 fused_ops.bias_gelu_triton_grad: the same forward, the GELU gradient and the bias gradient's partial sums in one
 pass of a Triton kernel (shared/kernels/bias_gelu_grad.py; on a CPU only under TRITON_INTERPRET=1, else it is left
-out and the JSON says why). All are torch.compile'd as the model compiles them (`--coordinate_descent_tuning` as
+out and the JSON says why). Both are torch.compile'd as the model compiles them (`--coordinate_descent_tuning` as
 compare.py's GPU default sets it).
 
 Timing: triton.testing.do_bench medians of forward + backward (torch.autograd.grad of the output for x and b with a
@@ -37,8 +35,7 @@ from shared.model import fused_ops
 from shared.train.cli import _parse_bool, check_out_flag
 from shared.train.results import device_info, versions
 
-VARIANTS = {"inductor": fused_ops.bias_gelu, "matmul_grad": fused_ops.bias_gelu_matmul_grad,
-            "triton_grad": fused_ops.bias_gelu_triton_grad}
+VARIANTS = {"inductor": fused_ops.bias_gelu, "triton_grad": fused_ops.bias_gelu_triton_grad}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

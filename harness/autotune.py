@@ -4,26 +4,23 @@ chosen preset and GPU count, within a time budget, and write the winner as a Dee
 Search, on the raw path (the faster one to start), each candidate a short run of its own:
   1. micro-batch x activation checkpointing: micro-batches of --mb_grid in increasing order without
      checkpointing, stopping at the first that runs out of memory or is slower than the one before it (early
-     stop); then, with checkpointing, the micro-batches above the largest that fitted without it. A micro-batch
-     that runs out of memory is tried once more with the chunked loss (`--fused_loss`: the batch's fp32 logits,
-     6.6 GB at 1.5b and micro-batch 16, never exist), and the larger ones keep it if it fitted.
+     stop); then, with checkpointing, the micro-batches above the largest that fitted without it.
   2. compiled blocks (`--compile blocks`) on the best so far: on the H200 it cut the forward phase by 30-70 ms
      but added ~30 ms of backward (docs/kernels.md, fused paths), so whether it pays depends on the setup: measure it.
   3. DeepCompile (`--compile deepcompile --deepcompile_schedule once`, CUDA only) at the best micro-batch so far,
      then at the larger micro-batches of the grid (its memory differs from the eager model's), until one runs out
-     of memory (also with the chunked loss, as in 1) or is slower; each candidate includes its ~2 min warm-up,
-     so a 1.5b search wants a budget of 20 min or more.
+     of memory or is slower; each candidate includes its ~2 min warm-up, so a 1.5b search wants a budget of 20 min
+     or more.
   4. the optimizer step's three passes in one kernel (`--zero3_step fused`, shared/kernels/adamw.py) on the best
-     so far: ZeRO-3, AdamW and CUDA only (Triton's interpreter runs the kernel on a CPU for tests, not for speed);
+     so far: ZeRO-3 and CUDA only (Triton's interpreter runs the kernel on a CPU for tests, not for speed);
      on one H200 it gave 1.015x the whole step under DeepCompile at micro-batch 16, and compare.py's GPU default
      runs it (docs/results.md); the search measures it on its own best configuration. Then the MLP's bias + GELU
      backward as one Triton kernel (`--triton_gelu_grad`, shared/kernels/bias_gelu_grad.py; CUDA only, with the
      fused bias + GELU): 1.010x the whole step in one pair on one H200, off by default, so measured here too.
-     Then compare.py's GPU default's padded vocabulary (`--vocab_multiple 128`), Triton loss (`--triton_loss`, bf16,
-     not where the best so far runs the chunked loss) and Triton dropout masks (`--triton_dropout`, with the fused
-     bias + dropout + add), together as measured (1.017x the whole step on one H200), CUDA only: those of the three
-     not on yet and not ruled out (a flag given as false cannot be told from the default; give the search a base
-     without the switch instead).
+     Then compare.py's GPU default's padded vocabulary (`--vocab_multiple 128`), Triton loss (`--triton_loss`, bf16)
+     and Triton dropout masks (`--triton_dropout`, with the fused bias + dropout + add), together as measured (1.017x
+     the whole step on one H200), CUDA only: those of the three not on yet and not ruled out (a flag given as false
+     cannot be told from the default; give the search a base without the switch instead).
   5. ZeRO-3 prefetch bucket, then reduce bucket, then parameter persistence threshold, one knob at a time
      (coordinate descent) from the best so far. Under DeepCompile the prefetch bucket is skipped: its passes
      schedule their own prefetch and never read stage3_prefetch_bucket_size. A persistence threshold that keeps
@@ -83,8 +80,8 @@ def knobs(cfg: TrainConfig) -> dict:
             "prefetch_bucket_size": zero.get("stage3_prefetch_bucket_size"),
             "reduce_bucket_size": zero.get("reduce_bucket_size"),
             "param_persistence_threshold": zero.get("stage3_param_persistence_threshold"),
-            "compile": cfg.compile, "deepcompile_schedule": cfg.deepcompile_schedule, "fused_loss": cfg.fused_loss,
-            "zero3_step": cfg.zero3_step, "triton_gelu_grad": cfg.triton_gelu_grad,
+            "compile": cfg.compile, "deepcompile_schedule": cfg.deepcompile_schedule, "zero3_step": cfg.zero3_step,
+            "triton_gelu_grad": cfg.triton_gelu_grad,
             "vocab_multiple": cfg.vocab_multiple, "triton_loss": cfg.triton_loss, "triton_dropout": cfg.triton_dropout}
 
 
@@ -124,6 +121,11 @@ def kept_candidates(train: TrainConfig, world: int, out_dir: Path) -> tuple[list
         r["knobs"].setdefault("zero3_step", train.zero3_step)
         for knob in ("triton_gelu_grad", *DEFAULT_KERNELS):
             r["knobs"].setdefault(knob, getattr(train, knob))
+    # knobs of a search written before their flag was removed (docs/ledger.md): a candidate that ran one switched
+    # off is the same configuration without it; one that ran it on is none this version can run
+    current = set(knobs(train))
+    gone = [{k: r["knobs"].pop(k) for k in set(r["knobs"]) - current} for r in rows]
+    rows = [r for r, removed in zip(rows, gone) if all(v in (False, None) for v in removed.values())]
     return sorted((r for r in rows if r["status"] in ("ok", "oom")), key=lambda r: r["i"]), commands
 
 
@@ -174,25 +176,9 @@ class Search:
         print(f"  candidate {i}: {key} -> {speed}", flush=True)
         return row
 
-    def run_freeing_memory(self, cfg: TrainConfig) -> dict | None:
-        """One candidate; if it ran out of memory without the chunked loss, the same again with it (in place of the
-        Triton loss, if it had that)."""
-        row = self.run(cfg)
-        if row is not None and row["status"] == "oom" and not cfg.fused_loss:
-            if not row.get("kept"):
-                print("  out of memory: the same with --fused_loss", flush=True)
-            row = self.run(dataclasses.replace(cfg, fused_loss=True, triton_loss=False))  # one loss of the two
-        return row
-
     def best(self) -> dict | None:
         ok = [r for r in self.tried if r["status"] == "ok"]
         return max(ok, key=lambda r: r["tokens_per_s_per_gpu"]) if ok else None
-
-
-def with_loss(fused: bool) -> dict:
-    """The loss knobs of a candidate that follows one which needed the chunked loss (fused) or not: the chunked
-    loss replaces the Triton loss (the two are one loss each), so once memory needed it the Triton loss stays off."""
-    return {"fused_loss": True, "triton_loss": False} if fused else {"fused_loss": False}
 
 
 def run_autotune(train: TrainConfig, ns, launch, out_dir: Path, kept: list[dict] = ()) -> dict:
@@ -209,48 +195,41 @@ def run_autotune(train: TrainConfig, ns, launch, out_dir: Path, kept: list[dict]
     grid = parse_grid(ns.mb_grid)
 
     # 1. micro-batch without, then with, activation checkpointing
-    largest_fit, previous, fused = None, None, base.fused_loss
+    largest_fit, previous = None, None
     for mb in grid:
-        row = search.run_freeing_memory(dataclasses.replace(base, micro_batch=mb, **with_loss(fused)))
+        row = search.run(dataclasses.replace(base, micro_batch=mb))
         if row is None or row["status"] != "ok":
             break
-        largest_fit, fused = mb, row["knobs"]["fused_loss"]
+        largest_fit = mb
         if previous and row["tokens_per_s_per_gpu"] < previous["tokens_per_s_per_gpu"]:
             break  # early stop: a larger micro-batch stopped paying
         previous = row
     for mb in [m for m in grid if largest_fit is None or m > largest_fit]:
-        row = search.run_freeing_memory(dataclasses.replace(base, micro_batch=mb, activation_checkpointing=True,
-                                                            **with_loss(fused)))
+        row = search.run(dataclasses.replace(base, micro_batch=mb, activation_checkpointing=True))
         if row is None or row["status"] != "ok":
             break
-        fused = row["knobs"]["fused_loss"]
 
     # 2. compiled blocks, from the best so far
     best = search.best()
     if best is not None and best["knobs"]["compile"] == "none":
-        try:
-            compiled = dataclasses.replace(base, **{**best["knobs"], "compile": "blocks"})
-        except ValueError as e:  # a flag of the run excludes compiled blocks (e.g. --fused_layernorm)
-            print(f"  compiled blocks not tried: {e}", flush=True)
-        else:
-            search.run(compiled)
+        search.run(dataclasses.replace(base, **{**best["knobs"], "compile": "blocks"}))
 
     # 3. DeepCompile, from the best micro-batch so far upwards
     best = search.best()
     if best is not None:
-        previous, fused = None, best["knobs"]["fused_loss"]
+        previous = None
         for mb in [m for m in grid if m >= best["knobs"]["micro_batch"]]:
             try:
                 cfg = dataclasses.replace(base, **{**best["knobs"], "micro_batch": mb, "compile": "deepcompile",
-                                                   "deepcompile_schedule": "once", **with_loss(fused)})
+                                                   "deepcompile_schedule": "once"})
             except ValueError as e:  # no CUDA, stage 0, a flag DeepCompile refuses: say so, go on without it
                 print(f"  DeepCompile not tried: {e}", flush=True)
                 break
-            row = search.run_freeing_memory(cfg)
+            row = search.run(cfg)
             if row is None or row["status"] != "ok" or (
                     previous and row["tokens_per_s_per_gpu"] < previous["tokens_per_s_per_gpu"]):
                 break
-            previous, fused = row, row["knobs"]["fused_loss"]
+            previous = row
 
     # 4. the optimizer step (a ZeRO-3 step only) and the MLP's bias + GELU backward as one kernel each, in turn on
     # the best so far
@@ -266,8 +245,7 @@ def run_autotune(train: TrainConfig, ns, launch, out_dir: Path, kept: list[dict]
         else:
             search.run(dataclasses.replace(base, **{**best["knobs"], knob: value}))
     # then compare.py's GPU default's padded vocabulary, Triton loss and Triton dropout, together (as measured), on
-    # the best so far: each one it rules out stays as it is (the Triton loss where the best runs the chunked loss,
-    # which a micro-batch may need for its memory), and none is turned off
+    # the best so far: each one it rules out stays as it is, and none is turned off
     best = search.best()
     if best is not None:
         on_best = dataclasses.replace(base, **best["knobs"])
@@ -326,8 +304,6 @@ def run_autotune(train: TrainConfig, ns, launch, out_dir: Path, kept: list[dict]
             flags.append(f"--deepcompile_schedule {cfg.deepcompile_schedule}")
         if cfg.coordinate_descent_tuning and cfg.compile != "none":  # the candidates ran with it: so must the user
             flags.append("--coordinate_descent_tuning")
-        if cfg.fused_loss:
-            flags.append("--fused_loss")
         if cfg.zero3_step != TrainConfig.zero3_step:
             flags.append(f"--zero3_step {cfg.zero3_step}")
         if cfg.triton_gelu_grad:
@@ -346,11 +322,11 @@ DEFAULT_KERNELS = {k: PROFILES["fast"].settings[k] for k in ("vocab_multiple", "
 
 def default_kernels_refusals(cfg) -> dict:
     """Of DEFAULT_KERNELS, those the configuration rules out (a TrainConfig, or compare.py's parsed flags, where an
-    unset flag is None), each with the value it keeps: the Triton loss is the LM head's other loss than --fused_loss
-    and was measured in bf16 only (its logits' gradient is kept in their dtype, which fp16's range does not hold); the
+    unset flag is None), each with the value it keeps: the Triton loss was measured in bf16 only (its logits'
+    gradient is kept in their dtype, which fp16's range does not hold); the
     Triton dropout draws the mask of the fused bias + dropout + add, off with --fused_bias_dropout_add false."""
     off = {}
-    if cfg.fused_loss or normalize_precision(cfg.precision or TrainConfig.precision) != "bf16":
+    if normalize_precision(cfg.precision or TrainConfig.precision) != "bf16":
         off["triton_loss"] = TrainConfig.triton_loss
     if cfg.fused_bias_dropout_add is False:
         off["triton_dropout"] = TrainConfig.triton_dropout
@@ -361,8 +337,6 @@ def fused_step_refusal(cfg: TrainConfig) -> str | None:
     """Why the search does not try `--zero3_step fused` for this configuration, or None when it does."""
     if cfg.zero3_step == "deepspeed":
         return "--zero3_step deepspeed asks for DeepSpeed's own step"
-    if cfg.optimizer != "adamw":
-        return f"its kernel is AdamW's, and --optimizer is {cfg.optimizer}"
     if not model_config.cuda_available():
         return "its Triton kernel needs a CUDA GPU to be timed (on a CPU only Triton's interpreter runs it)"
     return None
@@ -371,8 +345,6 @@ def fused_step_refusal(cfg: TrainConfig) -> str | None:
 def gelu_kernel_refusal(cfg) -> str | None:
     """Why `--triton_gelu_grad` cannot run in this configuration (a TrainConfig, or compare.py's parsed flags, where
     an unset flag is None), or None when it can: the search does not try it then, nor compare.py's GPU default."""
-    if cfg.matmul_bias_grad:
-        return "--matmul_bias_grad asks for the bias gradient as a matmul"
     if cfg.fused_bias_gelu is False:
         return "it is the backward of the fused bias + GELU, and --fused_bias_gelu is false"
     if not model_config.cuda_available():
@@ -384,7 +356,6 @@ def describe(k: dict) -> str:
     """One candidate's knobs, as the table prints them."""
     return (f"mb {k['micro_batch']}{' +ckpt' if k['activation_checkpointing'] else ''}"
             f"{' +' + k['compile'] if k.get('compile', 'none') != 'none' else ''}"
-            f"{' +fused_loss' if k.get('fused_loss') else ''}"
             f"{' step ' + k['zero3_step'] if k.get('zero3_step', 'fast') != 'fast' else ''}"
             f"{' +gelu_kernel' if k.get('triton_gelu_grad') else ''}"
             f"{' +vocab' + str(k['vocab_multiple']) if k.get('vocab_multiple') else ''}"

@@ -36,7 +36,8 @@ PATHS = ("deepspeed", "lightning")
 # ceiling: unsharded, whole model compiled, one GPU; fsdp2: torch FSDP2 + compiled blocks on the run's GPUs.
 REFERENCES = ("ceiling", "fsdp2")
 # After SIGTERM to a run's process group: seconds before what is left of it gets SIGKILL. A run stops at its
-# next agreed preemption check (--sigterm_check_every steps); a benchmark run keeps nothing worth waiting for.
+# next agreed preemption check (shared/train/preemption.CHECK_EVERY steps); a benchmark run keeps nothing worth
+# waiting for.
 GRACE_S = 15
 
 

@@ -28,12 +28,12 @@ from shared.train.compile import compile_blocks, configure_inductor
 from shared.train.config import TrainConfig
 from shared.train.data import train_loader
 from shared.train.distributed import (
-    apply_gc_policy,
     backend_for,
     check_outputs,
     check_precision,
     dropout_seed,
     ensure_env,
+    freeze_gc,
     pick_device,
     run_cli,
     seed_all,
@@ -95,7 +95,7 @@ def main(train: TrainConfig, mode: str) -> RunResult:
     losses = []
     torch.manual_seed(dropout_seed(train.seed, rank))
     gpt.train()
-    apply_gc_policy(train.python_gc)
+    freeze_gc()
     timer.start()
     for _ in range(train.steps):
         x, y = next(batches)

@@ -20,9 +20,9 @@ from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_app.module import GPTModule
 from shared.model.gpt import count_parameters
-from shared.train import checkpoint, zero3_step
+from shared.train import checkpoint, preemption, zero3_step
 from shared.train.config import TrainConfig
-from shared.train.distributed import apply_gc_policy, dropout_seed
+from shared.train.distributed import dropout_seed, freeze_gc
 from shared.train.ds_runtime import BreakdownCollector, GradNormRecorder, param_checksum
 from shared.train.loop import peak_memory_bytes, start_progress
 from shared.train.preemption import Preemption
@@ -118,8 +118,9 @@ class RunCallback(pl.Callback):
 
     def on_train_start(self, trainer, pl_module):
         on = self.train.overheads
-        self.sigterm = SigtermCheck(trainer, 1 if "sigterm_check" in on else self.train.sigterm_check_every)
-        apply_gc_policy("auto" if "python_gc_auto" in on else self.train.python_gc)
+        self.sigterm = SigtermCheck(trainer, 1 if "sigterm_check" in on else preemption.CHECK_EVERY)
+        if "python_gc_auto" not in on:
+            freeze_gc()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self._first_batch:
@@ -172,7 +173,7 @@ class CheckpointCallback(pl.Callback):
 
     def on_train_start(self, trainer, pl_module):
         # Replaces Lightning's own SIGTERM handler: the flag is agreed on by all ranks every N steps instead.
-        self.preemption = Preemption(pl_module.device, self.train.sigterm_check_every)
+        self.preemption = Preemption(pl_module.device)
 
     def save(self, trainer, step: int) -> Path:
         self.timing.progress.check_finite(step - 1)  # never save after a non-finite loss

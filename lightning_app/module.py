@@ -14,7 +14,7 @@ import pytorch_lightning as pl
 from torchmetrics import MeanMetric
 
 from shared.model.gpt import GPT
-from shared.train.compile import GuardSkip, compile_blocks
+from shared.train.compile import compile_blocks
 from shared.train.config import TrainConfig
 from shared.train.distributed import seed_all
 from shared.train.loop import format_validation, validation_figures
@@ -32,7 +32,6 @@ class GPTModule(pl.LightningModule):
         self.sync_dist = "log_sync_dist" in on
         self.val_loss = MeanMetric(sync_on_compute=True)
         self.val_history: list[dict] = []
-        self.guards = GuardSkip(train)
         self.gpt: GPT | None = None
         self.built_in_init = "model_outside_configure_model" in on
         if self.built_in_init:  # the whole model on every rank until deepspeed.initialize partitions it
@@ -61,8 +60,7 @@ class GPTModule(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        with self.guards.forward(self.trainer.global_step):
-            loss = self.gpt(x, y)
+        loss = self.gpt(x, y)
         # Lightning divides what we return by accumulate_grad_batches before backward; the callback records
         # the undivided loss, as the raw loop does.
         self.last_loss = loss.detach()

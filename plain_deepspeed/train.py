@@ -23,15 +23,15 @@ from torchmetrics import MeanMetric
 from shared.model.gpt import GPT, count_parameters
 from shared.train import checkpoint, zero3_step
 from shared.train.cli import parse_train_config
-from shared.train.compile import GuardSkip, compile_blocks, configure_inductor
+from shared.train.compile import compile_blocks, configure_inductor
 from shared.train.config import TrainConfig
 from shared.train.data import train_loader, val_loader
 from shared.train.distributed import (
-    apply_gc_policy,
     backend_for,
     check_before_start,
     dropout_seed,
     ensure_env,
+    freeze_gc,
     local_world_size,
     oom_message,
     pick_device,
@@ -133,9 +133,8 @@ def main(train: TrainConfig) -> RunResult:
     timer, progress = start_progress(train, device, rank, "[deepspeed] ", scheduler, engine, start)
     breakdown = BreakdownCollector(engine)
     grad_norms = GradNormRecorder(engine)
-    preemption = Preemption(device, train.sigterm_check_every)
+    preemption = Preemption(device)
     nan_guard = NanGuard(train, device)
-    guards = GuardSkip(train)
     history = {"val": []}
 
     if resume_from is not None:
@@ -144,7 +143,7 @@ def main(train: TrainConfig) -> RunResult:
         torch.manual_seed(dropout_seed(train.seed, rank))
     engine.train()
     batches = iter(loader)
-    apply_gc_policy(train.python_gc)
+    freeze_gc()
     timer.start()
     try:
         for step in range(start, train.steps):
@@ -153,8 +152,7 @@ def main(train: TrainConfig) -> RunResult:
                 x, y = next(batches)
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 timer.mark("data")
-                with guards.forward(step):
-                    loss = engine(x, y)
+                loss = engine(x, y)
                 timer.mark("forward")
                 if nan_guard.skip(loss, step):  # nan_policy=skip: no backward, no update for this step
                     scheduler.step()  # the schedule and the data move on, as in the Lightning path

@@ -4,11 +4,12 @@
 
 Faults in the model (either path): `nan@STEP` makes the training loss NaN on the STEP-th training forward
 (1-based) of every rank; `sigterm@STEP` sends the process SIGTERM in its STEP-th training forward, as a
-scheduler's preemption would; `oom` raises torch.OutOfMemoryError on the first training forward, as a micro-batch that
-does not fit would. Faults of a path's training semantics (the Lightning path; loss parity must catch them):
-`noclip` drops gradient clipping from the DeepSpeed dict, `double_scale` lets DeepSpeed divide the loss by the
-accumulation steps again after Lightning did (the bug lightning_app/strategy.ZeroPrecision fixes), `lr2x` builds
-the optimizer with twice the learning rate.
+scheduler's preemption would, and the ranks agree on it after every step (shared/train/preemption.CHECK_EVERY 1);
+`oom` raises torch.OutOfMemoryError on the first training forward, as a micro-batch that does not fit would.
+Faults of a path's training semantics (the Lightning path; loss parity must catch them): `noclip` drops gradient
+clipping from the DeepSpeed dict, `double_scale` lets DeepSpeed divide the loss by the accumulation steps again after
+Lightning did (the bug lightning_app/strategy.ZeroPrecision fixes), `lr2x` builds the optimizer with twice the
+learning rate.
 """
 
 import dataclasses
@@ -69,6 +70,10 @@ elif fault == "lr2x":
                                                                 device)
 elif fault not in SEMANTIC_FAULTS:
     model_module.LMHead.forward = faulty
+if fault.startswith("sigterm"):
+    import shared.train.preemption as preemption
+
+    preemption.CHECK_EVERY = 1
 if path == "raw":
     from plain_deepspeed.train import cli
 else:

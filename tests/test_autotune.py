@@ -11,14 +11,12 @@ from shared.train.config import TrainConfig
 from tests.helpers import FAST, LIGHTNING, RAW, ROOT, load, run
 
 
-def fake_launch(fits_up_to: int, calls: list, fits_with_fused_loss: int | None = None):
-    """Throughput grows with the micro-batch; larger than `fits_up_to` (`fits_with_fused_loss` with the chunked
-    loss) runs out of memory without checkpointing."""
+def fake_launch(fits_up_to: int, calls: list):
+    """Throughput grows with the micro-batch; larger than `fits_up_to` runs out of memory without checkpointing."""
 
     def launch(path, cfg, out, log):
         calls.append(cfg)
-        fits = fits_with_fused_loss if cfg.fused_loss and fits_with_fused_loss else fits_up_to
-        if cfg.micro_batch > fits and not cfg.activation_checkpointing:
+        if cfg.micro_batch > fits_up_to and not cfg.activation_checkpointing:
             raise CompareError("deepspeed run failed; reason: error: micro_batch 16 does not fit in H200")
         speed = 1000.0 * cfg.micro_batch * (0.7 if cfg.activation_checkpointing else 1.0)
         speed *= 1.1 if cfg.prefetch_bucket_size == 1_000_000_000 else 1.0
@@ -33,35 +31,18 @@ def test_search_stops_at_the_first_oom_then_tries_checkpointing_then_the_knobs(t
     calls = []
     ns = SimpleNamespace(mb_grid="4,8,16,32", budget_s=1e9, world=1)
     report = autotune.run_autotune(TrainConfig(preset="tiny"), ns, fake_launch(8, calls), tmp_path)
-    tried = [(c.micro_batch, c.activation_checkpointing, c.fused_loss) for c in calls]
-    # 16 runs out of memory, with the chunked loss too; 32 without checkpointing is never tried
-    assert tried[:6] == [(4, False, False), (8, False, False), (16, False, False), (16, False, True),
-                         (16, True, False), (32, True, False)]
-    assert [c.compile for c in calls[:7]] == ["none"] * 6 + ["blocks"]  # then compiled blocks on the best
-    assert all(c.compile == "blocks" for c in calls[7:])  # the knobs are tuned on the compiled model
+    tried = [(c.micro_batch, c.activation_checkpointing) for c in calls]
+    # 16 runs out of memory; 32 without checkpointing is never tried
+    assert tried[:5] == [(4, False), (8, False), (16, False), (16, True), (32, True)]
+    assert [c.compile for c in calls[:6]] == ["none"] * 5 + ["blocks"]  # then compiled blocks on the best
+    assert all(c.compile == "blocks" for c in calls[6:])  # the knobs are tuned on the compiled model
     statuses = {r["i"]: r["status"] for r in report["ranking"]}
-    assert statuses[2] == statuses[3] == "oom"
+    assert statuses[2] == "oom" and {s for i, s in statuses.items() if i != 2} == {"ok"}
     w = report["winner"]["knobs"]
     assert (w["micro_batch"], w["activation_checkpointing"], w["prefetch_bucket_size"]) == (32, True, 1_000_000_000)
     assert "--micro_batch 32 --activation_checkpointing --compile blocks" in report["winner_flags"]
     assert "+blocks" in autotune.format_autotune(report)
     assert (tmp_path / "winner_ds_config.json").is_file() and (tmp_path / "autotune.json").is_file()
-
-
-def test_search_keeps_the_chunked_loss_where_it_makes_a_micro_batch_fit(tmp_path, capsys):
-    calls = []
-    ns = SimpleNamespace(mb_grid="4,8,16,32", budget_s=1e9, world=1)
-    report = autotune.run_autotune(TrainConfig(preset="tiny"), ns, fake_launch(8, calls, fits_with_fused_loss=16),
-                                   tmp_path)
-    tried = [(c.micro_batch, c.activation_checkpointing, c.fused_loss) for c in calls]
-    # 16 fits only with the chunked loss, so 32 (out of memory with it) and the checkpointed 32 keep it
-    assert tried[:5] == [(4, False, False), (8, False, False), (16, False, False), (16, False, True),
-                         (32, False, True)]
-    assert tried[5] == (32, True, True)
-    assert "out of memory: the same with --fused_loss" in capsys.readouterr().out
-    w = report["winner"]["knobs"]
-    assert (w["micro_batch"], w["activation_checkpointing"], w["fused_loss"]) == (32, True, True)
-    assert "--fused_loss" in report["winner_flags"] and "+fused_loss" in autotune.format_autotune(report)
 
 
 def test_search_tries_deepcompile_from_the_best_micro_batch_upwards_where_cuda_is(tmp_path, monkeypatch, capsys):
@@ -82,7 +63,7 @@ def test_search_tries_deepcompile_from_the_best_micro_batch_upwards_where_cuda_i
     ns = SimpleNamespace(mb_grid="4,8,16,32", budget_s=1e9, world=1)
     report = autotune.run_autotune(TrainConfig(preset="tiny", warmup_steps=2), ns, launch, tmp_path)
     dc = [(c.micro_batch, c.deepcompile_schedule) for c in calls if c.compile == "deepcompile"]
-    assert dc[:4] == [(8, "once"), (16, "once"), (32, "once"), (32, "once")]  # from the best (8) up to OOM
+    assert dc[:3] == [(8, "once"), (16, "once"), (32, "once")]  # from the best (8) up to OOM
     # the knobs of the DeepCompile winner: the reduce bucket and persistence, never the prefetch bucket (its
     # passes schedule their own prefetch)
     tried = [autotune.knobs(c) for c in calls]  # effective values, the profile's filled in
@@ -97,7 +78,6 @@ def test_search_tries_deepcompile_from_the_best_micro_batch_upwards_where_cuda_i
     out = capsys.readouterr().out
     assert "prefetch bucket not tried: DeepCompile schedules its own prefetch" in out
     assert "persistence 1e+05 not tried: it keeps the same 28 parameters gathered" in out
-    assert [c.fused_loss for c in calls if c.compile == "deepcompile"][2:4] == [False, True]  # and its retry
     w = report["winner"]["knobs"]
     assert (w["compile"], w["micro_batch"]) == ("deepcompile", 16)
     assert "--micro_batch 16 --compile deepcompile --deepcompile_schedule once" in report["winner_flags"]
@@ -116,30 +96,6 @@ def test_persistence_thresholds_are_told_apart_by_the_parameters_they_keep_gathe
     # the 24 attention output projections (5.3M each)
     assert [autotune.persisted(sizes, t) for t in autotune.PERSISTENCE] == [194, 194, 194, 219]
     assert autotune.persisted(sizes, 2304) == 146 and autotune.persisted(sizes, 2303) == 0  # at most: inclusive
-
-
-def test_deepcompile_step_keeps_the_chunked_loss_once_it_made_a_micro_batch_fit(tmp_path, monkeypatch):
-    from shared.model import config as model_config
-
-    monkeypatch.setattr(model_config, "cuda_available", lambda: True)
-    calls = []
-
-    def launch(path, cfg, out, log):
-        calls.append(cfg)
-        fits = (32 if cfg.fused_loss else 8) if cfg.compile == "deepcompile" else 8
-        if cfg.micro_batch > fits:
-            raise CompareError("deepspeed run failed; reason: error: out of memory")
-        speed = (1300.0 if cfg.compile == "deepcompile" else 1000.0) * cfg.micro_batch
-        return SimpleNamespace(tokens_per_s_per_gpu=speed, tflops_per_gpu=speed / 100, mfu=None, peak_mem_gib=1.0,
-                               step_time_s={"median": 1.0 / speed})
-
-    ns = SimpleNamespace(mb_grid="4,8,16,24", budget_s=1e9, world=1)
-    report = autotune.run_autotune(TrainConfig(preset="tiny", warmup_steps=2), ns, launch, tmp_path)
-    dc = [(c.micro_batch, c.fused_loss) for c in calls if c.compile == "deepcompile"]
-    # 16 fits only with the chunked loss; 24 starts with it (no out-of-memory run first)
-    assert dc[:4] == [(8, False), (16, False), (16, True), (24, True)]
-    w = report["winner"]["knobs"]
-    assert (w["compile"], w["micro_batch"], w["fused_loss"]) == ("deepcompile", 24, True)
 
 
 def test_search_without_cuda_says_deepcompile_was_not_tried(tmp_path, capsys):
@@ -226,7 +182,7 @@ def test_search_tries_the_gpu_defaults_vocabulary_loss_and_dropout_kernels_last(
     # on the best so far (DeepCompile, the largest micro-batch, both kernels), the three together
     c = calls[i]
     assert (c.compile, c.micro_batch, c.zero3_step, c.triton_gelu_grad) == ("deepcompile", 8, "fused", True)
-    assert (c.vocab_multiple, c.triton_loss, c.triton_dropout, c.fused_loss) == (128, True, True, False)
+    assert (c.vocab_multiple, c.triton_loss, c.triton_dropout) == (128, True, True)
     won = together_gain > 1
     assert {(c.vocab_multiple, c.triton_loss) for c in calls[i + 1:]} == {(128, True) if won else (None, False)}
     w = report["winner"]["knobs"]
@@ -238,15 +194,14 @@ def test_search_tries_the_gpu_defaults_vocabulary_loss_and_dropout_kernels_last(
 
 def test_search_leaves_out_of_those_kernels_what_the_flags_rule_out(tmp_path, monkeypatch):
     """fp16: no Triton loss (measured in bf16 only); no fused bias + dropout + add: no Triton dropout; a padding asked
-    for is kept; the chunked loss asked for stays."""
+    for is kept."""
     from shared.model import config as model_config
 
     monkeypatch.setattr(model_config, "cuda_available", lambda: True)
-    for n, (overrides, expect) in enumerate(((dict(precision="fp16"), (128, False, True, False)),
-                              (dict(fused_bias_dropout_add=False, vocab_multiple=64), (64, True, False, False)),
-                              (dict(fused_loss=True), (128, False, True, True)),
+    for n, (overrides, expect) in enumerate(((dict(precision="fp16"), (128, False, True)),
+                              (dict(fused_bias_dropout_add=False, vocab_multiple=64), (64, True, False)),
                               # asked for in fp16, the Triton loss stays on: the candidate only turns kernels on
-                              (dict(precision="fp16", triton_loss=True), (128, True, True, False)))):
+                              (dict(precision="fp16", triton_loss=True), (128, True, True)))):
         calls, out = [], tmp_path / str(n)
         out.mkdir()
         base = TrainConfig(preset="tiny", warmup_steps=2, **overrides)
@@ -254,24 +209,11 @@ def test_search_leaves_out_of_those_kernels_what_the_flags_rule_out(tmp_path, mo
                               speed_with_the_fused_step(calls, 1.0), out)
         kernels = ("vocab_multiple", "triton_loss", "triton_dropout")
         last = next(c for c in calls if any(getattr(c, k) != getattr(base, k) for k in kernels))
-        assert (last.vocab_multiple, last.triton_loss, last.triton_dropout, last.fused_loss) == expect, overrides
+        assert (last.vocab_multiple, last.triton_loss, last.triton_dropout) == expect, overrides
         assert all(c.triton_loss for c in calls) if overrides.get("triton_loss") else True
 
 
-def test_a_micro_batch_out_of_memory_with_the_triton_loss_retries_with_the_chunked_loss_in_its_place(tmp_path):
-    calls = []
-    report = autotune.run_autotune(TrainConfig(preset="tiny", triton_loss=True),
-                                   SimpleNamespace(mb_grid="4,8,16", budget_s=1e9, world=1), fake_launch(4, calls, 16),
-                                   tmp_path)
-    retried = [c for c in calls if c.micro_batch == 8 and not c.activation_checkpointing]
-    assert [(c.triton_loss, c.fused_loss) for c in retried][:2] == [(True, False), (False, True)]
-    # the next micro-batch keeps the chunked loss the last one needed, the Triton loss off beside it
-    assert [(c.triton_loss, c.fused_loss) for c in calls if c.micro_batch == 16][:1] == [(False, True)]
-    assert report["complete"] and report["winner"]["knobs"]["micro_batch"] == 16
-
-
 @pytest.mark.parametrize("overrides, message", [
-    (dict(matmul_bias_grad=True, fused_bias_gelu=True), "--matmul_bias_grad asks for the bias gradient as a matmul"),
     (dict(fused_bias_gelu=False), "it is the backward of the fused bias + GELU, and --fused_bias_gelu is false")])
 def test_search_does_not_try_the_bias_gelu_kernel_where_it_cannot_run(tmp_path, monkeypatch, capsys, overrides,
                                                                       message):
@@ -298,10 +240,9 @@ def test_the_winner_flags_keep_the_kernel_tuning_its_compiled_candidates_ran_wit
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (dict(optimizer="fusedadam"), "its kernel is AdamW's, and --optimizer is fusedadam"),
     (dict(zero3_step="deepspeed"), "--zero3_step deepspeed asks for DeepSpeed's own step"),
     (dict(stage=2), None)])  # ZeRO 1/2 run no ZeRO-3 step: nothing to say
-def test_search_does_not_try_the_fused_step_for_another_optimizer_step_or_stage(tmp_path, monkeypatch, capsys,
+def test_search_does_not_try_the_fused_step_for_another_step_or_stage(tmp_path, monkeypatch, capsys,
                                                                               overrides, message):
     from shared.model import config as model_config
 
@@ -315,7 +256,7 @@ def test_search_does_not_try_the_fused_step_for_another_optimizer_step_or_stage(
     assert (f"fused optimizer step not tried: {message}" in out) if message else "optimizer step" not in out
 
 
-def test_keep_runs_takes_a_search_written_before_the_optimizer_step_was_a_knob(tmp_path):
+def test_keep_runs_takes_a_search_written_with_other_knobs(tmp_path):
     import json
 
     train, ns = TrainConfig(preset="tiny"), SimpleNamespace(mb_grid="4,8", budget_s=1e9, world=1)
@@ -324,23 +265,18 @@ def test_keep_runs_takes_a_search_written_before_the_optimizer_step_was_a_knob(t
     earlier = json.loads(path.read_text())
     for r in earlier["ranking"]:
         del r["knobs"]["zero3_step"], r["knobs"]["triton_gelu_grad"]
+        r["knobs"]["fused_loss"] = False  # a knob until the chunked loss was removed
+    best = earlier["ranking"][0]  # the fastest, run again with the chunked loss: no configuration of this version
+    earlier["ranking"].append({**best, "i": 99, "tokens_per_s_per_gpu": 2 * best["tokens_per_s_per_gpu"],
+                               "knobs": {**best["knobs"], "fused_loss": True}})
     path.write_text(json.dumps(earlier))
     kept, _ = autotune.kept_candidates(train, 1, tmp_path)
     assert len(kept) == len(first["ranking"]) and {r["knobs"]["zero3_step"] for r in kept} == {"fast"}
     assert {r["knobs"]["triton_gelu_grad"] for r in kept} == {False}
+    assert not any("fused_loss" in r["knobs"] for r in kept) and 99 not in {r["i"] for r in kept}
     calls = []
     report = autotune.run_autotune(train, ns, fake_launch(8, calls), tmp_path, kept)
     assert calls == [] and report["winner"]["knobs"] == first["winner"]["knobs"]  # nothing measured twice
-
-
-def test_search_skips_compiled_blocks_when_a_flag_excludes_them(tmp_path, capsys):
-    calls = []
-    ns = SimpleNamespace(mb_grid="4,8", budget_s=1e9, world=1)
-    report = autotune.run_autotune(TrainConfig(preset="tiny", fused_layernorm=True), ns, fake_launch(8, calls),
-                                   tmp_path)
-    assert all(c.compile == "none" for c in calls) and report["winner"] is not None
-    assert "compiled blocks not tried: fused_layernorm does not combine" in capsys.readouterr().out
-    assert (tmp_path / "autotune.json").is_file()
 
 
 def test_search_under_zero2_has_no_zero3_knobs_and_formats(tmp_path):

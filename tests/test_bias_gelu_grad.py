@@ -111,8 +111,6 @@ def test_the_model_takes_the_triton_gelu_grad_only_with_the_fused_gelu():
     assert GeluLinear(on).bias_gelu is fused_ops.bias_gelu_triton_grad
     with pytest.raises(ValueError, match="triton_gelu_grad changes the backward of fused_bias_gelu"):
         preset("tiny", fused_bias_gelu=False, triton_gelu_grad=True)
-    with pytest.raises(ValueError, match="two backwards of the same bias"):
-        preset("tiny", fused_bias_gelu=True, triton_gelu_grad=True, matmul_bias_grad=True)
 
 
 def test_the_tiny_model_has_the_same_gradients_with_the_kernel():

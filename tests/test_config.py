@@ -1,8 +1,13 @@
+import dataclasses
+import re
+
 import pytest
 
 from shared.model.config import GPTConfig, preset
-from shared.train.cli import parse_train_config, to_argv
-from shared.train.config import TrainConfig, normalize_precision
+from shared.train.cli import LEVERS_TITLE, parse_train_config, to_argv
+from shared.train.config import LEVERS, TrainConfig, normalize_precision
+from shared.train.profiles import PROFILES
+from tests.helpers import ROOT
 
 
 @pytest.mark.parametrize(
@@ -47,7 +52,6 @@ def test_study_preset_shape():
         (dict(precision="fp8"), "unknown precision 'fp8'"),
         (dict(attention="nope"), "unknown attention backend"),
         (dict(attn_dropout_mask="mask"), "unknown attn_dropout_mask 'mask'"),
-        (dict(optimizer="sgd"), "unknown optimizer"),
         (dict(lr=-1.0), "lr must be positive and finite, got -1.0"),
         (dict(lr=float("nan")), "lr must be positive and finite, got nan"),
         (dict(lr=float("inf")), "lr must be positive and finite, got inf"),
@@ -171,3 +175,71 @@ def test_the_logged_learning_rate_is_the_one_the_last_step_used():
         optimizer.step()
         scheduler.step()  # as the engine does after each optimizer step, before the progress line is written
         assert extras()["lr"] == pytest.approx(lr_at(step, train)), step  # not the next step's
+
+
+# Levers measured neutral or superseded and removed (docs/ledger.md), each with a value it once took
+REMOVED = {"deepcompile_skip_divide_by_one": "true", "skip_guard_eval": "true", "matmul_bias_grad": "true",
+           "fused_loss": "true", "fused_layernorm": "true", "optimizer": "fusedadam", "python_gc": "auto",
+           "sigterm_check_every": "1", "max_live_parameters": "1000", "memory_efficient_linear": "false"}
+
+
+@pytest.mark.parametrize("name", sorted(REMOVED))
+def test_a_removed_lever_is_refused_by_the_parsers_naming_it(name, capsys):
+    import compare
+
+    assert name not in {f.name for cls in (TrainConfig, GPTConfig) for f in dataclasses.fields(cls)}
+    for flag in (f"--{name}", f"--{name.replace('_', '-')}"):
+        for parse in (lambda argv: parse_train_config(argv, "test"), compare.build_parser().parse_args):
+            with pytest.raises(SystemExit) as e:
+                parse([flag, REMOVED[name]])
+            assert e.value.code == 2 and f"unrecognized arguments: {flag} {REMOVED[name]}" in capsys.readouterr().err
+
+
+def test_the_ledger_keeps_each_removed_levers_measurement_and_has_a_row_for_each_of_the_gpu_default():
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in (ROOT / "docs" / "ledger.md").read_text()
+            .splitlines() if line.startswith("| `")]
+    of = lambda name: [row for row in rows if re.match(rf"`--{name}\b", row[0])]
+    for name in REMOVED:  # what it does, what it measured (or that nothing was), and that it is removed
+        assert [(bool(r[1] and r[2]), r[-1].split(":")[0]) for r in of(name)] == [(True, "removed")], name
+    for name in set(PROFILES["fast"].settings) - {"micro_batch"}:  # the micro-batch's row is "+mb24"
+        assert any(r[2] and r[-1].startswith("kept: GPU default") for r in of(name)), name
+
+
+# DeepSpeed's own config key of that name, which the DeepSpeed dict sets false for compiled blocks
+DEEPSPEED_KEYS = {("shared/train/ds_config.py", "memory_efficient_linear")}
+
+
+def test_no_module_names_a_removed_lever():
+    packages = ("shared", "harness", "lightning_app", "plain_deepspeed")
+    sources = [ROOT / "compare.py", *sorted((ROOT / "benchmarks").glob("*.py")),
+               *(f for d in packages for f in sorted((ROOT / d).rglob("*.py")))]
+    assert len(sources) > 50
+    named = []
+    for path in sources:
+        text, where = path.read_text(), str(path.relative_to(ROOT))
+        for name in REMOVED:
+            if name == "optimizer":  # a word of every optimizer step: its flag, value and field only
+                patterns = [r"--optimizer\b", r"\bfusedadam\b", r"\b(train|cfg|train_cfg|base)\.optimizer\b"]
+            else:
+                patterns = [rf"\b{name}\b", rf"--{name.replace('_', '-')}\b"]
+            if (where, name) not in DEEPSPEED_KEYS and any(re.search(p, text) for p in patterns):
+                named.append((where, name))
+    assert named == []
+
+
+def test_help_lists_the_common_flags_before_the_expert_levers(capsys):
+    """--help of the training scripts and of compare.py: the fields in LEVERS in their own group, after every other
+    flag; compare.py's GPU default sets levers only, besides its compile mode and micro-batch."""
+    import compare
+
+    with pytest.raises(SystemExit):
+        parse_train_config(["--help"], "Train.")
+    for text in (capsys.readouterr().out, compare.build_parser().format_help()):
+        common, expert = text.split(f"\n{LEVERS_TITLE}:\n")
+        assert "\noptions:\n" in common and "\n\n" not in common.split("\noptions:\n")[1].rstrip()
+        fields = [f.name for f in dataclasses.fields(TrainConfig)]
+        flag = lambda name: re.compile(rf"^  --{name}\b", re.M)
+        assert [n for n in fields if flag(n).search(expert)] == [n for n in fields if n in LEVERS]
+        assert [n for n in fields if flag(n).search(common)] == [n for n in fields if n not in LEVERS]
+    assert {"--gpus", "--repeats", "--autotune"} <= set(re.findall(r"^  (--\w+)", common, re.M))  # compare's own
+    assert set(PROFILES["fast"].settings) - {"compile", "micro_batch"} <= LEVERS

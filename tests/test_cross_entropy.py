@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from shared.kernels.cross_entropy import CONFIGS, cross_entropy_rows, reference_cross_entropy_rows
 from shared.model.config import preset
-from shared.model.fused_loss import triton_linear_cross_entropy
+from shared.model.linear_cross_entropy import triton_linear_cross_entropy
 from tests.helpers import assert_refused_without_interpreter
 
 BLOCK = CONFIGS[0][0]
@@ -96,12 +96,10 @@ def test_a_cpu_without_the_interpreter_refuses_the_kernel():
     assert_refused_without_interpreter(code, "--triton_loss")
 
 
-def test_the_model_takes_one_loss_at_a_time():
+def test_the_model_takes_the_triton_loss_only_when_asked():
     from shared.model.gpt import GPT
 
-    assert GPT(preset("tiny", triton_loss=True)).head.triton_loss
-    with pytest.raises(ValueError, match="triton_loss and fused_loss are two ways"):
-        preset("tiny", triton_loss=True, fused_loss=True)
+    assert GPT(preset("tiny", triton_loss=True)).head.triton_loss and not GPT(preset("tiny")).head.triton_loss
 
 
 @pytest.mark.gpu

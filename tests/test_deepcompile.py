@@ -60,7 +60,6 @@ def test_deepcompile_turns_the_pass_on_in_the_one_ds_dict(pretend_cuda):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(stage=0), "ZeRO stage 1, 2 or 3"),
     (dict(warmup_steps=DEEPCOMPILE_WARMUP), "warmup_steps > 5"),
-    (dict(fused_layernorm=True), "liger"),
     (dict(attention="xformers"), "--attention xformers does not combine with --compile deepcompile"),
 ])
 def test_what_deepcompile_cannot_run_is_refused(pretend_cuda, kwargs, match):
@@ -453,22 +452,6 @@ def test_the_device_wait_trains_like_the_host_wait_without_the_backwards_sync(tm
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gpus", [1, pytest.param(2, marks=pytest.mark.skipif(
-    torch.cuda.device_count() < 2, reason="needs two GPUs: the division before the reduce-scatter stays there"))])
-def test_the_op_without_the_division_by_one_trains_like_deepspeeds_division(tmp_path, kjv, gpus):
-    """--deepcompile_skip_divide_by_one (shared/train/deepcompile_op.py): the op built with both patches runs and
-    trains as the op with the device wait alone; on one GPU it skips a division by 1, on two it divides as before."""
-    base = ("--compile", "deepcompile", "--deepcompile_backward_wait", "device")
-    divide = _train(RAW, tmp_path, "divide", kjv, *base, gpus=gpus)
-    skip = _train(RAW, tmp_path, "skip", kjv, *base, "--deepcompile_skip_divide_by_one", "true", gpus=gpus)
-    assert divide["extra"]["deepcompile_op"] == "dc_device_wait"
-    assert skip["extra"]["deepcompile_op"] == "dc_device_wait_skip_divide_by_one"
-    assert skip["train"]["deepcompile_skip_divide_by_one"] and skip["fused"]["dynamo_graph_breaks"] == 0
-    tail = lambda r: sum(r["losses"][-10:]) / 10
-    assert abs(tail(skip) - tail(divide)) <= 0.03 and skip["losses"][-1] < skip["losses"][0] - 1.0
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("script", [RAW, LIGHTNING], ids=["raw", "lightning"])
 def test_with_the_wait_and_the_norm_check_on_the_device_the_step_makes_no_sync(tmp_path, kjv, script):
     """compare.py's one-GPU default: --deepcompile_backward_wait device takes the backward's synchronizing call away
@@ -493,22 +476,6 @@ def test_the_cached_walks_train_like_deepspeeds_walks(tmp_path, kjv):
     assert walks["extra"]["deepcompile_cached_walks"] is None
     tail = lambda r: sum(r["losses"][-10:]) / 10
     assert abs(tail(cached) - tail(walks)) <= 0.03 and cached["losses"][-1] < cached["losses"][0] - 1.0
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("script, schedule, skip_from", [(RAW, "once", 2), (LIGHTNING, "deepspeed", 7)],
-                         ids=["raw-once", "lightning-deepspeed"])
-def test_skipped_guards_train_like_checked_guards_under_deepcompile(tmp_path, kjv, script, schedule, skip_from):
-    """--skip_guard_eval (shared/train/compile.GuardSkip; CPU: tests/test_guard_skip.py): the step after DeepCompile's
-    last compile (step 0 with the once schedule, 5 with DeepSpeed's) compiles nothing, the forwards after it skip
-    their guards, and the run trains as with every guard checked."""
-    args = ["--compile", "deepcompile", "--deepcompile_schedule", schedule]
-    skipped = _train(script, tmp_path, "skipped", kjv, *args, "--skip_guard_eval", "true")
-    checked = _train(script, tmp_path, "checked", kjv, *args)
-    assert skipped["extra"]["guard_skip_from"] == skip_from and checked["extra"]["guard_skip_from"] is None
-    assert skipped["fused"]["dynamo_graphs"] == checked["fused"]["dynamo_graphs"]
-    tail = lambda r: sum(r["losses"][-10:]) / 10
-    assert abs(tail(skipped) - tail(checked)) <= 0.03 and skipped["losses"][-1] < skipped["losses"][0] - 1.0
 
 
 @pytest.mark.gpu

@@ -1,5 +1,4 @@
-"""--deepcompile_backward_wait device: DeepCompile's op with the backward's end waited for on the device;
---deepcompile_skip_divide_by_one: the same op without the reduce-scatter's division by a world size of 1.
+"""--deepcompile_backward_wait device: DeepCompile's op with the backward's end waited for on the device.
 
 On CPU: the patch of DeepSpeed's installed header (exactly the one wait replaced, anything else refused), the
 builder (DeepSpeed's sources under its own name, the patched header first), the refusals, and the op's name in the
@@ -66,7 +65,7 @@ def test_install_refuses_once_deepspeeds_own_op_is_loaded(monkeypatch):
 
     monkeypatch.setattr(dc_util, "dc_handle", types.ModuleType("dc"))
     assert deepcompile_op.active_op() == "dc"
-    with pytest.raises(RuntimeError, match="must be set up before DeepSpeed loads a DeepCompile op"):
+    with pytest.raises(RuntimeError, match="must be set up before DeepSpeed loads its own DeepCompile op"):
         deepcompile_op.install()
     ours = types.ModuleType("dc_device_wait")
     monkeypatch.setattr(dc_util, "dc_handle", ours)
@@ -103,72 +102,11 @@ def test_compile_engine_installs_the_op_before_deepspeed_loads_its_own(monkeypat
         def zero_param_persistence_threshold(self):
             return 0
 
-    monkeypatch.setattr(deepcompile_op, "install", lambda patches: order.append(("install", patches)))
+    monkeypatch.setattr(deepcompile_op, "install", lambda: order.append("install"))
     for name in ("time_deepcompile_profilers", "drop_eager_persistent", "cache_deepcompile_walks", "align_schedule"):
         monkeypatch.setattr(ds_runtime, name, lambda *a, **k: None)
-    for wait, skip, expected in (
-            ("device", False, [("install", ("device_wait",)), "engine.compile"]),
-            ("host", False, ["engine.compile"]),
-            ("host", True, [("install", ("skip_divide_by_one",)), "engine.compile"]),
-            ("device", True, [("install", ("device_wait", "skip_divide_by_one")), "engine.compile"])):
+    for wait, expected in (("device", ["install", "engine.compile"]), ("host", ["engine.compile"])):
         order.clear()
         ds_runtime.compile_engine(Engine(), TrainConfig(compile="deepcompile", warmup_steps=6, stage=2,
-                                                        deepcompile_backward_wait=wait,
-                                                        deepcompile_skip_divide_by_one=skip))
+                                                        deepcompile_backward_wait=wait))
         assert order == expected
-
-
-DIVIDE = "t.getSendBuf().div_(process_group_->getSize());"
-
-
-def test_the_division_by_one_is_skipped_and_nothing_else_changes():
-    original = HEADER.read_text()
-    patched = deepcompile_op.patched_header(original, ("skip_divide_by_one",))
-    start = patched.index("void applyPreDivision(")
-    body = patched[start:patched.index("\n    }\n", start)]
-    assert "if (pre_div_reduce_ && process_group_->getSize() > 1) {" in body and DIVIDE in body  # more GPUs divide
-    assert patched.replace(deepcompile_op.DIVIDE_BUT_BY_ONE, deepcompile_op.DIVIDE_ALWAYS) == original
-    assert patched.count(SYNC) == 2  # the backward's host wait is another patch's
-    both = deepcompile_op.patched_header(original, ("skip_divide_by_one", "device_wait"))  # any order given
-    assert both == deepcompile_op.patched_header(deepcompile_op.device_wait_header(original), ("skip_divide_by_one",))
-    assert both.count(SYNC) == 1 and "process_group_->getSize() > 1" in both
-
-
-def test_each_set_of_patches_builds_under_its_own_name(tmp_path):
-    assert deepcompile_op.op_name(("device_wait",)) == deepcompile_op.OP_NAME == "dc_device_wait"
-    assert deepcompile_op.op_name(("skip_divide_by_one", "device_wait")) == "dc_device_wait_skip_divide_by_one"
-    builder = deepcompile_op.builder(tmp_path / "inc", patches=("skip_divide_by_one",))
-    builder.build_for_cpu = True
-    assert builder.name == "dc_skip_divide_by_one"
-    builder.include_paths()
-    written = (tmp_path / "inc" / "deepcompile.h").read_text()
-    assert written == deepcompile_op.patched_header(HEADER.read_text(), ("skip_divide_by_one",))
-    for bad in ((), ("device_wait", "fast")):
-        with pytest.raises(ValueError, match="choose one or more of \\['device_wait', 'skip_divide_by_one'\\]"):
-            deepcompile_op.op_name(bad)
-
-
-def test_a_header_without_the_division_is_refused_naming_the_option():
-    edited = HEADER.read_text().replace("if (pre_div_reduce_) {", "if (pre_div_reduce_ && true) {")
-    with pytest.raises(ValueError, match="--deepcompile_skip_divide_by_one true patches .* use "
-                                         "--deepcompile_skip_divide_by_one false"):
-        deepcompile_op.patched_header(edited, ("skip_divide_by_one",))
-    deepcompile_op.device_wait_header(edited)  # the other patch does not need that text
-
-
-def test_install_refuses_a_process_that_loaded_another_of_the_ops(monkeypatch):
-    import deepspeed.compile.util as dc_util
-
-    monkeypatch.setattr(dc_util, "dc_handle", types.ModuleType("dc_device_wait"))
-    with pytest.raises(RuntimeError, match="--deepcompile_backward_wait device and --deepcompile_skip_divide_by_one "
-                                           "true must be set up .* \\(dc_device_wait\\)"):
-        deepcompile_op.install(("device_wait", "skip_divide_by_one"))
-
-
-def test_the_division_option_needs_deepcompile(monkeypatch):
-    with pytest.raises(ValueError, match="--deepcompile_skip_divide_by_one true changes DeepCompile's op, which "
-                                         "--compile none does not run"):
-        TrainConfig(deepcompile_skip_divide_by_one=True)
-    monkeypatch.setattr(model_config, "cuda_available", lambda: True)
-    assert TrainConfig(compile="deepcompile", warmup_steps=6, deepcompile_skip_divide_by_one=True)
-    assert not TrainConfig().deepcompile_skip_divide_by_one

@@ -78,8 +78,8 @@ def test_user_json_replaces_the_built_dict(tmp_path):
          r"at 0.0 \(gradient_clipping absent: DeepSpeed does not clip\) but the run asks for --grad_clip 0.3"),
         ({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}, {"reduce_bucket_size": 1000},
          "--reduce_bucket_size has no effect with --ds_config .*: set zero_optimization.reduce_bucket_size"),
-        ({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}, {"max_live_parameters": 7},
-         "set zero_optimization.stage3_max_live_parameters in the JSON instead"),
+        ({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}, {"param_persistence_threshold": 7},
+         "set zero_optimization.stage3_param_persistence_threshold in the JSON instead"),
         ("[1, 2]", {}, "must hold a JSON object"),
         # DeepSpeed's deprecated boolean form once failed here with an AttributeError's traceback
         ({"zero_optimization": True, "bf16": {"enabled": True}}, {}, "zero_optimization must be a JSON object"),

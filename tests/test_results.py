@@ -51,6 +51,25 @@ def test_results_written_before_new_fields_still_load(tmp_path):
         RunResult.from_json(tmp_path / "bad.json")
 
 
+def test_a_result_recorded_with_options_since_removed_loads_and_differs_only_in_what_is_still_recorded(tmp_path):
+    """A run JSON written before an option was removed (docs/ledger.md) records its field and, for liger's LayerNorm,
+    a package version this version no longer records: it still loads, and compare.py --keep_runs and autotune's
+    continuation (differences) do not count either as a difference."""
+    from shared.train.results import device_info, differences, versions
+
+    result = make_result()
+    data = dataclasses.asdict(result)
+    data["train"].update(fused_layernorm=True, python_gc="freeze", sigterm_check_every=50, optimizer="adamw")
+    data["versions"]["liger-kernel"] = "0.8.5"
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    old = RunResult.from_json(tmp_path / "old.json")
+    train = TrainConfig(preset="tiny", steps=6, warmup_steps=2)
+    here = device_info()["name"]
+    assert differences(train, old.train, here, old.versions) == []
+    changed = differences(train, {**old.train, "steps": 7}, here, {**old.versions, "torch": "1.0"})
+    assert changed == ["steps 7 there vs 6 now", f"torch '1.0' there vs {versions()['torch']!r} now"]
+
+
 def test_compare_table_and_report_label_the_convention(tmp_path):
     train = TrainConfig(preset="tiny", steps=6, warmup_steps=2)
     results = {"deepspeed": [make_result("deepspeed")], "lightning": [make_result("lightning")]}

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from shared.tools.prepare_data import prepare
-from shared.train import checkpoint
+from shared.train import checkpoint, preemption
 from tests.helpers import LIGHTNING, RAW, ROOT, env, load, run, torchrun
 
 pytestmark = pytest.mark.slow
@@ -127,7 +127,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_143_without_a_traceback(tmp_path, 
     with open(log_path, "w") as log:
         # torchrun's arguments; torchrun itself ends a SIGTERM with a traceback and exit 1 (shared/tools/torchrun.py)
         proc = _start([sys.executable, "-m", "shared.tools.torchrun", "--standalone", "--nproc_per_node=2",
-                       SCRIPTS[path], *BASE, "--steps", "100000", "--log_every", "5", "--sigterm_check_every", "1",
+                       SCRIPTS[path], *BASE, "--steps", "100000", "--log_every", "5",
                        "--ckpt_dir", ck, "--out", tmp_path / "r.json"], log)
         deadline = time.time() + 180
         while "step 10/" not in log_path.read_text() and time.time() < deadline:
@@ -143,6 +143,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_143_without_a_traceback(tmp_path, 
     assert proc.returncode == 143 and "Traceback" not in text, text[-3000:]
     saved = checkpoint.latest_complete(ck)
     assert saved is not None and 10 <= int(saved.name[4:]) < 100000
+    assert int(saved.name[4:]) % preemption.CHECK_EVERY == 0  # the ranks agree every CHECK_EVERY steps
     assert not (tmp_path / "r.json").exists()  # a preempted run writes no benchmark result
 
 
@@ -152,7 +153,7 @@ def test_sigterm_in_the_last_step_lets_the_run_finish_on_both_paths(tmp_path, pa
     # it, and the saved step was the last: the same command with --resume auto could never finish either run.
     ck = tmp_path / "ck"
     run([sys.executable, ROOT / "tests" / "inject.py", path, "sigterm@3", "--", *BASE, "--steps", "3",
-         "--sigterm_check_every", "1", "--ckpt_dir", ck, "--out", tmp_path / "r.json"])
+         "--ckpt_dir", ck, "--out", tmp_path / "r.json"])
     assert len(load(tmp_path / "r.json")["losses"]) == 3
     assert checkpoint.latest_complete(ck).name == "step00000003"
 
@@ -162,7 +163,7 @@ def test_a_preempted_run_leaves_without_a_validation_that_is_not_due(tmp_path, p
     # Lightning validates whenever trainer.should_stop is set: a preempted Lightning run once ran a validation the
     # raw loop does not, in the scheduler's grace period (validation every 3 steps, SIGTERM in step 2)
     proc = run([sys.executable, ROOT / "tests" / "inject.py", path, "sigterm@2", "--", *BASE, "--steps", "4",
-                "--val_every", "3", "--sigterm_check_every", "1", "--out", tmp_path / "r.json"], check=False)
+                "--val_every", "3", "--out", tmp_path / "r.json"], check=False)
     assert proc.returncode == 143, proc.stderr[-3000:]
     assert "SIGTERM: stopped after step 2" in proc.stdout and "validation at step" not in proc.stdout
 

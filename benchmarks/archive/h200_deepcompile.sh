@@ -10,7 +10,7 @@
 #   STAGE=explain  GPU 0: 1-GPU compare as in `one`; GPU 1: compare.py --explain as in `tests`
 #   STAGE=eachtest  the deepcompile GPU tests one pytest each, two streams (GPU 0 and 1)
 #   STAGE=profile  GPU 0: one raw DeepCompile run with SCHED, then the ZeRO-3 optimizer step's
-#               profile (benchmarks/optimizer_step.py, torch AdamW and DeepSpeed FusedAdam); GPU 1: explain
+#               profile (benchmarks/optimizer_step.py, torch AdamW); GPU 1: explain
 #   STAGE=probe GPU 0: the Lightning DeepCompile resume GPU test, then attention with and without dropout (each SDPA
 #               kernel and blocksparse, the model's shape at micro-batch 16); GPU 1: the ceiling with the vocabulary
 #               unpadded and padded to 128, alternated VOCAB_ROUNDS times, then the ZeRO-3 optimizer step (fast vs
@@ -116,12 +116,10 @@ raw_dc() {  # one raw DeepCompile run of BASE on GPU $1
   CUDA_VISIBLE_DEVICES=$1 timeout -k 10 "$(left)" python3 -m torch.distributed.run --standalone --nproc_per_node 1 \
     plain_deepspeed/train.py "${BASE[@]}" --out "$W/raw_dc_${SCHED:-deepspeed}.json" > "$W/raw_dc.log" 2>&1
 }
-optimizer_profile() {  # where the ZeRO-3 optimizer step's time goes, torch AdamW then DeepSpeed FusedAdam
-  for opt in adamw fusedadam; do
-    CUDA_VISIBLE_DEVICES=$1 timeout -k 10 "$(left)" python3 benchmarks/optimizer_step.py --preset 1.5b --stage 3 \
-      --precision bf16 --micro_batch 4 --steps 11 --warmup_steps 3 --optimizer $opt \
-      --out "$W/optimizer_step_$opt.json" > "$W/optimizer_step_$opt.log" 2>&1
-  done
+optimizer_profile() {  # where the ZeRO-3 optimizer step's time goes (torch AdamW)
+  CUDA_VISIBLE_DEVICES=$1 timeout -k 10 "$(left)" python3 benchmarks/optimizer_step.py --preset 1.5b --stage 3 \
+    --precision bf16 --micro_batch 4 --steps 11 --warmup_steps 3 \
+    --out "$W/optimizer_step_adamw.json" > "$W/optimizer_step_adamw.log" 2>&1
 }
 zero3_steps() {  # GPU $1: the ZeRO-3 optimizer step, each of STEP_MODES (default: fast and DeepSpeed's) alternated
   for r in $(seq 0 $(( ${STEP_ROUNDS:-2} - 1 ))); do
@@ -153,7 +151,7 @@ kernel_tests() {  # GPU $1: the block-sparse kernel's GPU tests
 last_mile() {  # GPU $1: the lever table on top of the DeepCompile default (benchmarks/ablation.py --set last_mile)
   if [ -n "${ABL:-}" ]; then cp -r "$ABL" "$W/ablation"; fi
   CUDA_VISIBLE_DEVICES=$1 timeout -k 10 "$(left)" python3 benchmarks/ablation.py --set last_mile \
-    --configs "${CONFIGS:-baseline,+fused_loss}" --keep --timeout 400 --out "$W/ablation" > "$W/ablation.log" 2>&1
+    --configs "${CONFIGS:-baseline,+mb24}" --keep --timeout 400 --out "$W/ablation" > "$W/ablation.log" 2>&1
 }
 REFS=(--reference ${REFROUNDS:+--reference_rounds "$REFROUNDS"})
 gpu_test_each() {  # GPU $1: each named deepcompile GPU test in its own pytest, so every one reports even if cut

@@ -7,8 +7,8 @@ and 5.4 ms backward in the ceiling's profiled step, benchmarks/results/headline_
 row reads its logits once for the running maximum and sum of exponentials, then again (a row is 100 KB, which the L2
 cache may still hold) to write the gradient of the mean loss with respect to them, (softmax - onehot) / rows, in the
 logits' dtype; the loss of the row goes to an fp32 vector. The backward has nothing left to do but scale
-(shared/model/fused_loss.LinearCrossEntropy folds that scale into the two products' outputs). Measured at the 1.5b
-shape it is no faster than inductor's kernels (benchmarks/results/triton_loss_1xh200).
+(shared/model/linear_cross_entropy.LinearCrossEntropy folds that scale into the two products' outputs). Measured at
+the 1.5b shape it is no faster than inductor's kernels (benchmarks/results/triton_loss_1xh200).
 
 Columns from `vocab` to the row's end (a padded vocabulary, shared/model/config.py vocab_multiple) are outside the
 softmax: their gradient is written as zero. Targets must lie in [0, vocab) (the data pipeline checks token ids on

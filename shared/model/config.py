@@ -23,12 +23,10 @@ class FusedSwitches:
     """The model-level fused paths, one switch each. None (not given) means: on where a CUDA device is, where it was
     measured to win; CPU runs stay eager (`resolve_fused`)."""
 
-    fused_loss: bool = False
-    """chunked linear + cross-entropy in the LM head (no full fp32 logits; shared/model/fused_loss.py)"""
     triton_loss: bool = False
     """the LM head's loss and its logits' gradient by one Triton kernel per row in forward, the backward's products
-    scaled afterwards (shared/kernels/cross_entropy.py, shared/model/fused_loss.py); CUDA, or a CPU under
-    TRITON_INTERPRET=1; on in compare.py's GPU default (bf16, without fused_loss)"""
+    scaled afterwards (shared/kernels/cross_entropy.py, shared/model/linear_cross_entropy.py); CUDA, or a CPU under
+    TRITON_INTERPRET=1; on in compare.py's GPU default (bf16)"""
     fused_bias_dropout_add: bool | None = None
     """residual + dropout(x W^T + b) as one compiled kernel (shared/model/fused_ops.py); default: on with CUDA, off
     on CPU. Chosen from a single run (+4.1% raw on one H200, one run per path, no repeat: inside single-run noise;
@@ -36,9 +34,6 @@ class FusedSwitches:
     fused_bias_gelu: bool | None = None
     """gelu(x W^T + b) as one compiled kernel (shared/model/fused_ops.py); default: on with CUDA, off on CPU. Chosen
     from a single run (+3.5% raw, as fused_bias_dropout_add: inside single-run noise)"""
-    matmul_bias_grad: bool = False
-    """with fused_bias_gelu: the MLP bias's gradient summed over the B*T rows by a matmul with rows of ones
-    (fused_ops.column_sum) instead of the reduction kernel inductor generates for it (benchmarks/mlp_tail.py)"""
     triton_gelu_grad: bool = False
     """with fused_bias_gelu: its backward (the input gradient and the bias gradient's sum over the B*T rows) as one
     Triton kernel (shared/kernels/bias_gelu_grad.py) instead of inductor's reduction kernel; CUDA, or a CPU under
@@ -48,8 +43,6 @@ class FusedSwitches:
     instead of inductor's one per element (shared/kernels/dropout_mask.py; the rate p rounded to a multiple of
     1/65536); CUDA, or a CPU under TRITON_INTERPRET=1; on in compare.py's GPU default (with
     fused_bias_dropout_add)"""
-    fused_layernorm: bool = False
-    """liger-kernel's Triton LayerNorm (CUDA only)"""
 
     def resolve_fused(self) -> dict[str, bool]:
         """Each switch's value, None replaced by the default rule (on with CUDA, off on CPU)."""
@@ -58,10 +51,10 @@ class FusedSwitches:
 
 # The switches' names (the fields of FusedSwitches), and the key each has in a result JSON's `fused` dict.
 FUSED_FLAGS = tuple(f.name for f in dataclasses.fields(FusedSwitches))
-FUSED_RESULT_KEYS = {"fused_loss": "chunked_linear_cross_entropy", "triton_loss": "triton_linear_cross_entropy",
+FUSED_RESULT_KEYS = {"triton_loss": "triton_linear_cross_entropy",
                      "fused_bias_dropout_add": "bias_dropout_add", "fused_bias_gelu": "bias_gelu",
-                     "matmul_bias_grad": "bias_gelu_matmul_grad", "triton_gelu_grad": "bias_gelu_triton_grad",
-                     "triton_dropout": "dropout_triton_mask", "fused_layernorm": "layernorm_liger"}
+                     "triton_gelu_grad": "bias_gelu_triton_grad",
+                     "triton_dropout": "dropout_triton_mask"}
 assert set(FUSED_RESULT_KEYS) == set(FUSED_FLAGS), "every fused switch needs its result key"
 
 
@@ -150,22 +143,12 @@ class GPTConfig(FusedSwitches):
                 raise ValueError(f"{name} must be in [0, 1), got {value!r}")
         if self.layout not in LAYOUTS and not self.layout.endswith(".pt"):
             raise ValueError(f"unknown layout {self.layout!r}; choose one of {LAYOUTS} or a path to a .pt file")
-        if self.matmul_bias_grad and not self.fused_bias_gelu:
-            raise ValueError("matmul_bias_grad changes the backward of fused_bias_gelu, which is off here (it is off "
-                             "on CPU unless asked): turn on fused_bias_gelu too")
         if self.triton_gelu_grad and not self.fused_bias_gelu:
             raise ValueError("triton_gelu_grad changes the backward of fused_bias_gelu, which is off here (it is off "
                              "on CPU unless asked): turn on fused_bias_gelu too")
         if self.triton_dropout and not self.fused_bias_dropout_add:
             raise ValueError("triton_dropout draws the mask of fused_bias_dropout_add, which is off here (it is off "
                              "on CPU unless asked): turn on fused_bias_dropout_add too")
-        if self.triton_loss and self.fused_loss:
-            raise ValueError("triton_loss and fused_loss are two ways of the LM head's loss: choose one")
-        if self.triton_gelu_grad and self.matmul_bias_grad:
-            raise ValueError("triton_gelu_grad and matmul_bias_grad are two backwards of the same bias + GELU: "
-                             "choose one")
-        if self.fused_layernorm and not self.bias:
-            raise ValueError("fused_layernorm (liger-kernel's LayerNorm) needs bias=True")
 
     @property
     def padded_vocab_size(self) -> int:

@@ -1,4 +1,4 @@
-"""The block's elementwise tails, fused: bias + dropout + residual add, bias + GELU, and LayerNorm.
+"""The block's elementwise tails, fused: bias + dropout + residual add, and bias + GELU.
 
 Eager PyTorch runs `residual + dropout(x @ W^T + b)` as a bias epilogue in the matmul, a dropout kernel that
 draws the mask, scales and writes the mask (kept for backward), and an add: separate passes over a B*T x h
@@ -12,14 +12,9 @@ bf16 (its FusedDropout had no bf16 kernel); inductor generates it for every dtyp
 Both are plain functions of tensors, called inside the module that owns the bias, so ZeRO-3's hooks have
 gathered it; they take the parameters as arguments and never hold a module, so compiling them needs no
 DeepSpeed cooperation. On CPU inductor emits C++ for the same graph (CI runs them there).
-
-`layer_norm` is liger-kernel's Triton LayerNorm (forward and backward in one kernel each): a well-kept library
-kernel, CUDA only. It refuses CPU tensors with an error instead of running something else.
 """
 
 from __future__ import annotations
-
-import importlib.util
 
 import torch
 import torch.nn.functional as F
@@ -62,18 +57,6 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-def column_sum(t: torch.Tensor) -> torch.Tensor:
-    """The sum over every row of t (..., n) -> (n,), as a matrix product with rows of ones: the matmul library
-    streams t once at memory bandwidth with fp32 accumulation, where a generated column reduction over B*T rows
-    leaves most of the GPU idle. COLUMN_SUM_ROWS identical rows of ones, not one: under coordinate-descent tuning
-    inductor rewrites a product with a dimension of 1 into the very reduction this avoids."""
-    rows = t.reshape(-1, t.shape[-1])
-    return (rows.new_ones(COLUMN_SUM_ROWS, rows.shape[0]) @ rows)[0]
-
-
-COLUMN_SUM_ROWS = 16  # one tensor-core tile of rows; the product's extra rows cost no memory traffic
-
-
 class _BiasGeluOwnGrad(torch.autograd.Function):
     """gelu(x + bias) with a backward of its own (a subclass's): x and bias are saved, x + bias recomputed there."""
 
@@ -81,16 +64,6 @@ class _BiasGeluOwnGrad(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, bias)
         return F.gelu(x + bias, approximate="tanh")
-
-
-class _BiasGeluMatmulGrad(_BiasGeluOwnGrad):
-    """The bias gradient from column_sum instead of a generated reduction."""
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x, bias = ctx.saved_tensors
-        dx = torch.ops.aten.gelu_backward(grad, x + bias, approximate="tanh")
-        return dx, column_sum(dx)
 
 
 class _BiasGeluTritonGrad(_BiasGeluOwnGrad):
@@ -116,33 +89,7 @@ def _bias_gelu_with(function: type[_BiasGeluOwnGrad], doc: str):
     return bias_gelu_with
 
 
-bias_gelu_matmul_grad = _bias_gelu_with(
-    _BiasGeluMatmulGrad, "bias_gelu, the same forward, with the bias gradient summed by a matmul (column_sum).")
 bias_gelu_triton_grad = _bias_gelu_with(
     _BiasGeluTritonGrad, "bias_gelu, the same forward, with the backward (input and bias gradients) as one Triton "
     "kernel.")
 
-
-def liger_refusal(device_type: str) -> str | None:
-    """Why liger-kernel's LayerNorm (--fused_layernorm) cannot run on a `device_type` device here, or None: the one
-    check that the preflight (shared/train/distributed.check_kernels) and layer_norm itself make."""
-    if device_type != "cuda":
-        return (f"--fused_layernorm runs liger-kernel's Triton LayerNorm, which needs a CUDA tensor; this run's are on "
-                f"{device_type}: drop --fused_layernorm on this machine")
-    if importlib.util.find_spec("liger_kernel") is None:
-        return ("--fused_layernorm needs liger-kernel, which is not installed: pip install liger-kernel==0.8.5, or "
-                "drop it")
-    return None
-
-
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
-    """liger-kernel's fused LayerNorm; raises on CPU tensors or without liger-kernel installed."""
-    if reason := liger_refusal(x.device.type):
-        raise RuntimeError(reason)
-    try:
-        from liger_kernel.ops.layer_norm import LigerLayerNormFunction
-    except ImportError as e:  # installed, yet its import fails
-        raise RuntimeError(
-            "fused_layernorm needs liger-kernel (pip install liger-kernel==0.8.5); it is not importable: " + str(e)
-        ) from e
-    return LigerLayerNormFunction.apply(x, weight, bias, eps)

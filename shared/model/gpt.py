@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from shared.model import fused_ops
 from shared.model.attention import build_attention
 from shared.model.config import GPTConfig
-from shared.model.fused_loss import chunked_linear_cross_entropy, triton_linear_cross_entropy
+from shared.model.linear_cross_entropy import triton_linear_cross_entropy
 
 INIT_STD = 0.02
 
@@ -87,26 +87,12 @@ class GeluLinear(Linear):
     def __init__(self, cfg: GPTConfig):
         super().__init__(cfg.n_embd, 4 * cfg.n_embd, cfg.bias)
         self.fused = cfg.fused_bias_gelu
-        self.bias_gelu = (fused_ops.bias_gelu_triton_grad if cfg.triton_gelu_grad
-                          else fused_ops.bias_gelu_matmul_grad if cfg.matmul_bias_grad else fused_ops.bias_gelu)
+        self.bias_gelu = fused_ops.bias_gelu_triton_grad if cfg.triton_gelu_grad else fused_ops.bias_gelu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
             return self.bias_gelu(F.linear(x, self.weight), self.bias)
         return F.gelu(F.linear(x, self.weight, self.bias), approximate="tanh")
-
-
-class LayerNorm(nn.LayerNorm):
-    """nn.LayerNorm, or liger-kernel's fused Triton LayerNorm with cfg.fused_layernorm (same parameters)."""
-
-    def __init__(self, cfg: GPTConfig):
-        super().__init__(cfg.n_embd, bias=cfg.bias)
-        self.fused = cfg.fused_layernorm
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            return fused_ops.layer_norm(x, self.weight, self.bias, self.eps)
-        return super().forward(x)
 
 
 class CausalSelfAttention(nn.Module):
@@ -146,9 +132,9 @@ class Block(nn.Module):
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.ln_1 = LayerNorm(cfg)
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = LayerNorm(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -163,18 +149,14 @@ class LMHead(nn.Module):
     right after it: the softmax, the loss and every caller see the vocab_size real ones, so the padding is never
     predicted and gets no gradient."""
 
-    def __init__(self, weight: nn.Parameter, fused_loss: bool = False, vocab_size: int | None = None,
-                 triton_loss: bool = False):
+    def __init__(self, weight: nn.Parameter, vocab_size: int | None = None, triton_loss: bool = False):
         super().__init__()
         self.weight = weight
-        self.fused_loss = fused_loss
         self.triton_loss = triton_loss
         self.vocab_size = vocab_size
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         V = self.vocab_size or self.weight.shape[0]
-        if targets is not None and self.fused_loss:
-            return chunked_linear_cross_entropy(x, self.weight[:V], targets)
         if targets is not None and self.triton_loss:
             return triton_linear_cross_entropy(x, self.weight, targets, V)
         logits = F.linear(x, self.weight)  # (B, T, padded V)
@@ -193,8 +175,8 @@ class GPT(nn.Module):
         self.wpe = Embedding(cfg.seq_len, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = LayerNorm(cfg)
-        self.head = LMHead(self.wte.weight, cfg.fused_loss, cfg.vocab_size, cfg.triton_loss)
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.head = LMHead(self.wte.weight, cfg.vocab_size, cfg.triton_loss)
         self.attention_backend = self.blocks[0].attn.attn.backend
         self.register_buffer("pos", torch.arange(cfg.seq_len), persistent=False)
 

@@ -14,8 +14,11 @@ import re
 import textwrap
 import typing
 
-from shared.train.config import TrainConfig
+from shared.train.config import LEVERS, TrainConfig
 
+# --help's group of the fields in LEVERS, listed after the common flags
+LEVERS_TITLE = ("expert levers: speed only (compare.py's GPU default sets those measured faster; their "
+                "measurements: docs/ledger.md)")
 # The original min-LLM scripts' flags, mapped to our field names.
 ALIASES = {"micro_batch": ["--batch_size_per_gpu", "--batch-size-per-gpu"],
            # DeepSpeed's own name for it; its autotuner passes each experiment's config as --deepspeed_config.
@@ -70,10 +73,16 @@ def _named_values(doc: str) -> str:
 
 
 def add_config_args(parser: argparse.ArgumentParser, cls=TrainConfig) -> None:
-    """One flag per dataclass field, typed from the annotation, defaulting to None (= the field's default)."""
+    """One flag per dataclass field, typed from the annotation, defaulting to None (= the field's default); the
+    fields in LEVERS go to a group of their own (LEVERS_TITLE), which --help lists after the common flags."""
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
+    levers = None
     for f in dataclasses.fields(cls):
+        group = parser
+        if f.name in LEVERS:
+            levers = levers or parser.add_argument_group(LEVERS_TITLE)
+            group = levers
         tp = hints[f.name]
         args = typing.get_args(tp)
         if args and type(None) in args:  # X | None
@@ -84,10 +93,9 @@ def add_config_args(parser: argparse.ArgumentParser, cls=TrainConfig) -> None:
         names += ALIASES.get(f.name, [])
         doc = f"{_named_values(docs.get(f.name, ''))} (default: {f.default})".replace("%", "%%")
         if tp is bool:
-            parser.add_argument(*names, dest=f.name, type=_parse_bool, nargs="?", const=True, default=None,
-                                help=doc)
+            group.add_argument(*names, dest=f.name, type=_parse_bool, nargs="?", const=True, default=None, help=doc)
         else:
-            parser.add_argument(*names, dest=f.name, type=tp, default=None, help=doc)
+            group.add_argument(*names, dest=f.name, type=tp, default=None, help=doc)
 
 
 def config_from_args(ns: argparse.Namespace, cls=TrainConfig, **fixed):

@@ -7,8 +7,6 @@ docs/kernels.md, "Fused paths and torch.compile"). build_ds_config therefore mak
 compiling (`leaf_module_class`): one hook on the block gathers all its parameters, none fire inside it, and the
 compiled forward is one graph with no break, shared by every block (the parameters are graph inputs).
 
-`GuardSkip` (--skip_guard_eval) lets the training forward skip dynamo's guard checks once its compiles are done.
-
 `configure_inductor` sets the inductor options a run asks for (--coordinate_descent_tuning) for every mode that
 compiles: blocks, deepcompile, the fused kernels and the reference rows.
 
@@ -18,13 +16,10 @@ should not pay.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
 from torch import nn
-
-from shared.train.config import TrainConfig, last_compile_step
 
 
 @functools.cache
@@ -58,56 +53,3 @@ def leaf_module_class() -> str:
 
     return f"{Block.__module__}.{Block.__qualname__}"
 
-
-# The global step from which this process's training forwards skip their guards (GuardSkip); None: they never did.
-# The run JSON reports it as extra.guard_skip_from.
-GUARD_SKIP_FROM: int | None = None
-
-
-class GuardSkip:
-    """--skip_guard_eval: each training forward runs inside `forward(step)`, which skips dynamo's guard checks once
-    the compiles are done.
-
-    Before each call of a compiled function dynamo checks its guards (every input's shape, dtype and strides, the
-    globals and flags it read) to pick the compiled graph; under DeepCompile the inputs are every parameter of the
-    model. torch.compiler.set_stance(skip_guard_eval_unsafe=True) runs only the guards that tell the cached graphs
-    apart, none when there is one: unsafe if the forward would have needed a new graph, which would then not be
-    compiled. So the forward of the step after the last planned compile (shared/train/config.last_compile_step,
-    counted from the first step this process trains) runs with its guards as the check: if it compiles anything the
-    run stops with a ValueError (exit status 2, its message, no traceback). From the next step on every training
-    forward skips them. Validation, export and the backward run outside `forward` with their guards.
-    """
-
-    def __init__(self, train: TrainConfig):
-        self.enabled = train.skip_guard_eval
-        self.check_at = last_compile_step(train) + 1
-        self.first: int | None = None
-
-    def forward(self, step: int):
-        """The context to run the training forward of global step `step` in."""
-        if not self.enabled:
-            return contextlib.nullcontext()
-        if self.first is None:
-            self.first = step
-        local = step - self.first
-        if local < self.check_at:
-            return contextlib.nullcontext()
-        if local == self.check_at:
-            return self._check(step)
-        global GUARD_SKIP_FROM
-        if GUARD_SKIP_FROM is None:
-            GUARD_SKIP_FROM = step
-        return torch.compiler.set_stance(skip_guard_eval_unsafe=True)
-
-    @contextlib.contextmanager
-    def _check(self, step: int):
-        from shared.train.results import dynamo_stats
-
-        before = dynamo_stats()["dynamo_graphs"]
-        yield
-        compiled = dynamo_stats()["dynamo_graphs"] - before
-        if compiled:
-            raise ValueError(  # exits 2 with this message, as a refused flag does
-                f"--skip_guard_eval: the training forward of step {step} compiled {compiled} new graph(s) after the "
-                f"last planned compile (step {self.first + self.check_at - 1}), so its guards do change between "
-                "steps and skipping them would run a stale graph; drop --skip_guard_eval")

@@ -8,6 +8,7 @@ offending value, so a bad flag fails before any process group or GPU is touched.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -23,11 +24,9 @@ from shared.model.config import (  # noqa: F401  (ATTENTION_BACKENDS, LAYOUTS: n
 )
 
 PRECISIONS = ("bf16", "fp16", "fp32")
-OPTIMIZERS = ("adamw", "fusedadam")
 ZERO_PROFILES = ("original", "tuned")
 # The speed profiles, declared in shared/train/profiles.py
 PROFILES = ("fast", "stock", "eager")
-GC_POLICIES = ("auto", "freeze")
 # How the model is compiled, applied from outside the model: blocks by shared/train/compile.py (each block's forward
 # compiled), deepcompile by DeepSpeed's compiler pass for ZeRO (the engine compiles the whole GPT forward + loss;
 # shared/train/ds_config.py).
@@ -88,8 +87,6 @@ class TrainConfig(FusedSwitches):
     or LayerNorm parameters (nanoGPT, Megatron)"""
     grad_clip: float = 1.0
     """global gradient-norm clip, handed to DeepSpeed's gradient_clipping (0 disables)"""
-    optimizer: str = "adamw"
-    """adamw (torch AdamW, fused kernel on CUDA) | fusedadam (DeepSpeed FusedAdam, JIT-compiled)"""
     seed: int = 1234
     """seeds model init, dropout and the data order"""
     attention: str | None = None
@@ -158,24 +155,6 @@ class TrainConfig(FusedSwitches):
     DeepSpeed's sources with that wait made the compute stream's, on an event (shared/train/deepcompile_op.py; built
     on first use, ~1 min). Same results, other timing: 1.005x and 1.003x on one H200, two pairs (docs/results.md);
     compare.py's GPU default when its runs use one GPU. Only with --compile deepcompile"""
-    deepcompile_skip_divide_by_one: bool = False
-    """DeepCompile's op divides every gradient by the world size before its reduce-scatter (DeepSpeed 0.19.8's
-    pre-division), a kernel per parameter, also when that size is 1: 292 multiplications by 1.0 a step of the 1.5b
-    preset on one GPU, 4.4-4.6 ms of device time on the op's reduce-scatter stream in its profiles (docs/results.md).
-    true: the op built from DeepSpeed's sources with that division skipped where the world size is 1, where it changes
-    no bit; with more GPUs it divides as DeepSpeed's does (shared/train/deepcompile_op.py; built on first use, ~1 min,
-    together with --deepcompile_backward_wait device's patch when both are on). Timed on one H100 at micro-batch 8:
-    0.997x its baselines, whose spread was 0.12% (docs/results.md), so off by default. Only with --compile
-    deepcompile"""
-    skip_guard_eval: bool = False
-    """after the warm-up's compiles, the training forward skips torch.compile's guard checks
-    (torch.compiler.set_stance(skip_guard_eval_unsafe=True); shared/train/compile.GuardSkip): dynamo checks every
-    input of a compiled function before each call, under DeepCompile every parameter of the model (in the 1.5b
-    forwards profiled in flight the device waited 0.07-2.98 ms on it, median 1.69: docs/results.md). The forward of
-    the step after the last planned compile runs with its guards and must compile nothing, else the run stops with an
-    error; later training forwards skip them. Validation, export and the backward keep them. Needs something compiled
-    (--compile blocks or deepcompile, or the compiled bias + dropout / GELU switches). Timed on one H100 at micro-batch
-    8: 1.001x its baselines, whose spread was 0.12% (docs/results.md), so off by default"""
     coordinate_descent_tuning: bool = False
     """inductor's coordinate-descent tuning (torch._inductor.config.coordinate_descent_tuning): each generated
     Triton kernel's block sizes and warps are benchmarked around the default at its first compile and the best is
@@ -208,22 +187,13 @@ class TrainConfig(FusedSwitches):
     """override the profile's ZeRO-3 prefetch bucket (elements)"""
     param_persistence_threshold: int | None = None
     """override the profile's ZeRO-3 persistence threshold (params at most this large stay gathered)"""
-    max_live_parameters: int | None = None
-    """override the profile's ZeRO-3 limit of gathered parameters (elements)"""
-    memory_efficient_linear: bool | None = None
-    """ZeRO-3: DeepSpeed's replacement of F.linear (its default, on) or torch's own; off whenever blocks are
-    compiled (its per-layer ds_id check makes dynamo recompile for every block)"""
     ds_config: str | None = None
     """path to a user DeepSpeed JSON that replaces the built dict (micro-batch and precision must agree)"""
     wall_clock_breakdown: bool = False
     """turn on DeepSpeed's own synchronized forward/backward/step timers (diagnostics: adds syncs)"""
-    python_gc: str = "freeze"
-    """auto (Python's default) | freeze: gc.freeze() after set-up, so collections skip the model's objects"""
     lightning_overheads: str = ""
     """comma-separated overheads to switch on in the Lightning path (names: lightning_app/overheads.py; compare.py
     --explain runs each); the raw loop ignores them"""
-    sigterm_check_every: int = 50
-    """Lightning path: steps between Lightning's SIGTERM broadcast (it does one every step, a host sync)"""
     data: str = "synthetic"
     """synthetic (seeded random tokens) or the prefix of a token file made by `python -m shared.tools.prepare_data`"""
     profile_step: int | None = None
@@ -319,12 +289,8 @@ class TrainConfig(FusedSwitches):
                              "to min_lr instead of decaying; lower --min_lr (e.g. lr / 10) or raise --lr")
         if self.profile is not None and self.profile not in PROFILES:
             raise ValueError(f"unknown --profile {self.profile!r}; choose one of {PROFILES}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"unknown optimizer {self.optimizer!r}; choose one of {OPTIMIZERS}")
         if self.zero_profile not in ZERO_PROFILES:
             raise ValueError(f"unknown zero_profile {self.zero_profile!r}; choose one of {ZERO_PROFILES}")
-        if self.python_gc not in GC_POLICIES:
-            raise ValueError(f"unknown python_gc {self.python_gc!r}; choose one of {GC_POLICIES}")
         if self.nan_policy not in NAN_POLICIES:
             raise ValueError(f"unknown nan_policy {self.nan_policy!r}; choose one of {NAN_POLICIES}")
         for name in ("save_every", "keep_last", "val_every", "max_nan_skips"):
@@ -337,8 +303,6 @@ class TrainConfig(FusedSwitches):
             raise ValueError(f"val_batches must be positive, got {self.val_batches!r}")
         if (self.save_every or self.resume == "auto") and not self.ckpt_dir:
             raise ValueError("--save_every and --resume auto need --ckpt_dir")
-        if self.sigterm_check_every <= 0:
-            raise ValueError(f"sigterm_check_every must be positive, got {self.sigterm_check_every!r}")
         if self.log_every <= 0:
             raise ValueError(f"log_every must be positive, got {self.log_every!r}")
         if self.devices is not None and self.devices <= 0:
@@ -357,9 +321,6 @@ class TrainConfig(FusedSwitches):
         if self.deepcompile_backward_wait != "host" and self.compile != "deepcompile":
             raise ValueError(f"--deepcompile_backward_wait {self.deepcompile_backward_wait} changes DeepCompile's op, "
                              f"which --compile {self.compile} does not run: add --compile deepcompile or drop it")
-        if self.deepcompile_skip_divide_by_one and self.compile != "deepcompile":
-            raise ValueError(f"--deepcompile_skip_divide_by_one true changes DeepCompile's op, which --compile "
-                             f"{self.compile} does not run: add --compile deepcompile or drop it")
         if self.deepcompile_schedule not in DEEPCOMPILE_SCHEDULES:
             raise ValueError(f"unknown deepcompile_schedule {self.deepcompile_schedule!r}; choose one of "
                              f"{DEEPCOMPILE_SCHEDULES}")
@@ -375,22 +336,6 @@ class TrainConfig(FusedSwitches):
         if self.coordinate_descent_tuning and not model_config.cuda_available():
             raise ValueError("--coordinate_descent_tuning tunes inductor's Triton kernels, which only run on a CUDA "
                              "GPU; on this machine inductor emits C++ and the flag would change nothing: drop it")
-        if self.memory_efficient_linear and self.compile == "blocks" and self.stage == 3:
-            raise ValueError("--memory_efficient_linear true cannot be used with --compile blocks under ZeRO-3: "
-                             "DeepSpeed's linear makes dynamo recompile for every block "
-                             "(see shared/train/ds_config.py)")
-        if self.fused_layernorm and self.compile == "blocks":
-            raise ValueError(
-                "fused_layernorm does not combine with --compile blocks: liger-kernel's LayerNorm kernel fails to "
-                "compile when torch.compile traces it (Triton CompilationError on its eps argument, seen on the "
-                "H200), and the compiled block fuses its LayerNorms itself; drop one of the two"
-            )
-        fused = self.resolve_fused()
-        if self.skip_guard_eval and self.compile == "none" and not (
-                fused["fused_bias_dropout_add"] or fused["fused_bias_gelu"]):
-            raise ValueError("--skip_guard_eval skips torch.compile's guard checks, and nothing is compiled in this "
-                             "run (--compile none, the compiled bias + dropout and bias + GELU off): add --compile "
-                             "blocks or deepcompile, or drop it")
         # Built once, here: the model overrides are validated now, not after the process group is up, and every
         # caller reads the same object (dataclasses.replace runs __post_init__ again, so a copy gets its own).
         self._model = self._build_model()
@@ -440,11 +385,15 @@ class TrainConfig(FusedSwitches):
         return 4 if self.activation_checkpointing else 3
 
 
-def last_compile_step(train: TrainConfig) -> int:
-    """The last step at which the training forward compiles, counted from the first step the process trains (0):
-    DeepCompile's recompile step under its own ZeRO-3 schedule, else 0 (the first forward compiles everything)."""
-    deepspeed_schedule = train.deepcompile_schedule == "deepspeed" and train.stage == 3
-    return DEEPCOMPILE_WARMUP if train.compile == "deepcompile" and deepspeed_schedule else 0
+# The expert levers: fields that change how fast a run trains, not what it trains or how it is run. Their defaults and
+# compare.py's GPU default (the fast profile) set those measured faster; what each one measured is in docs/ledger.md.
+# --help lists them in a group of their own, after the common flags (shared/train/cli.add_config_args).
+LEVERS = frozenset({
+    *FUSED_FLAGS, "attn_dropout_mask", "vocab_multiple", "deepcompile_schedule", "deepcompile_persist",
+    "deepcompile_eager_persist", "deepcompile_cached_walks", "deepcompile_backward_wait", "coordinate_descent_tuning",
+    "zero3_step", "grad_norm_check", "zero_profile", "reduce_bucket_size", "prefetch_bucket_size",
+    "param_persistence_threshold"})
+assert LEVERS <= {f.name for f in dataclasses.fields(TrainConfig)}, "every lever is a TrainConfig field"
 
 
 def _check_deepcompile(train: TrainConfig) -> None:
@@ -455,15 +404,12 @@ def _check_deepcompile(train: TrainConfig) -> None:
     if train.stage == 0:
         raise ValueError("--compile deepcompile needs ZeRO stage 1, 2 or 3 (DeepCompile is a ZeRO pass); "
                          "use --compile blocks or none with stage 0")
-    recompiles_at = last_compile_step(train)
+    recompiles_at = DEEPCOMPILE_WARMUP if train.deepcompile_schedule == "deepspeed" and train.stage == 3 else 0
     if train.warmup_steps <= recompiles_at:
         what = f"recompiles at step {recompiles_at}" if recompiles_at else "compiles at step 0"
         raise ValueError(f"--compile deepcompile needs --warmup_steps > {recompiles_at}: DeepCompile profiles and "
                          f"{what} (--deepcompile_schedule {train.deepcompile_schedule}, stage {train.stage}), and "
                          f"that step must not be timed (got --warmup_steps {train.warmup_steps})")
-    if train.fused_layernorm:
-        raise ValueError("fused_layernorm does not combine with --compile deepcompile: liger-kernel's LayerNorm "
-                         "fails to compile under torch.compile (Triton CompilationError on its eps argument)")
 
 
 _PRECISION_ALIASES = {

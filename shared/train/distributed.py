@@ -106,7 +106,7 @@ def estimate_memory(train, world: int, device_type: str) -> dict[str, float]:
     tokens = train.micro_batch * m.seq_len
     per_block = 1 if m.activation_checkpointing else 10
     activations = per_block * tokens * m.n_embd * dtype_bytes * m.n_layer
-    logits = 0.0 if m.fused_loss else 4.0 * tokens * m.vocab_size
+    logits = 4.0 * tokens * m.vocab_size
     keeps_scores = m.attention == "reference" or (m.attention == "sdpa" and device_type == "cpu"
                                                   and m.attn_dropout > 0)
     scores = 0.0
@@ -231,7 +231,7 @@ def check_build_locks(min_age_s: float = 10.0, settle_s: float = 1.0) -> None:
     """Remove an extension build's lock that its build left behind; refuse to start where that cannot be told.
 
     torch's FileBaton creates BUILD_DIR/lock, holds it open while one process builds (DeepSpeed's CPU
-    communication op on a first CPU run, FusedAdam with --optimizer fusedadam) and removes it when done; every
+    communication op on a first CPU run, DeepCompile's op) and removes it when done; every
     other process waits while the file exists, with no timeout and no output. A build killed mid-way (SIGTERM,
     SIGKILL, a timeout) leaves the file, and every later DeepSpeed start would hang. A lock older than min_age_s that
     no process on this machine holds open (the kernel says so: _open_nowhere_else) is such a leftover: it is removed,
@@ -322,11 +322,6 @@ def check_kernels(train, device: torch.device) -> None:
         if getattr(model, flag):
             kernel = importlib.import_module(f"shared.kernels.{module}")
             require_cuda_or_interpreter(op, device, kernel.interpreted(), f"--{flag}")
-    if model.fused_layernorm:
-        from shared.model.fused_ops import liger_refusal
-
-        if reason := liger_refusal(device.type):
-            raise ValueError(reason)
 
 
 def check_attention(train) -> None:
@@ -461,16 +456,14 @@ def seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def apply_gc_policy(policy: str) -> None:
-    """Python GC policy for the training loop, applied after set-up in both paths.
-
-    `freeze` collects once and moves every object alive after set-up (modules, parameters, DeepSpeed's and
-    Lightning's bookkeeping) to a permanent generation: automatic collections then scan only what the steps
-    allocate, instead of pausing the host for a full scan of the process whenever the oldest generation fills.
-    """
-    if policy == "freeze":
-        gc.collect()
-        gc.freeze()
+def freeze_gc() -> None:
+    """Python's GC for the training loop, called after set-up in both paths: one collection, then every object alive
+    (modules, parameters, DeepSpeed's and Lightning's bookkeeping) moves to a permanent generation, so automatic
+    collections scan only what the steps allocate instead of pausing the host for a full scan of the process whenever
+    the oldest generation fills. Python's own policy measured no different (docs/ledger.md); the Lightning path's
+    overhead python_gc_auto (compare.py --explain) runs it."""
+    gc.collect()
+    gc.freeze()
 
 
 def dropout_seed(seed: int, rank: int) -> int:

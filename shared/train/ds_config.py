@@ -85,8 +85,6 @@ def build_ds_config(train: TrainConfig, world: int | None = None) -> dict:
         # the rest running eager (measured on the H200: 8 graphs, 1 limit hit, 1.007x; benchmarks/results/
         # ablation_first_1xh200). torch's own linear keeps one graph for all blocks.
         zero["memory_efficient_linear"] = False
-    if train.stage == 3 and train.memory_efficient_linear is not None:
-        zero["memory_efficient_linear"] = train.memory_efficient_linear
     if train.compile == "deepcompile":
         # DeepCompile (DeepSpeed >= 0.16.6): engine.compile() then traces the whole GPT forward + loss, removes
         # ZeRO's module and gradient hooks and inserts the all-gathers, releases and reduce-scatters into the graph
@@ -103,7 +101,6 @@ OVERRIDES = {
     "reduce_bucket_size": ("reduce_bucket_size", 2),
     "prefetch_bucket_size": ("stage3_prefetch_bucket_size", 3),
     "param_persistence_threshold": ("stage3_param_persistence_threshold", 3),
-    "max_live_parameters": ("stage3_max_live_parameters", 3),
 }
 
 
@@ -227,18 +224,12 @@ def load_user_ds_config(source: str | Path, train: TrainConfig, world: int | Non
                          f"{'' if 'gradient_clipping' in cfg else ' absent: DeepSpeed does not clip'}) but the run "
                          f"asks for --grad_clip {train.grad_clip}; set gradient_clipping in the JSON"
                          + (f" or pass --grad_clip {clip}" if "gradient_clipping" in cfg else ""))
-    for flag, key in (("reduce_bucket_size", "reduce_bucket_size"),
-                      ("prefetch_bucket_size", "stage3_prefetch_bucket_size"),
-                      ("param_persistence_threshold", "stage3_param_persistence_threshold"),
-                      ("max_live_parameters", "stage3_max_live_parameters")):
+    for flag, (key, _) in OVERRIDES.items():
         if getattr(train, flag) is not None:
             raise ValueError(f"--{flag} has no effect with --ds_config {name}: set zero_optimization.{key} in the "
                              "JSON instead")
     if train.wall_clock_breakdown:  # a diagnostic (compare.py --cross_check): on whatever the JSON says
         cfg["wall_clock_breakdown"] = True
-    if stage == 3 and train.memory_efficient_linear is not None:
-        raise ValueError(f"--memory_efficient_linear has no effect with --ds_config {name}: set "
-                         "zero_optimization.memory_efficient_linear in the JSON instead")
     if stage == 3 and train.compile == "blocks":
         zero = cfg["zero_optimization"]
         leaf = zero.get("leaf_module", {}).get("classes", [])

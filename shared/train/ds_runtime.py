@@ -71,7 +71,7 @@ def normalize_cuda_arch_list(environ=os.environ) -> str | None:
 
     PyTorch accepts arch-specific entries such as "9.0a" (Hopper's wgmma/TMA variant), and some CUDA images set
     them; DeepSpeed's builder sorts the list by int() of each part and fails with "invalid literal for int() with
-    base 10: '0a'" when DeepCompile (or FusedAdam) builds its op. Its ops use no arch-specific instruction, so the
+    base 10: '0a'" when DeepCompile builds its op. Its ops use no arch-specific instruction, so the
     plain capability ("9.0") builds the same code. "+PTX" suffixes are kept.
     """
     value = environ.get("TORCH_CUDA_ARCH_LIST")
@@ -88,7 +88,7 @@ def normalize_cuda_arch_list(environ=os.environ) -> str | None:
 
 
 def prepare_op_build(rank: int = 0) -> None:
-    """Call before anything that makes DeepSpeed JIT-build a CUDA op (DeepCompile, FusedAdam): the arch list fix
+    """Call before anything that makes DeepSpeed JIT-build a CUDA op (DeepCompile's op): the arch list fix
     above, announced once (rank 0)."""
     note = normalize_cuda_arch_list()
     if note and rank == 0:
@@ -122,12 +122,6 @@ def deepcompile_schedule(name: str, stage: int, persist_threshold: int | None = 
     return [(0, [zero3_compile.add_z3_gather_release, *keep]), (DEEPCOMPILE_WARMUP, full)]  # DeepSpeed's, plus ours
 
 
-def op_patches(train: TrainConfig) -> tuple[str, ...]:
-    """The patches of DeepCompile's op this run asks for (shared/train/deepcompile_op.PATCHES); () runs DeepSpeed's."""
-    return (("device_wait",) if train.deepcompile_backward_wait == "device" else ()) + (
-        ("skip_divide_by_one",) if train.deepcompile_skip_divide_by_one else ())
-
-
 def compile_engine(engine, train: TrainConfig, rank: int = 0) -> None:
     """Apply train.compile where it lives in the engine: deepcompile calls engine.compile() (inductor), with the
     config's DeepCompile options (schedule, persistence, the eager list, the cached walks, the backward's wait).
@@ -154,9 +148,8 @@ def compile_engine(engine, train: TrainConfig, rank: int = 0) -> None:
         raise ValueError(f"compile.{offload[0]} in the DeepSpeed config needs DeepSpeed's own DeepCompile schedule: "
                          "run with --deepcompile_schedule deepspeed --deepcompile_persist deepspeed")
     threshold = engine.zero_param_persistence_threshold() if persist == "threshold" else None
-    patches = op_patches(train)
-    if patches:
-        deepcompile_op.install(patches)  # before engine.compile() loads DeepSpeed's own op
+    if train.deepcompile_backward_wait == "device":
+        deepcompile_op.install()  # before engine.compile() loads DeepSpeed's own op
     time_deepcompile_profilers()
     engine.compile(backend="inductor", schedule=deepcompile_schedule(schedule, stage, threshold))
     if not engine.is_deepcompile_active():

@@ -33,7 +33,7 @@ def versions() -> dict[str, str | None]:
     """Versions of everything that moves the numbers."""
     out: dict[str, str | None] = {"python": platform.python_version(), "torch": torch.__version__,
                                   "cuda": torch.version.cuda}
-    for pkg in ("deepspeed", "pytorch-lightning", "lightning", "triton", "xformers", "numpy", "liger-kernel"):
+    for pkg in ("deepspeed", "pytorch-lightning", "lightning", "triton", "xformers", "numpy"):
         try:
             out[pkg] = importlib.metadata.version(pkg)
         except importlib.metadata.PackageNotFoundError:
@@ -72,14 +72,15 @@ def device_info(device: torch.device | None = None) -> dict:
 
 def differences(train: TrainConfig, there_train: dict, there_device: str | None, there_versions: dict) -> list[str]:
     """How a recorded run (its TrainConfig as a dict, device name and package versions) differs from `train` on
-    this machine now, one "X there vs Y now" each; the output path does not count."""
+    this machine now, one "X there vs Y now" each; the output path does not count, nor what this version no longer
+    records (a field or a package version of a removed option: docs/ledger.md)."""
     here_device, here_versions = device_info()["name"], versions()
     diff = [f"{k} {there_train.get(k)!r} there vs {v!r} now" for k, v in dataclasses.asdict(train).items()
             if k != "out" and there_train.get(k) != v]
     if there_device != here_device:
         diff.append(f"device {there_device!r} there vs {here_device!r} now")
-    return diff + [f"{pkg} {v!r} there vs {here_versions.get(pkg)!r} now" for pkg, v in there_versions.items()
-                   if v != here_versions.get(pkg)]
+    return diff + [f"{pkg} {v!r} there vs {here_versions[pkg]!r} now" for pkg, v in there_versions.items()
+                   if pkg in here_versions and v != here_versions[pkg]]
 
 
 @dataclass
@@ -211,7 +212,6 @@ def build_result(*, path: str, train: TrainConfig, model_cfg: GPTConfig, ds_conf
                "deepcompile_cached_walks": getattr(runtime, "CACHED_WALKS", None),
                "deepcompile_profilers": getattr(runtime, "PROFILERS", None),
                "deepcompile_op": deepcompile_op.active_op(),
-               "guard_skip_from": getattr(sys.modules.get("shared.train.compile"), "GUARD_SKIP_FROM", None),
                **({"profile": timing["profile"]} if timing.get("profile") else {}),
                **({"syncs": timing["syncs"]} if timing.get("syncs") else {})},
     )
