@@ -39,6 +39,7 @@ from harness.launch import (
     TimeLimitReached,
     launch,
     raise_stopped,
+    row_config,
     run_group,
     visible_gpu,
 )
@@ -84,10 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cross_check", "--cross-check", action="store_true",
                    help="one extra run per path with DeepSpeed's wall_clock_breakdown (synchronized timers)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds before a single run is killed")
-    p.add_argument("--reference", nargs="?", const=",".join(REFERENCES), default="",
-                   help="also run reference rows in every round: ceiling (plain PyTorch, whole model compiled, no "
-                        "sharding, one GPU) and fsdp2 (torch FSDP2 + compiled blocks); each path is reported as a "
-                        "fraction of the ceiling of the same run (default with the flag: ceiling,fsdp2)")
+    p.add_argument("--reference", nargs="?", const="all", default="",
+                   help="also run reference rows in every round: ceiling (plain PyTorch, fp32 weights under autocast, "
+                        "whole model compiled, no sharding, one GPU), fsdp2 (torch FSDP2 + compiled blocks) and "
+                        "stock (the raw path under --profile stock: DeepSpeed as shipped, CUDA only); each path is "
+                        "reported against them, per round (default with the flag: all three on GPUs, ceiling,fsdp2 "
+                        "without)")
     p.add_argument("--reference_rounds", "--reference-rounds", type=int, default=None,
                    help="run the reference rows in the first N rounds only (default: every round); the fractions of "
                         "the ceiling then divide by the median of those N ceiling runs")
@@ -151,7 +154,12 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
                                  "drop the option")
         if ns.explain:
             explain.parse_factors(ns.factors)
-        ns.references = [r.strip() for r in ns.reference.split(",") if r.strip()]
+        every = REFERENCES if n_gpus else tuple(r for r in REFERENCES if r != "stock")
+        ns.references = list(every) if ns.reference == "all" else [r.strip() for r in ns.reference.split(",")
+                                                                  if r.strip()]
+        if "stock" in ns.references and not n_gpus:
+            raise ValueError("--reference stock runs DeepSpeed's own DeepCompile, which needs a CUDA GPU; on this "
+                             "machine use --reference ceiling,fsdp2")
         unknown = sorted(set(ns.references) - set(REFERENCES))
         if unknown:
             raise ValueError(f"unknown --reference row(s) {unknown}; choose from {REFERENCES}")
@@ -200,6 +208,9 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
                                                 if ns.keep_runs and ns.autotune else ([], []))
         # precision on this device, token files, --ds_config, size: refused here, not by a run's log
         check_before_start(train, torch.device("cuda" if n_gpus else "cpu"), ns.world, ns.world)
+        if "stock" in ns.references:  # DeepSpeed as shipped: its own config must run here too
+            check_before_start(row_config("stock", train, ns.world), torch.device("cuda" if n_gpus else "cpu"),
+                               ns.world, ns.world)
         if ns.explain:  # every factor's config must be valid before the first run starts
             for factor in explain.parse_factors(ns.factors):
                 explain.factor_config(train, factor)
@@ -232,7 +243,8 @@ def kept_runs(ns: argparse.Namespace, train: TrainConfig) -> dict[tuple[str, int
             if not path.is_file():
                 continue
             result = RunResult.from_json(path)
-            diff = differences(train, result.train, result.device.get("name"), result.versions)
+            diff = differences(row_config(row, train, row_world(ns, row)), result.train, result.device.get("name"),
+                               result.versions)
             if result.world_size != row_world(ns, row):
                 diff.append(f"{result.world_size} process(es) there vs {row_world(ns, row)} now")
             if diff:

@@ -27,14 +27,16 @@ from shared.train.distributed import with_own_ninja
 from shared.train.results import RunResult
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = {"deepspeed": ROOT / "plain_deepspeed" / "train.py", "lightning": ROOT / "lightning_app" / "train.py"}
+SCRIPTS = {"deepspeed": ROOT / "plain_deepspeed" / "train.py", "lightning": ROOT / "lightning_app" / "train.py",
+           "stock": ROOT / "plain_deepspeed" / "train.py"}
 # The reference rows are a module of this library, run as `torchrun -m harness.reference` (the paths are scripts).
 MODULES = {"ceiling": "harness.reference", "fsdp2": "harness.reference"}
 SCRIPT_ARGS = {"ceiling": ["--mode", "ceiling"], "fsdp2": ["--mode", "fsdp2"]}
 PATHS = ("deepspeed", "lightning")
-# Reference rows (--reference): the same model, seed and batches without DeepSpeed (harness/reference.py).
-# ceiling: unsharded, whole model compiled, one GPU; fsdp2: torch FSDP2 + compiled blocks on the run's GPUs.
-REFERENCES = ("ceiling", "fsdp2")
+# Reference rows (--reference): the same model, seed and batches. ceiling: no DeepSpeed, unsharded, whole model
+# compiled, one GPU; fsdp2: torch FSDP2 + compiled blocks on the run's GPUs (harness/reference.py); stock: the raw
+# path under the stock profile, DeepSpeed as shipped (shared/train/profiles.py), on the run's GPUs.
+REFERENCES = ("ceiling", "fsdp2", "stock")
 # After SIGTERM to a run's process group: seconds before what is left of it gets SIGKILL. A run stops at its
 # next agreed preemption check (shared/train/preemption.CHECK_EVERY steps); a benchmark run keeps nothing worth
 # waiting for.
@@ -164,12 +166,26 @@ def is_oom(text: str) -> bool:
     return "does not fit" in text or "out of memory" in text.lower()
 
 
+def row_config(row: str, train: TrainConfig, world: int) -> TrainConfig:
+    """The config a compare row runs: the compare's own, except the stock row's speed settings, which come from the
+    stock profile (its rules applied for this run: stage, attention backend, user JSON) and keep the compare's
+    warm-up where it is longer."""
+    if row != "stock":
+        return train
+    from shared.train import profiles
+
+    given = {k: v for k, v in dataclasses.asdict(train).items() if k not in profiles.SPEED_FIELDS and k != "profile"}
+    stock = profiles.resolve(given, "stock", cuda=torch.cuda.is_available(), gpus=world)
+    settings = {**stock.filled, "warmup_steps": max(train.warmup_steps, stock.filled.get("warmup_steps", 0))}
+    return dataclasses.replace(train, profile="stock", **settings)
+
+
 def launch(path: str, train: TrainConfig, world: int, out: Path, log: Path, timeout: int,
            env: dict | None = None) -> RunResult:
     """Run one path in its own processes (torchrun, one process per GPU) and read back its RunResult.
 
     env: extra environment for the run (e.g. CUDA_VISIBLE_DEVICES to pin it to some of the GPUs)."""
-    run_cfg = dataclasses.replace(train, out=str(out))
+    run_cfg = dataclasses.replace(row_config(path, train, world), out=str(out))
     entry = ["-m", MODULES[path]] if path in MODULES else [str(SCRIPTS[path])]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
            *entry, *SCRIPT_ARGS.get(path, []), *to_argv(run_cfg)]

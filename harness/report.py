@@ -209,6 +209,14 @@ def smoke_test_note(preset: str, gpu_flags: dict) -> str:
             + ", and the fast profile (DeepCompile and its micro-batch where they fit: compare.py --profile list).")
 
 
+def over_rounds(runs: list[RunResult], base: list[RunResult]) -> dict:
+    """A path's TFLOPs/GPU over a reference row's, as the ratio of their medians, with the per-round ratios' range
+    (each run over the same round's reference run) as its spread."""
+    per_round = [r.tflops_per_gpu / b.tflops_per_gpu for r, b in zip(runs, base)]
+    ratio = statistics.median(r.tflops_per_gpu for r in runs) / statistics.median(b.tflops_per_gpu for b in base)
+    return {"ratio": ratio, "min": min(per_round), "max": max(per_round), "n": len(per_round)}
+
+
 def build_report(train: TrainConfig, ns: argparse.Namespace, results: dict[str, list[RunResult]],
                  cross: dict[str, RunResult], argv: list[str]) -> dict:
     ds, pl = results["deepspeed"], results["lightning"]
@@ -254,6 +262,8 @@ def build_report(train: TrainConfig, ns: argparse.Namespace, results: dict[str, 
         report["fraction_of_ceiling"] = {p: report["paths"][p]["tflops_per_gpu"] / ceiling for p in PATHS}
         if "fsdp2" in refs:
             report["fraction_of_ceiling"]["fsdp2"] = report["reference"]["fsdp2"]["tflops_per_gpu"] / ceiling
+    if "stock" in refs:  # what this project's profile adds over DeepSpeed as shipped, round by round
+        report["over_stock"] = {p: over_rounds(results[p], results["stock"]) for p in PATHS}
     # --profile_step: each row's first run's profiled step (shared/train/step_profile.py)
     profiles = _first_runs(results, "profile")
     if profiles:
@@ -376,6 +386,9 @@ def format_table(report: dict) -> str:
                      f"{_fmt(ref['peak_mem_gib'])} GiB" + (f", {frac['fsdp2']:.3f} of the ceiling"
                                                           if name == "fsdp2" and "fsdp2" in frac else "")
                      + (f", SM clock {clock} MHz" if any(ref.get("gpu_telemetry") or []) else ""))
+    for p, o in report.get("over_stock", {}).items():
+        lines.append(f"{p} over the stock row (DeepSpeed as shipped): {o['ratio']:.3f}x "
+                     f"[{o['min']:.3f}, {o['max']:.3f}] over {o['n']} round(s)")
     if "fraction_of_ceiling" in report:
         f = report["fraction_of_ceiling"]
         lines.append(f"fraction of the ceiling (median TFLOPs / ceiling median, same run): deepspeed "

@@ -627,3 +627,40 @@ def test_a_new_compare_clears_the_earlier_ones_report_runs_and_logs_only(tmp_pat
     assert len(gone) == 8 and not (tmp_path / "report.json").exists()
     left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
     assert left == ["logs/deepspeed_old.log", "notes.txt", "runs/mine.json"]  # not a compare's: kept
+
+
+def test_the_stock_row_is_the_raw_path_under_the_stock_profile_and_the_report_rates_each_path_over_it(monkeypatch):
+    """--reference stock: the raw path with the stock profile's settings (its rules applied) and the compare's own
+    model, micro-batch and warm-up; the report gives each path over it as the ratio of medians with the per-round
+    range, and the table prints it."""
+    from harness.launch import row_config
+    from shared.model import config as model_config
+    from shared.train.profiles import PROFILES
+
+    monkeypatch.setattr(model_config, "cuda_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    fast = TrainConfig(preset="1.5b", micro_batch=16, warmup_steps=10, steps=20, profile="fast",
+                       **{k: v for k, v in PROFILES["fast"].settings.items() if k != "micro_batch"})
+    stock = row_config("stock", fast, 1)
+    assert stock.profile == "stock" and (stock.micro_batch, stock.warmup_steps, stock.preset) == (16, 10, "1.5b")
+    assert all(getattr(stock, k) == v for k, v in PROFILES["stock"].settings.items() if k != "warmup_steps")
+    assert row_config("deepspeed", fast, 1) is fast and row_config("ceiling", fast, 1) is fast
+    stage0 = row_config("stock", TrainConfig(preset="1.5b", stage=0, warmup_steps=10, steps=20), 1)
+    assert stage0.compile == "none" and stage0.zero3_step == "deepspeed"  # its rule: no ZeRO pass at stage 0
+    runs = {"deepspeed": [_run(2.0), _run(2.2)], "lightning": [_run(2.1), _run(2.0)], "stock": [_run(1.6), _run(2.0)]}
+    for r in runs["stock"]:
+        r.fused = {"compile": "deepcompile"}
+    report = reports.build_report(TrainConfig(precision="fp32"), SimpleNamespace(world=1, repeats=2), runs, {}, [])
+    over = report["over_stock"]["deepspeed"]
+    assert over["ratio"] == pytest.approx(2.1 / 1.8) and (over["min"], over["max"], over["n"]) == (
+        pytest.approx(1.1), pytest.approx(1.25), 2)
+    assert "deepspeed over the stock row (DeepSpeed as shipped): 1.167x [1.100, 1.250] over 2 round(s)" in \
+        reports.format_table(report)
+
+
+def test_the_stock_row_needs_a_gpu_and_the_bare_flag_leaves_it_out_on_a_cpu(capsys):
+    assert compare.parse(["--reference"])[1].references == ["ceiling", "fsdp2"]
+    with pytest.raises(SystemExit) as exc:
+        compare.parse(["--reference", "stock"])
+    assert exc.value.code == 2 and "--reference stock runs DeepSpeed's own DeepCompile, which needs a CUDA GPU" in \
+        capsys.readouterr().err
