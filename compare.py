@@ -46,7 +46,7 @@ from harness.launch import (
 from harness.order import round_order
 from harness.report import build_report, format_table, plot_phases, smoke_test_note, write_markdown
 from lightning_app.overheads import check_overheads
-from shared.train.cli import Parser, add_config_args, apply_profile, config_from_args
+from shared.train.cli import Parser, add_config_args, apply_profile, config_from_args, more_options
 from shared.train.config import TrainConfig
 from shared.train.distributed import check_before_start
 from shared.train.results import RunResult, differences, replace_text, versions
@@ -79,19 +79,20 @@ def build_parser() -> argparse.ArgumentParser:
         if action.dest in GPU_DEFAULTS:
             action.help = action.help.replace("(default: ", f"(default on GPUs: {GPU_DEFAULTS[action.dest]}; "
                                               "without a GPU: ")
+    more = more_options(p)
     p.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all); error if fewer exist")
-    p.add_argument("--nproc", type=int, default=None, help="processes on a machine without GPUs (default 1)")
+    more.add_argument("--nproc", type=int, default=None, help="processes on a machine without GPUs (default 1)")
     p.add_argument("--repeats", type=int, default=2, help="runs of each path, interleaved (default 2)")
-    p.add_argument("--cross_check", "--cross-check", action="store_true",
+    more.add_argument("--cross_check", "--cross-check", action="store_true",
                    help="one extra run per path with DeepSpeed's wall_clock_breakdown (synchronized timers)")
-    p.add_argument("--timeout", type=int, default=1800, help="seconds before a single run is killed")
+    more.add_argument("--timeout", type=int, default=1800, help="seconds before a single run is killed")
     p.add_argument("--reference", nargs="?", const="all", default="",
                    help="also run reference rows in every round: ceiling (plain PyTorch, fp32 weights under autocast, "
                         "whole model compiled, no sharding, one GPU), fsdp2 (torch FSDP2 + compiled blocks) and "
                         "stock (the raw path under --profile stock: DeepSpeed as shipped, CUDA only); each path is "
                         "reported against them, per round (default with the flag: all three on GPUs, ceiling,fsdp2 "
                         "without)")
-    p.add_argument("--reference_rounds", "--reference-rounds", type=int, default=None,
+    more.add_argument("--reference_rounds", "--reference-rounds", type=int, default=None,
                    help="run the reference rows in the first N rounds only (default: every round); the fractions of "
                         "the ceiling then divide by the median of those N ceiling runs")
     p.add_argument("--keep_runs", "--keep-runs", action="store_true",
@@ -104,21 +105,21 @@ def build_parser() -> argparse.ArgumentParser:
                         f"starts); else compare stops with exit status {TIME_LIMIT_EXIT}, its finished runs in --out, "
                         "and the same command with --keep_runs runs the rest. Needs --out; not with --explain/"
                         "--autotune/--cross_check (--budget_s bounds a search)")
-    p.add_argument("--parallel", action="store_true",
+    more.add_argument("--parallel", action="store_true",
                    help="run the two paths of each pair at the same time, each on its own GPU (and the reference "
                         "rows likewise): one-GPU runs on a machine with >= 2 GPUs, half the wall time; the runs "
                         "share the host's CPUs")
     p.add_argument("--explain", action="store_true",
                    help="Lightning with one overhead on at a time, against Lightning without it (harness/explain.py)")
-    p.add_argument("--factors", default=None, help="--explain: comma-separated factors (default: all)")
-    p.add_argument("--factor_repeats", "--factor-repeats", type=int, default=2,
+    more.add_argument("--factors", default=None, help="--explain: comma-separated factors (default: all)")
+    more.add_argument("--factor_repeats", "--factor-repeats", type=int, default=2,
                    help="--explain: rounds that also run every factor (default 2: a spread, not one difference)")
     p.add_argument("--autotune", action="store_true",
                    help="search micro-batch, checkpointing, compilation, the optimizer step and ZeRO knobs; write the "
                         "winner (see harness/autotune.py)")
-    p.add_argument("--mb_grid", "--mb-grid", default=None,
+    more.add_argument("--mb_grid", "--mb-grid", default=None,
                    help="--autotune: micro-batches to try (default 4,8,12,16,24,32 on GPUs, 1,2,4 on CPU)")
-    p.add_argument("--budget_s", "--budget-s", type=float, default=None,
+    more.add_argument("--budget_s", "--budget-s", type=float, default=None,
                    help="--autotune: time budget in seconds (default 1200 on GPUs, 300 on CPU)")
     # compare.py's --out is a report folder; each run's own JSON goes under it.
     p.set_defaults(out=None)

@@ -4,8 +4,8 @@ import re
 import pytest
 
 from shared.model.config import GPTConfig, preset
-from shared.train.cli import LEVERS_TITLE, parse_train_config, to_argv
-from shared.train.config import LEVERS, TrainConfig, normalize_precision
+from shared.train.cli import LEVERS_TITLE, MORE_TITLE, parse_train_config, to_argv
+from shared.train.config import LEVERS, MORE_OPTIONS, TrainConfig, normalize_precision
 from shared.train.profiles import PROFILES
 from tests.helpers import ROOT
 
@@ -241,13 +241,40 @@ def test_help_lists_the_common_flags_before_the_expert_levers(capsys):
     import compare
 
     with pytest.raises(SystemExit):
-        parse_train_config(["--help"], "Train.")
-    for text in (capsys.readouterr().out, compare.build_parser().format_help()):
+        parse_train_config(["--help-all"], "Train.")
+    for text in (capsys.readouterr().out, compare.build_parser().format_help(everything=True)):
         common, expert = text.split(f"\n{LEVERS_TITLE}:\n")
+        expert = expert.split(f"\n{MORE_TITLE}:\n")[0]
+        common = common.replace("--help-all", "")
         assert "\noptions:\n" in common and "\n\n" not in common.split("\noptions:\n")[1].rstrip()
         fields = [f.name for f in dataclasses.fields(TrainConfig)]
         flag = lambda name: re.compile(rf"^  --{name}\b", re.M)
         assert [n for n in fields if flag(n).search(expert)] == [n for n in fields if n in LEVERS]
-        assert [n for n in fields if flag(n).search(common)] == [n for n in fields if n not in LEVERS]
+        assert [n for n in fields if flag(n).search(common)] == [n for n in fields
+                                                                 if n not in LEVERS | MORE_OPTIONS]
     assert {"--gpus", "--repeats", "--autotune"} <= set(re.findall(r"^  (--\w+)", common, re.M))  # compare's own
     assert set(PROFILES["fast"].settings) - {"compile", "micro_batch"} <= LEVERS
+
+
+
+def test_the_default_help_shows_the_common_options_and_points_to_the_rest(capsys):
+    """`--help` of compare.py and the training scripts: at most 40 options, the levers and the rest behind
+    --help-all, which lists every flag."""
+    import compare
+
+    for parser in (compare.build_parser(), None):
+        if parser is None:
+            with pytest.raises(SystemExit):
+                parse_train_config(["--help"], "Train.")
+            short = capsys.readouterr().out
+            with pytest.raises(SystemExit):
+                parse_train_config(["--help-all"], "Train.")
+            full = capsys.readouterr().out
+        else:
+            short, full = parser.format_help(), parser.format_help(everything=True)
+        options = lambda text: re.findall(r"^  (-[-\w]+)", text, re.M)
+        assert len(options(short)) <= 40 and "--help-all" in short.splitlines()[-1]
+        assert LEVERS_TITLE not in short and MORE_TITLE not in short and "--zero3_step" not in options(short)
+        assert set(options(short)) < set(options(full)) and "--zero3_step" in options(full)
+        n = int(re.search(r"(\d+) more options", short).group(1))
+        assert n == len(options(full)) - len(options(short))

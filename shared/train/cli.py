@@ -14,7 +14,7 @@ import re
 import textwrap
 import typing
 
-from shared.train.config import LEVERS, TrainConfig
+from shared.train.config import LEVERS, MORE_OPTIONS, TrainConfig
 
 # --help's group of the fields in LEVERS, listed after the common flags
 LEVERS_TITLE = ("expert levers: speed only (compare.py's GPU default sets those measured faster; their "
@@ -77,12 +77,15 @@ def add_config_args(parser: argparse.ArgumentParser, cls=TrainConfig) -> None:
     fields in LEVERS go to a group of their own (LEVERS_TITLE), which --help lists after the common flags."""
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
-    levers = None
+    levers = more = None
     for f in dataclasses.fields(cls):
         group = parser
         if f.name in LEVERS:
             levers = levers or parser.add_argument_group(LEVERS_TITLE)
             group = levers
+        elif f.name in MORE_OPTIONS:
+            more = more or more_options(parser)
+            group = more
         tp = hints[f.name]
         args = typing.get_args(tp)
         if args and type(None) in args:  # X | None
@@ -112,19 +115,55 @@ def config_from_args(ns: argparse.Namespace, cls=TrainConfig, **fixed):
 NEGATIVE_NUMBER = re.compile(r"^-(\d[\d_]*\.?\d*|\.\d+)([eE][+-]?\d+)?$|^-(inf|infinity|nan)$", re.IGNORECASE)
 
 
+MORE_TITLE = "more options (shape overrides, optimizer details, diagnostics, logging)"
+
+
+def more_options(parser: argparse.ArgumentParser):
+    """The parser's group of options --help leaves out and --help-all lists (MORE_TITLE), made on first use."""
+    for group in parser._action_groups:
+        if group.title == MORE_TITLE:
+            return group
+    return parser.add_argument_group(MORE_TITLE)
+
+
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser for commands with many flags: the description's examples keep their lines in --help, a
     bad value exits 2 with its one-line message and a pointer to --help, not the whole usage block before it, and
     a negative number in any notation float() reads (-1e-3, -2.) is a flag's value, not an option."""
 
     def __init__(self, **kwargs):
-        super().__init__(formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+        super().__init__(formatter_class=argparse.RawDescriptionHelpFormatter, usage="%(prog)s [options]", **kwargs)
         # argparse's own pattern, consulted wherever it decides whether an argument is an option (no flag here
         # looks like a negative number, so such an argument is then always a value)
         self._negative_number_matcher = NEGATIVE_NUMBER
+        self.add_argument("--help-all", "--help_all", action=_HelpAll, nargs=0,
+                          help="show every option: the common ones, the expert levers and the rest")
+
+    HIDDEN = (LEVERS_TITLE, MORE_TITLE)  # the groups --help leaves out
+
+    def format_help(self, everything: bool = False) -> str:
+        """--help: the common options, and how many more --help-all shows; everything: all of them."""
+        if everything:
+            return super().format_help()
+        hidden = [g for g in self._action_groups if g.title in self.HIDDEN]
+        kept = self._action_groups
+        self._action_groups = [g for g in kept if g not in hidden]
+        try:
+            text = super().format_help()
+        finally:
+            self._action_groups = kept
+        n = sum(1 for g in hidden for a in g._group_actions)
+        return text + (f"\n{n} more options (expert levers, shape overrides, diagnostics): {self.prog} --help-all\n"
+                       if n else "")
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}\n(all flags: {self.prog} --help)\n")
+        self.exit(2, f"{self.prog}: error: {message}\n(all flags: {self.prog} --help-all)\n")
+
+
+class _HelpAll(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(parser.format_help(everything=True), end="")
+        parser.exit()
 
 
 def apply_profile(ns: argparse.Namespace, gpus: int, **facts):

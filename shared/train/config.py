@@ -122,8 +122,7 @@ class TrainConfig(FusedSwitches):
     shared/train/compile.py). deepcompile: DeepSpeed's compiler pass for ZeRO 1-3 (CUDA only): engine.compile()
     compiles the whole GPT forward and loss and schedules the gathers and reduce-scatters inside the graph; fastest
     mode measured (docs/results.md) and compare.py's GPU default; each 1.5b run warms up for ~2-5 min
-    (--deepcompile_schedule), and validation or checkpoints between training steps are refused with it (DeepSpeed
-    0.19.8 aborts the next backward)"""
+    (--deepcompile_schedule); validation between steps runs eagerly outside its graphs (shared/train/validation.py)"""
     deepcompile_schedule: str = "deepspeed"
     """deepspeed | once: when DeepCompile runs its ZeRO-3 passes. deepspeed: DeepSpeed's schedule (gather/release
     from step 0, a second whole compile at step 5 adds prefetching and selective gathering); once: all three passes
@@ -394,6 +393,15 @@ LEVERS = frozenset({
     "zero3_step", "grad_norm_check", "zero_profile", "reduce_bucket_size", "prefetch_bucket_size",
     "param_persistence_threshold"})
 assert LEVERS <= {f.name for f in dataclasses.fields(TrainConfig)}, "every lever is a TrainConfig field"
+# The other flags a first run needs none of: the optimizer's finer settings, the model's shape overrides, diagnostics
+# and logging. --help lists the common flags only; --help-all adds these and the levers
+# (shared/train/cli.add_config_args).
+MORE_OPTIONS = frozenset({
+    "min_lr", "lr_warmup_steps", "weight_decay", "grad_clip", "layout", "seq_len", "n_layer", "n_head", "n_embd",
+    "vocab_size", "dropout", "activation_checkpointing", "wall_clock_breakdown", "lightning_overheads",
+    "profile_step", "profile_stack", "profile_sync", "sync_check_step", "log_every", "keep_last", "trust_checkpoint",
+    "val_batches", "nan_policy", "max_nan_skips", "log_csv"})
+assert MORE_OPTIONS <= {f.name for f in dataclasses.fields(TrainConfig)} and not MORE_OPTIONS & LEVERS
 
 
 def _check_deepcompile(train: TrainConfig) -> None:
