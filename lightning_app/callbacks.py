@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import time
 from pathlib import Path
 
 import pytorch_lightning as pl
@@ -62,6 +63,7 @@ class TimingCallback(pl.Callback):
     """
 
     def __init__(self, train: TrainConfig):
+        self.saves: list[dict] = []  # each checkpoint's step and seconds (CheckpointCallback)
         self.train = train
         self._micro = 0
         self._step_loss = None
@@ -153,7 +155,8 @@ class RunCallback(pl.Callback):
             grad_norms=timing.grad_norms.values(), param_checksum=param_checksum(pl_module.gpt),
             extra={"lightning": effective_settings(trainer, pl_module, self.sigterm), "start_step": timing.start,
                    "resumed_from": str(self.resume_from) if self.resume_from else None,
-                   "val": pl_module.val_history, "zero3_step_calls": zero3_step.calls(engine)},
+                   "val": pl_module.val_history, "saves": timing.saves,
+                   "zero3_step_calls": zero3_step.calls(engine)},
         )
         if self.train.export:
             checkpoint.export_live(pl_module.gpt, dataclasses.asdict(pl_module.model_cfg), self.train.export,
@@ -170,6 +173,7 @@ class CheckpointCallback(pl.Callback):
     def __init__(self, train: TrainConfig, timing: TimingCallback):
         self.train, self.timing = train, timing
         self.preempted = False
+        self.saves = timing.saves  # the run's record reads them there
 
     def on_train_start(self, trainer, pl_module):
         # Replaces Lightning's own SIGTERM handler: the flag is agreed on by all ranks every N steps instead.
@@ -180,8 +184,10 @@ class CheckpointCallback(pl.Callback):
         folder = Path(self.train.ckpt_dir) / checkpoint.tag_for(step)
         # collective: DeepSpeed writes folder/checkpoint/ on every rank; weights_only=False (callbacks and loop
         # state too) is Lightning's default, said explicitly so it does not log that it defaulted at every save
+        t0 = time.perf_counter()  # what a checkpoint costs: the save ends in a barrier
         trainer.save_checkpoint(folder, weights_only=False)
         checkpoint.commit(folder, step, trainer.global_rank, self.train, "lightning", trainer.strategy.barrier)
+        self.saves.append({"step": step, "seconds": time.perf_counter() - t0})
         self.timing.timer.start()  # the save is not a training step's time
         return folder
 

@@ -9,6 +9,7 @@ SIGTERM handling come from the same shared functions as the raw loop's.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytorch_lightning as pl
 from torchmetrics import MeanMetric
@@ -73,6 +74,7 @@ class GPTModule(pl.LightningModule):
         # engine owns placement), so the metric's state would stay on the CPU while the losses are on the GPU
         # (seen on the H200: "Encountered different devices in metric calculation"). Move it explicitly.
         self.val_loss.to(self.trainer.strategy.root_device)
+        self._val_t0 = time.perf_counter()  # what a validation pass costs: its figures end in a host sync
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
@@ -81,6 +83,7 @@ class GPTModule(pl.LightningModule):
 
     def on_validation_epoch_end(self):
         v = validation_figures(self.trainer.global_step, float(self.val_loss.compute()))  # one sync per validation
+        v["seconds"] = time.perf_counter() - self._val_t0
         self.val_loss.reset()
         self.val_history.append(v)
         if self.trainer.global_rank == 0:

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -135,7 +136,7 @@ def main(train: TrainConfig) -> RunResult:
     grad_norms = GradNormRecorder(engine)
     preemption = Preemption(device)
     nan_guard = NanGuard(train, device)
-    history = {"val": []}
+    history = {"val": [], "saves": []}
 
     if resume_from is not None:
         checkpoint.load_rng(resume_from, rank)  # the dropout stream continues where it stopped
@@ -170,13 +171,17 @@ def main(train: TrainConfig) -> RunResult:
             grad_norms.record()
             done = step + 1
             if val_batches is not None and done % train.val_every == 0:
+                t0 = time.perf_counter()  # what a validation pass costs: its figures end in a host sync
                 history["val"].append(validate(engine, val_batches, device, done, train.compile == "deepcompile"))
+                history["val"][-1]["seconds"] = time.perf_counter() - t0
                 if rank == 0:
                     print(format_validation("[deepspeed] ", history["val"][-1]), flush=True)
                 timer.start()  # validation time is not a training step's
             saved = checkpoint.due(train, done)
             if saved:
+                t0 = time.perf_counter()  # what a checkpoint costs: the save ends in a barrier
                 save(engine, train, done, progress, rank)
+                history["saves"].append({"step": done, "seconds": time.perf_counter() - t0})
                 timer.start()
             # the last step is the run's end, not a preemption: the run finishes (result, export, exit 0)
             if done < train.steps and preemption.should_stop(step):

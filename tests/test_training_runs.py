@@ -41,10 +41,17 @@ def test_resume_before_the_midpoint_gives_the_same_losses_as_an_uninterrupted_ru
     # step 2k+1 on; a resume at or after the midpoint (3 of 6) could not show it. `fused`: the AdamW kernel's
     # moments and step count are saved and restored as torch's AdamW state (Triton's interpreter here).
     ck = tmp_path / "ck"
-    args = [*BASE, "--data", kjv, "--steps", "8", "--zero3_step", step]
+    args = [*BASE, "--data", kjv, "--steps", "8", "--zero3_step", step, "--val_every", "4"]
     first = torchrun(SCRIPTS[path], 2, [*args, "--ckpt_dir", ck, "--save_every", "2", "--keep_last", "0",
                                         "--out", tmp_path / "full.json"])
-    full = load(tmp_path / "full.json")["losses"]
+    full_run = load(tmp_path / "full.json")
+    full = full_run["losses"]
+    # what each validation pass and each checkpoint cost, recorded and printed
+    assert [v["step"] for v in full_run["extra"]["val"]] == [4, 8] and all(
+        v["seconds"] > 0 for v in full_run["extra"]["val"])
+    assert [c["step"] for c in full_run["extra"]["saves"]] == [2, 4, 6, 8] and all(
+        c["seconds"] > 0 for c in full_run["extra"]["saves"])
+    assert "validation          2 x, median" in first.stdout and "checkpoints         4 x, median" in first.stdout
     # lose the later checkpoints, as a job killed right after step 2 would have
     for step in (4, 6, 8):
         shutil.rmtree(ck / checkpoint.tag_for(step))

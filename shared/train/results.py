@@ -12,6 +12,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -325,6 +326,11 @@ def format_summary(r: RunResult) -> str:
                                  if r.extra.get("allocator_cache_flushes") is not None else "")),
         ("loss", _loss_span(r.losses)),
     ]
+    for key, what in (("val", "validation"), ("saves", "checkpoints")):  # between steps, in no step's time
+        seconds = [v["seconds"] for v in (r.extra or {}).get(key) or [] if "seconds" in v]
+        if seconds:
+            rows.append((what, f"{len(seconds)} x, median {statistics.median(seconds):.2f} s "
+                               f"(min {min(seconds):.2f}, max {max(seconds):.2f})"))
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     if syncs := (r.extra or {}).get("syncs"):
