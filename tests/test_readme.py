@@ -166,6 +166,80 @@ def test_the_headline_check_fails_on_a_changed_number_label_or_condition(old, ne
     assert problems and what in " ".join(problems), problems
 
 
+def docs_table_problems(text: str) -> list[str]:
+    """What in docs/results.md's table of every compare disagrees with the report each row names (`same`: the row
+    above's): medians, ratio with its pairs and range, fractions of the reference row; a reference row (fraction 1,
+    or FSDP2) quotes that report's reference. A row without a readable source is a problem unless it is the 2022
+    study's."""
+    problems, report = [], None
+    for name, raw, lightning, ratio, fraction, where in _table(text, "## Every compare of the GPU default's history"):
+        if where == "its own report":
+            if "2022 study" not in name:
+                problems.append(f"{name}: no source")
+            continue
+        if where != "same":
+            path = ROOT / where.strip("`")
+            if not where.startswith("`benchmarks/results/") or not path.is_file():
+                problems.append(f"{name}: source {where} is not a committed file")
+                report = None
+                continue
+            report = json.loads(path.read_text())
+        if report is None:
+            problems.append(f"{name}: no readable source above")
+            continue
+        if fraction == "1" or name.startswith("torch FSDP2"):
+            ref = report["reference"]["ceiling" if fraction == "1" else "fsdp2"]
+            if not _quotes(raw, ref["tflops_per_gpu"]):
+                problems.append(f"{name}: {raw}")
+            continue
+        paths = ("deepspeed", "lightning")
+        if not all(_quotes(x, report["paths"][p]["tflops_per_gpu"]) for x, p in zip((raw, lightning), paths)):
+            problems.append(f"{name}: {raw} / {lightning}")
+        if not _quotes(ratio.split()[0], report["ratio_lightning_over_deepspeed"]):
+            problems.append(f"{name}: ratio {ratio}")
+        pairs = re.search(r"\((\d+) pairs?(?:, ([0-9.]+)-([0-9.]+))?\)", ratio)
+        spread = report.get("ratio_spread")
+        if pairs and spread and (int(pairs.group(1)) != spread["n"] or (pairs.group(2) and not (
+                _quotes(pairs.group(2), spread["min"]) and _quotes(pairs.group(3), spread["max"])))):
+            problems.append(f"{name}: pairs {ratio} vs {spread}")
+        if fraction and not all(_quotes(x, report["fraction_of_ceiling"][p])
+                                for x, p in zip(fraction.split(" / "), paths)):
+            problems.append(f"{name}: fractions {fraction}")
+    return problems
+
+
+def test_the_docs_table_of_every_compare_quotes_the_reports_it_names():
+    text = (ROOT / "docs" / "results.md").read_text()
+    assert len(_table(text, "## Every compare of the GPU default's history")) >= 15
+    assert docs_table_problems(text) == []
+    source = next(row[-1] for row in _table(text, "## Every compare of the GPU default's history")
+                  if row[-1].startswith("`"))
+    for old, new, what in (("| 539.4 | 539.0 |", "| 539.4 | 539.2 |", "539.2"),
+                           ("| 1.043 / 1.042 |", "| 1.043 / 1.049 |", "fractions"),
+                           (source, source.replace("report.json", "moved.json"), "not a committed file")):
+        assert old in text, old
+        assert what in " ".join(docs_table_problems(text.replace(old, new, 1))), (old, new)
+
+
+def test_every_link_of_the_readme_and_docs_leads_somewhere():
+    """Relative links of README.md, docs/*.md and benchmarks/README.md: the file exists, and so does the heading an
+    anchor names (GitHub's slugs)."""
+    slug = lambda h: re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+    bad = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]:
+        for link in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if link.startswith(("http://", "https://")):
+                continue
+            path, _, anchor = link.partition("#")
+            target = page.parent / path if path else page
+            if not target.exists():
+                bad.append((page.name, link))
+            elif anchor and target.suffix == ".md" and anchor not in {
+                    slug(h) for h in re.findall(r"^#+ (.*)$", target.read_text(), re.M)}:
+                bad.append((page.name, link))
+    assert bad == []
+
+
 def test_the_readmes_prose_numbers_are_their_sources():
     """The figures the README's prose quotes, each recomputed from the JSON it names."""
     text = " ".join((ROOT / "README.md").read_text().split())
