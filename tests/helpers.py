@@ -24,11 +24,12 @@ def env() -> dict:
     return e
 
 
-def run(cmd: list[str], timeout: int = 240, check: bool = True) -> subprocess.CompletedProcess:
+def run(cmd: list[str], timeout: int = 240, check: bool = True, eager: bool = True) -> subprocess.CompletedProcess:
     """Run `cmd`; a training script without --profile trains the eager profile (TrainConfig's own defaults), which
-    the tests' flags change one by one, also on a GPU, where the scripts' default is the fast profile."""
+    the tests' flags change one by one, also on a GPU, where the scripts' default is the fast profile (eager=False:
+    the command as given, the machine's default profile)."""
     cmd = [str(c) for c in cmd]
-    if any(c in (str(RAW), str(LIGHTNING)) for c in cmd) and "--profile" not in cmd and "--help" not in cmd:
+    if eager and any(c in (str(RAW), str(LIGHTNING)) for c in cmd) and "--profile" not in cmd and "--help" not in cmd:
         cmd += ["--profile", "eager"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=timeout,
                           cwd=ROOT)

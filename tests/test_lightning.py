@@ -70,8 +70,9 @@ def test_fabric_run_launcher(tmp_path):
     pytest.importorskip("click")  # `fabric run` (python -m lightning_fabric.cli) needs click
     # a free port: fabric's default 29400 may be held by a test on the other worker
     run([sys.executable, "-m", "lightning_fabric.cli", "--accelerator", "cpu", "--devices", "2", "--main-port",
-         free_port(), LIGHTNING, *FAST, "--out", tmp_path / "f.json"])
-    assert RunResult.from_json(tmp_path / "f.json").world_size == 2
+         free_port(), LIGHTNING, *FAST, "--out", tmp_path / "f.json"], eager=False)
+    result = RunResult.from_json(tmp_path / "f.json")
+    assert result.world_size == 2 and result.train["profile"] == "eager"  # the machine's default, on every rank
 
 
 @pytest.mark.slow

@@ -47,10 +47,13 @@ def test_golden_losses_and_zero_init_matches_plain_init(tmp_path):
 def test_deepspeed_launcher_grad_accum_and_study_flags(tmp_path):
     out = tmp_path / "r.json"
     # a free port: the launcher's default 29500 may be held by a test on the other worker
-    run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", free_port(), RAW, *FAST,
-         "--batch_size_per_gpu", "3", "--grad_accum", "2", "--attention", "reference", "--out", out])
+    # no --profile: every rank resolves the machine's default profile (eager on a CPU) for the launcher's world
+    proc = run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", free_port(), RAW,
+                *FAST, "--batch_size_per_gpu", "3", "--grad_accum", "2", "--attention", "reference", "--out", out],
+               eager=False)
     r = load(out)
     assert r["world_size"] == 2 and r["train"]["micro_batch"] == 3 and r["attention"] == "reference"
+    assert r["train"]["profile"] == "eager" and proc.stdout.count("profile eager:") == 1  # printed by rank 0
     assert r["ds_config"]["gradient_accumulation_steps"] == 2
     assert r["tokens_per_s_per_gpu"] == pytest.approx(3 * 2 * 128 / r["step_time_s"]["median"])
 
