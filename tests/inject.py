@@ -9,7 +9,9 @@ scheduler's preemption would, and the ranks agree on it after every step (shared
 Faults of a path's training semantics (the Lightning path; loss parity must catch them): `noclip` drops gradient
 clipping from the DeepSpeed dict, `double_scale` lets DeepSpeed divide the loss by the accumulation steps again after
 Lightning did (the bug lightning_app/strategy.ZeroPrecision fixes), `lr2x` builds the optimizer with twice the
-learning rate.
+learning rate, `skip_update@STEP` skips the optimizer's update of the STEP-th call of torch's AdamW (one parameter
+group's step, as an update lost to a bad inf/NaN check would be), `dropout_rate` applies attention dropout at 1.25x the
+model's rate (0.125 for 0.1: a kernel that rounds its rate to sixteenths).
 """
 
 import dataclasses
@@ -23,8 +25,8 @@ import shared.model.gpt as model_module
 
 path, fault = sys.argv[1], sys.argv[2]
 argv = sys.argv[sys.argv.index("--") + 1:]
-SEMANTIC_FAULTS = ("noclip", "double_scale", "lr2x")
-if fault in SEMANTIC_FAULTS and path != "lightning":
+SEMANTIC_FAULTS = ("noclip", "double_scale", "lr2x", "skip_update", "dropout_rate")
+if fault.split("@")[0] in SEMANTIC_FAULTS and path != "lightning":
     raise SystemExit(f"fault {fault!r} is planted in the Lightning path only")
 original = model_module.LMHead.forward
 calls = {"n": 0}
@@ -68,7 +70,22 @@ elif fault == "lr2x":
     build = module.build_optimizer
     module.build_optimizer = lambda model, train, device: build(model, dataclasses.replace(train, lr=2 * train.lr),
                                                                 device)
-elif fault not in SEMANTIC_FAULTS:
+elif fault.startswith("skip_update@"):
+    skip_at, step_calls = int(fault.split("@")[1]), {"n": 0}
+    adamw_step = torch.optim.AdamW.step
+
+    def skipping_step(self, *args, **kwargs):
+        step_calls["n"] += 1
+        if step_calls["n"] == skip_at:
+            return None  # the update never happens; the moments and parameters stay as they were
+        return adamw_step(self, *args, **kwargs)
+
+    torch.optim.AdamW.step = skipping_step
+elif fault == "dropout_rate":
+    from shared.model.attention import base
+
+    base.Attention._dropout = lambda self: 1.25 * self.dropout_p if self.training else 0.0
+elif fault.split("@")[0] not in SEMANTIC_FAULTS:
     model_module.LMHead.forward = faulty
 if fault.startswith("sigterm"):
     import shared.train.preemption as preemption

@@ -418,23 +418,31 @@ FAULT_RUN = ["--preset", "tiny", "--steps", "8", "--warmup_steps", "2", "--lr_wa
 
 
 @pytest.mark.slow
-def test_parity_catches_a_missing_clip_double_scaled_gradients_and_a_doubled_lr_in_real_runs(tmp_path):
-    run([sys.executable, RAW, *FAULT_RUN, "--out", tmp_path / "raw.json"])
+def test_parity_catches_each_fault_that_trains_another_model_on_real_text(tmp_path):
+    """The Lightning path with one fault planted against the raw path, on the shipped text (byte tokens), at the bf16
+    bounds GPU runs are judged by: a missing clip, the gradients scaled twice, a doubled learning rate, one skipped
+    update and attention dropout at another rate each fail parity; the raw path against itself passes."""
+    prepare(ROOT / "data" / "kjv.txt", tmp_path / "kjv", "byte")
+    args = [*FAULT_RUN, "--data", tmp_path / "kjv"]
+    run([sys.executable, RAW, *args, "--out", tmp_path / "raw.json"])
     raw = RunResult.from_json(tmp_path / "raw.json")
     assert raw.grad_norms[0] > 0.5 and len(raw.grad_norms) == 8 and raw.param_checksum["numel"] == raw.n_params
+    run([sys.executable, RAW, *args, "--out", tmp_path / "raw_again.json"])
+    assert reports.loss_parity([raw], [RunResult.from_json(tmp_path / "raw_again.json")], "bf16", 3)["ok"]
     caught = {}
-    for fault in ("noclip", "double_scale", "lr2x"):
-        run([sys.executable, ROOT / "tests" / "inject.py", "lightning", fault, "--", *FAULT_RUN,
+    for fault in ("noclip", "double_scale", "lr2x", "skip_update@4", "dropout_rate"):
+        run([sys.executable, ROOT / "tests" / "inject.py", "lightning", fault, "--", *args,
              "--out", tmp_path / f"{fault}.json"])
         report = reports.loss_parity([raw], [RunResult.from_json(tmp_path / f"{fault}.json")], "bf16", 3)
         assert report["past_warmup"] and report["pairs"][0]["steps"] == [3, 8]
         caught[fault] = report["failed"]
-    # Measured on CPU: no clip moves the gradient norm by 3e-4 (bound 2e-4) and the checksum by 4e-4 (inside the
-    # 4e-3 that bf16 drift on the H200 needs) and the loss by 7e-5; the double scaling halves the gradient norm; the
-    # doubled LR fails all three.
+    print("caught:", caught)
+    # Measured on CPU: no clip moves the gradient norm past its bound; the double scaling halves it; the doubled LR
+    # and the skipped update change the losses after them; the other dropout rate changes every loss.
     assert "grad_norm" in caught["noclip"]
     assert "grad_norm" in caught["double_scale"]
     assert "loss" in caught["lr2x"]
+    assert caught["skip_update@4"] and caught["dropout_rate"]
 
 
 @pytest.mark.slow
