@@ -7,7 +7,7 @@ report how fast each is, where each spends its time, and the gap.
 
 Runs are subprocesses launched the same way for both paths (torchrun), interleaved in pairs whose order
 alternates (raw, lightning, then lightning, raw, ...), so that drift of the machine hits both and neither path is
-always first (in 6 of the 7 one-pair compares of the H200 tuning runs the path run first, raw, was the slower;
+always first (in the tuning runs' one-pair compares the path run first was the slower one in all but one:
 docs/tuning.md); warmup steps are excluded inside each run. Orchestration only: the numbers come from the
 RunResult JSON each run writes (shared/train/results.py). This file is the command line only: launching, ordering
 and reporting live in the harness/ library, which benchmarks/ use too.

@@ -1,6 +1,6 @@
 """Recompute and print the cost table of a `compare.py --explain` report (the logic: harness/explain.py).
 
-    python explain.py benchmarks/results/explain_1xh200/explain.json
+    python explain.py REPORT/explain.json    # REPORT: the --out folder of a `compare.py --explain` run
 """
 
 from harness.explain import main

@@ -5,22 +5,22 @@ Search, on the raw path (the faster one to start), each candidate a short run of
   1. micro-batch x activation checkpointing: micro-batches of --mb_grid in increasing order without
      checkpointing, stopping at the first that runs out of memory or is slower than the one before it (early
      stop); then, with checkpointing, the micro-batches above the largest that fitted without it.
-  2. compiled blocks (`--compile blocks`) on the best so far: on the H200 it cut the forward phase by 30-70 ms
-     but added ~30 ms of backward (docs/kernels.md, fused paths), so whether it pays depends on the setup: measure it.
+  2. compiled blocks (`--compile blocks`) on the best so far: it shortened the forward phase but lengthened the
+     backward (docs/kernels.md, fused paths), so whether it pays depends on the setup: measure it.
   3. DeepCompile (`--compile deepcompile --deepcompile_schedule once`, CUDA only) at the best micro-batch so far,
      then at the larger micro-batches of the grid (its memory differs from the eager model's), until one runs out
-     of memory or is slower; each candidate includes its ~2 min warm-up, so a 1.5b search wants a budget of 20 min
-     or more.
+     of memory or is slower; each candidate includes its compile warm-up (docs/tuning.md, autotune), so a 1.5b
+     search wants a budget of 20 min or more.
   4. the optimizer step's three passes in one kernel (`--zero3_step fused`, shared/kernels/adamw.py) on the best
      so far: ZeRO-3 and CUDA only (Triton's interpreter runs the kernel on a CPU for tests, not for speed);
-     on one H200 it gave 1.015x the whole step under DeepCompile at micro-batch 16, and compare.py's GPU default
-     runs it (docs/results.md); the search measures it on its own best configuration. Then the MLP's bias + GELU
-     backward as one Triton kernel (`--triton_gelu_grad`, shared/kernels/bias_gelu_grad.py; CUDA only, with the
-     fused bias + GELU): 1.010x the whole step in one pair on one H200, off by default, so measured here too.
-     Then compare.py's GPU default's padded vocabulary (`--vocab_multiple 128`), Triton loss (`--triton_loss`, bf16)
-     and Triton dropout masks (`--triton_dropout`, with the fused bias + dropout + add), together as measured (1.017x
-     the whole step on one H200), CUDA only: those of the three not on yet and not ruled out (a flag given as false
-     cannot be told from the default; give the search a base without the switch instead).
+     compare.py's GPU default runs it (measured under DeepCompile: docs/ledger.md); the search measures it on its
+     own best configuration. Then the MLP's bias + GELU backward as one Triton kernel (`--triton_gelu_grad`,
+     shared/kernels/bias_gelu_grad.py; CUDA only, with the fused bias + GELU): off by the training scripts' default,
+     so measured here too (its pairs: docs/ledger.md). Then compare.py's GPU default's padded vocabulary
+     (`--vocab_multiple 128`), Triton loss (`--triton_loss`, bf16) and Triton dropout masks (`--triton_dropout`,
+     with the fused bias + dropout + add), together as they were measured (docs/ledger.md, the three together), CUDA
+     only: those of the three not on yet and not ruled out (a flag given as false cannot be told from the default;
+     give the search a base without the switch instead).
   5. ZeRO-3 prefetch bucket, then reduce bucket, then parameter persistence threshold, one knob at a time
      (coordinate descent) from the best so far. Under DeepCompile the prefetch bucket is skipped: its passes
      schedule their own prefetch and never read stage3_prefetch_bucket_size. A persistence threshold that keeps

@@ -18,7 +18,7 @@ callback timed batches 20..40 inclusive (21 batches) with the host clock and div
 formula the character vocabulary of tiny-shakespeare (65) instead of GPT-2's 50257; and its formula was
 2*k*N*s*B with N the parameter count, which leaves out the s^2 attention term of the Megatron formula.
 
-    python explain.py benchmarks/results/explain_1xh200/explain.json    # recompute the cost table of a report
+    python explain.py REPORT/explain.json    # recompute the cost table of a report (REPORT: compare.py's --out)
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The one order policy of interleaved runs: the list of a round runs forwards in even rounds and backwards in odd
 ones, so that neither path (nor the baseline, nor a factor) always runs first and a machine's drift hits both.
 
-Why: in 6 of the 7 one-pair compares of the H200 tuning runs the path run first, raw, was the slower (docs/tuning.md).
+Why: in the tuning runs' one-pair compares the path run first was the slower one in all but one (docs/tuning.md).
 compare.py's pairs, explain's rounds and benchmarks/ds_autotuner.py's head-to-head all use it.
 """
 

@@ -1,9 +1,9 @@
 """The SM clock and power a run's GPUs held while its timed steps ran, read by nvidia-smi beside the run.
 
 A throughput figure depends on the clock the GPU held, and under a power cap that is not the clock its peak assumes
-(benchmarks/results/attention_in_training_1xh200/: the H200 held about 1710 MHz at 690 of its 700 W in a
-training-like loop). `launch` (harness/launch.py) starts one `nvidia-smi --query-gpu=... -lms 500` beside each run,
-writing `<the run's log>.gpu.csv`; after the run, `summarize` keeps the readings taken between the start of the
+(how far below, in a training-like loop: docs/results.md, "The one-GPU default with both device options"). `launch`
+(harness/launch.py) starts one `nvidia-smi --query-gpu=... -lms 500` beside each run, writing
+`<the run's log>.gpu.csv`; after the run, `summarize` keeps the readings taken between the start of the
 first timed step and the end of the last one (`extra.timed_wall` in the run JSON, host wall-clock times recorded by
 shared/train/timing.PhaseTimer; the host runs up to a step ahead of the device) and reports, per run, the median and
 range of the SM clock and power draw, the hottest temperature and the clock-event reasons seen (a bit mask; 0x4: the

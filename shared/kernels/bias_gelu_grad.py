@@ -2,11 +2,11 @@
 
 The MLP's up projection ends in gelu(x + b) (tanh approximation), x of B*T rows by 4 x hidden. Its backward needs
 dz = dy * gelu'(x + b), written once, and db = the sum of dz over all B*T rows. Inductor generates the two as one
-reduction kernel over the rows, which at the 1.5b model's shape (32768 x 9216, bf16) runs at about half the memory
-bandwidth (benchmarks/results/mlp_tail_1xh200). Here each program takes a strip of ROWS rows by BLOCK_N columns:
-it reads dy and x once, writes dz, and keeps the strip's column sums in fp32 registers, stored as one row of a small
-fp32 buffer of partial sums; the bias gradient is that buffer's sum over its rows (a few MB). Per element: 2 reads,
-1 write, the floor of any implementation.
+reduction kernel over the rows, which at the 1.5b model's shape (32768 x 9216, bf16) runs well below the memory
+bandwidth (measured in docs/results.md, "Levers on top of DeepCompile"). Here each program takes a strip of ROWS rows
+by BLOCK_N columns: it reads dy and x once, writes dz, and keeps the strip's column sums in fp32 registers, stored as
+one row of a small fp32 buffer of partial sums; the bias gradient is that buffer's sum over its rows (a few MB). Per
+element: 2 reads, 1 write, the floor of any implementation.
 
 gelu' is torch's `gelu_backward` with approximate="tanh", in fp32; the partial sums add the fp32 dz before it is
 rounded to the output dtype, as inductor's fused kernel does. `reference_bias_gelu_grad` is the same computation in

@@ -20,7 +20,8 @@ Design (Triton's fused-attention tutorial, tutorials/06-fused-attention.py, FA2 
     delta = rowsum(o * do) for its rows (the tutorial's separate preprocess pass, fused); then the dk/dv kernel
     (one program per key tile, column table) reads delta. Each gradient element is written by exactly one program.
     `_backward_atomic_dq` is the one-pass alternative (the dk/dv kernel also adds dq atomically in fp32, DQ_ATOMIC:
-    5 products instead of 7), kept for benchmarks/attention_tiles.py --atomic_dq: it measured slower on an H200.
+    5 products instead of 7), kept for benchmarks/attention_tiles.py --atomic_dq: it measured slower (docs/ledger.md,
+    the one-pass backward's row).
   - Head dims: Triton tiles are powers of two. D = 96 runs either as two parts, 64 + 32 wide (q_a/q_b,
     acc_a/acc_b, ...: no wasted tensor-core work, a second chained dot per product), or as one part zero-padded
     to 128 with masked loads and stores (4/3 of the work, one dot); both are autotuning candidates, since which
@@ -29,8 +30,8 @@ Design (Triton's fused-attention tutorial, tutorials/06-fused-attention.py, FA2 
     visited as SPARSE_BLOCK // BLOCK_N sub-tiles in one flattened loop. Tile sizes, warps, stages and the D = 96
     variant are chosen per (kernel, sparse block, head dim, dtype, dropout, sequence length, stepping, layout
     width) among a few candidates by Triton's autotuner on the first call on a GPU (`candidate_tiles`, for D = 96
-    led by the fastest tiles of a sweep on an H200, benchmarks/attention_tiles.py; registers and spills of each,
-    per Triton version: benchmarks/kernel_resources.py); `chosen_configs()` records the choices.
+    led by the fastest tiles of a sweep, benchmarks/attention_tiles.py, docs/kernels.md; registers and spills of
+    each, per Triton version: benchmarks/kernel_resources.py); `chosen_configs()` records the choices.
   - Registers: a loop holds no (rows x head dim) tile of pointers, which takes twice the registers of an fp32
     tile of its shape. Pointer loads keep one (1, part) row of column addresses across the loop and add the
     tile's token offsets inside it (`_load_rows`; loops with LICM off, so that the compiler does not hoist the
@@ -47,8 +48,9 @@ Design (Triton's fused-attention tutorial, tutorials/06-fused-attention.py, FA2 
     Forward, dq and dk/dv therefore regenerate the same keep mask element by element whatever their tile shapes.
     With `dropout_mask="bits"` the mask is drawn once per call instead (`_dropout_bits_kernel`: one Philox call per
     byte of eight scores, in the layout's blocks only) and the three kernels read it (DROPOUT_BITS): the same mask,
-    T * T / 8 bytes a head kept from the forward to the backward, 1.19x the three kernels' own draws at the 1.5b
-    model's shape (benchmarks/attention_dropout.py).
+    T * T / 8 bytes a head kept from the forward to the backward, faster than the three kernels' own draws at the
+    1.5b model's shape (benchmarks/attention_dropout.py; measured in docs/ledger.md, the `--attn_dropout_mask bits`
+    row).
     The per-call seed is drawn on the device by torch.randint (`draw_seed`: reproducible under torch.manual_seed,
     replayed by torch.utils.checkpoint on recompute, no host sync) and read by the kernels from device memory.
     `dropout_keep_mask` returns the mask of a seed, for tests.
@@ -224,7 +226,8 @@ def _bits_words(bits, rows, col0, N: tl.constexpr, T):
     """The packed keep mask of the scores (rows, col0 .. col0 + N - 1), col0 a multiple of 8, as (len(rows), N / 8)
     int32 words of one byte each (`bits` is the (batch, head)'s (T, T / 8) bytes that `_dropout_bits_kernel` packed).
     The tile functions issue this load first, before their products, so that it is in flight while they run
-    (`benchmarks/results/attention_bits_early_1xh100/`); `_unpack_words` makes the mask where it is applied."""
+    (measured in docs/kernels.md, block-sparse attention's dropout); `_unpack_words` makes the mask where it is
+    applied."""
     return tl.load(bits + rows[:, None] * (T // 8) + (col0 // 8 + tl.arange(0, N // 8))[None, :]).to(tl.int32)
 
 
@@ -771,11 +774,10 @@ class Tile:
 
 
 # Candidates per kernel and head-dim class, first = default; the autotuner times them on the first call. Their
-# registers, spilled bytes and shared memory, compiled ahead of time for sm_90 with Triton 3.6 (the GPU machine's)
-# and 3.9 (CI's) as a launch at the 1.5b model's shape specializes them, are recorded by
-# benchmarks/kernel_resources.py (benchmarks/results/blocksparse_rows_1xh200/): one of the 46 D = 96 compilations
-# (candidate x with/without dropout) spills, dk/dv 64 x 128 with dropout (8 bytes with 3.6, 104 with 3.9); each
-# kernel's first D = 96 tile compiles spill-free with both versions (tests/test_benchmarks.py).
+# registers, spilled bytes and shared memory, compiled ahead of time for sm_90 with the GPU machine's and CI's Triton
+# as a launch at the 1.5b model's shape specializes them, are recorded by benchmarks/kernel_resources.py (which
+# candidates spill: docs/kernels.md, "Rows of addresses"); each kernel's first D = 96 tile compiles spill-free with
+# both versions (tests/test_benchmarks.py).
 # `dropout=False` marks tiles left out when dropout is on. Hopper's wgmma works on
 # 64-row warpgroup tiles: 8 warps pair with 128-row tiles, 4 warps with 64 or 128 rows. What limits dk/dv is
 # accumulator pressure: a program holds dk and dv (BLOCK_N x D fp32 each) plus k and v, which is why its 128-key
@@ -790,10 +792,9 @@ _SMALL_D = {  # D <= 64
 }
 _TMA = dict(tma=True)
 _D96 = {  # D = 96 as two parts (64 + 32, no wasted MMA work) or padded to 128. The first tiles of each kernel
-    # were the fastest of a wider grid timed on an H200 at the 1.5b model's shape (benchmarks/attention_tiles.py,
-    # benchmarks/results/blocksparse_tiles_1xh200/ and, with TMA loads, blocksparse_tma_1xh200/: TMA made the forward
-    # and dq faster, not dk/dv; with rows of addresses instead of pointer tiles, blocksparse_rows_1xh200/, dk/dv's
-    # best is 32 x 64 on 4 warps on the model's q/k/v views, 64 x 64 on contiguous inputs); the rest, the set above.
+    # were the fastest of a wider grid timed at the 1.5b model's shape (benchmarks/attention_tiles.py; the sweeps,
+    # with pointer tiles, TMA loads and rows of addresses, in docs/kernels.md: TMA tiles lead the forward and dq,
+    # pointer tiles dk/dv, 32 x 64 on 4 warps first for the model's q/k/v views); the rest, the set above.
     "fwd": (Tile(128, 64, 8, 3, **_TMA), Tile(64, 64, 4, 2, **_TMA), Tile(64, 64, 4, 2), Tile(64, 128, 4, 2),
             Tile(128, 64, 8, 3), Tile(128, 64, 8, 3, True), Tile(128, 128, 8, 2, **_NO_DROP), Tile(64, 64, 4, 3),
             Tile(64, 64, 4, 3, True, **_NO_DROP)),

@@ -2,13 +2,13 @@
 
 The model's loss is the mean over B*T rows of logsumexp(logits) - logits[target], logits = x @ W^T in bf16 (B*T x V:
 at micro-batch 16, seq 2048, V = 50257 that is 3.3 GB). Inductor compiles `F.cross_entropy(logits.float(), ...)` into
-a forward reduction and, in backward, kernels that read the logits again and write their gradient (2.9 ms forward
-and 5.4 ms backward in the ceiling's profiled step, benchmarks/results/headline_fused_1xh200). Here one program per
-row reads its logits once for the running maximum and sum of exponentials, then again (a row is 100 KB, which the L2
-cache may still hold) to write the gradient of the mean loss with respect to them, (softmax - onehot) / rows, in the
-logits' dtype; the loss of the row goes to an fp32 vector. The backward has nothing left to do but scale
+a forward reduction and, in backward, kernels that read the logits again and write their gradient (their times in a
+profiled step: docs/results.md, "Levers on top of DeepCompile", the Triton loss). Here one program per row reads its
+logits once for the running maximum and sum of exponentials, then again (a row is 100 KB, which the L2 cache may
+still hold) to write the gradient of the mean loss with respect to them, (softmax - onehot) / rows, in the logits'
+dtype; the loss of the row goes to an fp32 vector. The backward has nothing left to do but scale
 (shared/model/linear_cross_entropy.LinearCrossEntropy folds that scale into the two products' outputs). Measured at
-the 1.5b shape it is no faster than inductor's kernels (benchmarks/results/triton_loss_1xh200).
+the 1.5b shape it is no faster than inductor's kernels (docs/ledger.md, the `--triton_loss` row).
 
 Columns from `vocab` to the row's end (a padded vocabulary, shared/model/config.py vocab_multiple) are outside the
 softmax: their gradient is written as zero. Targets must lie in [0, vocab) (the data pipeline checks token ids on

@@ -29,11 +29,10 @@ class FusedSwitches:
     TRITON_INTERPRET=1; on in compare.py's GPU default (bf16)"""
     fused_bias_dropout_add: bool | None = None
     """residual + dropout(x W^T + b) as one compiled kernel (shared/model/fused_ops.py); default: on with CUDA, off
-    on CPU. Chosen from a single run (+4.1% raw on one H200, one run per path, no repeat: inside single-run noise;
-    benchmarks/results/ablation_first_1xh200)"""
+    on CPU. Chosen from a single run per path, no repeat, inside single-run noise (docs/ledger.md, its row)"""
     fused_bias_gelu: bool | None = None
     """gelu(x W^T + b) as one compiled kernel (shared/model/fused_ops.py); default: on with CUDA, off on CPU. Chosen
-    from a single run (+3.5% raw, as fused_bias_dropout_add: inside single-run noise)"""
+    from a single run per path, as fused_bias_dropout_add, inside single-run noise (docs/ledger.md, its row)"""
     triton_gelu_grad: bool = False
     """with fused_bias_gelu: its backward (the input gradient and the bias gradient's sum over the B*T rows) as one
     Triton kernel (shared/kernels/bias_gelu_grad.py) instead of inductor's reduction kernel; CUDA, or a CPU under

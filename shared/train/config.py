@@ -121,13 +121,14 @@ class TrainConfig(FusedSwitches):
     """none | blocks | deepcompile. blocks: torch.compile each block (a DeepSpeed ZeRO-3 leaf module; see
     shared/train/compile.py). deepcompile: DeepSpeed's compiler pass for ZeRO 1-3 (CUDA only): engine.compile()
     compiles the whole GPT forward and loss and schedules the gathers and reduce-scatters inside the graph; fastest
-    mode measured (docs/results.md) and compare.py's GPU default; each 1.5b run warms up for ~2-5 min
-    (--deepcompile_schedule); validation between steps runs eagerly outside its graphs (shared/train/validation.py)"""
+    mode measured (docs/ledger.md) and the fast profile's; each 1.5b run warms up for minutes while it compiles
+    (--deepcompile_schedule; the warm-up times: docs/results.md, DeepCompile section); validation between steps runs
+    eagerly outside its graphs (shared/train/validation.py)"""
     deepcompile_schedule: str = "deepspeed"
     """deepspeed | once: when DeepCompile runs its ZeRO-3 passes. deepspeed: DeepSpeed's schedule (gather/release
     from step 0, a second whole compile at step 5 adds prefetching and selective gathering); once: all three passes
-    at step 0, from the first step's profile, so the model is compiled once (about half the warm-up). ZeRO 1/2
-    compile once either way"""
+    at step 0, from the first step's profile, so the model is compiled once (a shorter warm-up: docs/ledger.md).
+    ZeRO 1/2 compile once either way"""
     deepcompile_persist: str = "threshold"
     """threshold | deepspeed: ZeRO-3 parameters DeepCompile keeps gathered from the first compile. threshold: those
     of at most the ZeRO-3 persistence threshold (the biases and LayerNorms of the presets), as eager ZeRO-3 does,
@@ -145,21 +146,21 @@ class TrainConfig(FusedSwitches):
     """under DeepCompile at stage 3: the host's walks of the model around each step (ZeRO-3's release of every
     parameter at the optimizer step, the eager-fallback context's marking of every module at each forward) over
     lists taken once (shared/train/ds_runtime.cache_deepcompile_walks); same behaviour, less Python the device
-    waits on: 1.006-1.007x on one H200, two pairs (docs/results.md). false: DeepSpeed 0.19.8's own walks. Only
-    with --compile deepcompile at stage 3 (other modes and stages ignore it, as they do --deepcompile_persist)"""
+    waits on (measured in docs/ledger.md). false: DeepSpeed 0.19.8's own walks. Only with --compile deepcompile at
+    stage 3 (other modes and stages ignore it, as they do --deepcompile_persist)"""
     deepcompile_backward_wait: str = "host"
     """host | device: how DeepCompile's op waits for its last reduce-scatters at the end of each backward. host:
     DeepSpeed 0.19.8's op, whose host waits for its reduce-scatter stream, so the device idles while the host runs
     the autograd engine's end and the optimizer step's Python (docs/results.md); device: the same op built from
     DeepSpeed's sources with that wait made the compute stream's, on an event (shared/train/deepcompile_op.py; built
-    on first use, ~1 min). Same results, other timing: 1.005x and 1.003x on one H200, two pairs (docs/results.md);
-    compare.py's GPU default when its runs use one GPU. Only with --compile deepcompile"""
+    once per machine on first use). Same results, other timing (measured in docs/ledger.md); compare.py's GPU
+    default when its runs use one GPU. Only with --compile deepcompile"""
     coordinate_descent_tuning: bool = False
     """inductor's coordinate-descent tuning (torch._inductor.config.coordinate_descent_tuning): each generated
     Triton kernel's block sizes and warps are benchmarked around the default at its first compile and the best is
     cached with the compiled code (TORCHINDUCTOR_CACHE_DIR); it speeds up the LayerNorm + dropout and GELU kernels
-    (docs/results.md). A cold cache adds 70-80 s to a 1.5b DeepCompile warm-up, a warm one nothing; CUDA only.
-    compare.py's GPU default (DeepCompile) turns it on"""
+    (docs/results.md, "Levers on top of DeepCompile"; its ratio: docs/ledger.md). A cold cache adds the tuning to
+    the warm-up, a warm one nothing; CUDA only. compare.py's GPU default (DeepCompile) turns it on"""
     zero3_step: str = "fast"
     """fast | fused | deepspeed: the ZeRO-3 optimizer step's gradient norm, fp32 gradient copy and unscale. fast: one
     kernel each on the flat gradient buffer (shared/train/zero3_step.py; norm accumulated in fp32) and the
@@ -173,13 +174,13 @@ class TrainConfig(FusedSwitches):
     idles while the host then launches the rest of the step; device: the flag stays on the device and each update
     skips itself there when it is set (shared/train/zero3_step.py): the same parameters, moments and step counts,
     but the engine does not learn of a skip during the step (its learning-rate schedule advances, as torch's with a
-    GradScaler does; the run JSON's zero3_step_calls.norm_skipped counts skips). 1.002x and 1.004x on one H200, two
-    pairs (docs/results.md); compare.py's GPU default when its runs use one GPU. bf16/fp32 only (fp16's loss scale
-    needs the host); with --zero3_step fast or fused at stage 3"""
+    GradScaler does; the run JSON's zero3_step_calls.norm_skipped counts skips). Measured in docs/ledger.md;
+    compare.py's GPU default when its runs use one GPU. bf16/fp32 only (fp16's loss scale needs the host); with
+    --zero3_step fast or fused at stage 3"""
     zero_profile: str = "tuned"
     """DeepSpeed config rules: tuned (the default; see shared/train/ds_config.py; chosen from a single pair of runs per
-    profile, raw first: +8.5% raw per GPU on 2 H200s, inside single-pair noise) |
-    original (the 2022 study's bucket sizes and DeepSpeed's synchronized throughput timer)"""
+    profile, raw first, inside single-pair noise: docs/ledger.md) | original (the 2022 study's bucket sizes and
+    DeepSpeed's synchronized throughput timer)"""
     reduce_bucket_size: int | None = None
     """override the profile's ZeRO reduce bucket (elements)"""
     prefetch_bucket_size: int | None = None

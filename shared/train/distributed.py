@@ -90,9 +90,9 @@ def estimate_memory(train, world: int, device_type: str) -> dict[str, float]:
     block (the inputs of QKV, attention output, MLP in/out, q, k, v) in the training dtype, one per block with
     activation checkpointing; Korthikanti et al. (2022) count 34. Scores: B x n_head x T x T per block, kept for
     backward by the reference backend, and by sdpa on a CPU with attention dropout (torch's math fallback; its
-    flash kernel has no dropout there). The 1.5b runs of benchmarks/results/compare_{1,2}xh200 peaked at 62.8 GiB
-    (1 GPU) and 52.4 GiB (2 GPUs) where this gives 44.5 and 32.2: a bound, meant to refuse only what clearly
-    cannot fit.
+    flash kernel has no dropout there). A bound, meant to refuse only what clearly cannot fit: it stays below the
+    peaks the 1.5b runs measured (docs/results.md, "Results on H200"; tests/test_preflight.py checks it against
+    them).
     """
     from shared.model.flops import megatron_params
 

@@ -82,8 +82,8 @@ def build_ds_config(train: TrainConfig, world: int | None = None) -> dict:
         zero["leaf_module"] = {"classes": [leaf_module_class()]}
         # zero.Init replaces F.linear by DeepSpeed's LinearFunctionForZeroStage3, whose code reads each weight's
         # ds_id: dynamo guards on it and compiles the block again for every layer until its recompile limit (8),
-        # the rest running eager (measured on the H200: 8 graphs, 1 limit hit, 1.007x; benchmarks/results/
-        # ablation_first_1xh200). torch's own linear keeps one graph for all blocks.
+        # the rest running eager (docs/ledger.md, the `--memory_efficient_linear false` and `--compile blocks`
+        # rows). torch's own linear keeps one graph for all blocks.
         zero["memory_efficient_linear"] = False
     if train.compile == "deepcompile":
         # DeepCompile (DeepSpeed >= 0.16.6): engine.compile() then traces the whole GPT forward + loss, removes
@@ -117,23 +117,20 @@ def _apply_overrides(zero: dict, train: TrainConfig) -> None:
 
 
 def _apply_tuned_rules(cfg: dict, model: GPTConfig) -> None:
-    """Throughput rules for ZeRO; each cites what it fixes and the measurement behind it.
+    """Throughput rules for ZeRO; each cites what it fixes and where it was measured.
 
-    Measured together (benchmarks/results, 1.5b, ZeRO-3 bf16, micro-batch 8, H200): the raw loop ran at 357.2 /
-    285.0 TFLOPs/GPU on 1 / 2 GPUs with the original profile (compare_{1,2}xh200) and at 355.2 / 319.8 with this one
-    (explain_{1,2}xh200, a later call). Re-measured with 2 rounds per factor on one H200 (micro-batch 8,
-    benchmarks/results/explain_timer_config_1xh200): Lightning with the original profile instead of this one ran
-    15.1% [12.0%, 18.2%] below the same round's Lightning run, beyond that call's 5.0% round-to-round noise, the
-    time landing in backward (+65 ms: the reduce buckets); `python explain.py
-    benchmarks/results/explain_timer_config_1xh200/explain.json` recomputes these figures.
+    Measured together against the original profile (docs/ledger.md, the `--zero_profile tuned` row; docs/tuning.md,
+    its first entry): the raw loop on 1 and 2 GPUs, and `compare.py --explain`'s factor `original_ds_config`, whose
+    cost lands in the backward, the reduce buckets (docs/why-lightning-was-slower.md); `python explain.py
+    REPORT/explain.json` recomputes an explain report's figures.
     """
     zero = cfg["zero_optimization"]
     h = model.n_embd
     biggest_matrix = 4 * h * h  # the MLP's fc/proj weights; the tied embedding (V*h) is fetched once per step
     if zero["stage"] >= 2:
         # The original reduce bucket (h^2 = 5.3M elements at h=2304) launches a reduce-scatter per 5.3M
-        # gradient elements: many small NCCL calls. A first try on 2 H200s: buckets of 5e8 recovered the
-        # 15% per-GPU loss of 2 GPUs vs 1 (300 -> 359 TFLOPs/GPU).
+        # gradient elements: many small NCCL calls; larger buckets won back part of what 2 GPUs lost per GPU
+        # against 1 (docs/tuning.md, its first entry).
         zero["reduce_bucket_size"] = int(max(5e8, 2 * biggest_matrix))
     if zero["stage"] == 3:
         # The original prefetch bucket (0.9 h^2 = 4.8M) is smaller than one MLP weight (4h^2 = 21M at h=2304),
@@ -149,9 +146,8 @@ def _apply_tuned_rules(cfg: dict, model: GPTConfig) -> None:
         zero["stage3_module_granularity_threshold"] = 0
     # DeepSpeed's throughput timer is on and synchronized by default: a device sync at the start of every
     # forward and at the end of every step, which the step-time measurement does not need, and it stops the host
-    # from running ahead of the GPU. Switching it back on in Lightning measured +4.5% [+0.7%, +8.2%] against the same
-    # round's Lightning run on one H200 (explain_timer_config_1xh200, 2 rounds): within that call's 5.0% noise, so
-    # no measurable cost at micro-batch 8 on one GPU; it stays off because nothing here reads it.
+    # from running ahead of the GPU. Switching it back on in Lightning measured within the noise (docs/ledger.md, the
+    # throughput timer's row): no measurable cost on one GPU; it stays off because nothing here reads it.
     cfg["timers"] = {"throughput": {"enabled": False, "synchronized": False}}
 
 
