@@ -88,10 +88,12 @@ def test_no_module_quotes_a_measured_figure():
 
 def test_a_planted_quote_is_caught(tmp_path):
     (tmp_path / "shared" / "train").mkdir(parents=True)
+    # a results folder's path, not written whole here: tests/test_results_index.py reads this file for paths
+    planted = "benchmarks" + "/results/planted_" + "1xh200"
     (tmp_path / "shared" / "train" / "planted.py").write_text('''"""A lever: 523.6 TFLOPs/GPU on one H200."""
 from dataclasses import dataclass
 
-# 1.005x the baselines' mean (benchmarks/results/planted_1xh200/)
+# 1.005x the baselines' mean ({planted}/)
 
 
 @dataclass
@@ -101,9 +103,9 @@ class Planted:
 
 
 def main(parser, tflops, delta):
-    parser.add_argument("--lever", help="see benchmarks/results/planted_1xh200")
+    parser.add_argument("--lever", help="see {planted}")
     print(f"{tflops:.2f} TFLOPs/GPU {delta:+.2%} {delta:>+12.2%}, k=4, 2x backward, 0x4, 1e-3, 0.9 h^2")
-''')
+'''.replace("{planted}", planted))
     (tmp_path / "compare.py").write_text("# quoted in an entry point too: 0.997x\n")
     assert quoted_figures(tmp_path) == [
         "compare.py:1: a ratio '0.997x'",
