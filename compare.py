@@ -30,6 +30,7 @@ import torch
 from harness import autotune, explain
 from harness.launch import (
     GRACE_S,
+    ONE_PROCESS,
     PATHS,
     REFERENCES,
     TIME_LIMIT_EXIT,
@@ -87,14 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one extra run per path with DeepSpeed's wall_clock_breakdown (synchronized timers)")
     more.add_argument("--timeout", type=int, default=1800, help="seconds before a single run is killed")
     p.add_argument("--reference", nargs="?", const="all", default="",
-                   help="also run reference rows in every round: ceiling (plain PyTorch, fp32 weights under autocast, "
-                        "whole model compiled, no sharding, one GPU), fsdp2 (torch FSDP2 + compiled blocks) and "
-                        "stock (the raw path under --profile stock: DeepSpeed as shipped, CUDA only); each path is "
-                        "reported against them, per round (default with the flag: all three on GPUs, ceiling,fsdp2 "
-                        "without)")
+                   help="also run reference rows in every round: unsharded (the ZeRO-3 paths' bf16 weights, fp32 "
+                        "masters, AdamW step and compile without sharding, one GPU: what ZeRO-3 itself costs), "
+                        "ceiling (the PyTorch user's baseline: fp32 weights under autocast, torch's fused AdamW, "
+                        "whole model compiled, one GPU), fsdp2 (torch FSDP2 + compiled blocks) and stock (the raw "
+                        "path under --profile stock: DeepSpeed as shipped, CUDA only); each path is reported against "
+                        "them, per round (default with the flag: all four on GPUs, all but stock without)")
     more.add_argument("--reference_rounds", "--reference-rounds", type=int, default=None,
                    help="run the reference rows in the first N rounds only (default: every round); the fractions of "
-                        "the ceiling then divide by the median of those N ceiling runs")
+                        "the unsharded row and the ceiling then divide by the median of those N runs")
     p.add_argument("--keep_runs", "--keep-runs", action="store_true",
                    help="continue a cut compare: keep the runs that an earlier invocation with the same flags left in "
                         "--out (runs/<row>_<round>.json), run only the missing ones; a run made with other settings "
@@ -160,7 +162,7 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
                                                                   if r.strip()]
         if "stock" in ns.references and not n_gpus:
             raise ValueError("--reference stock runs DeepSpeed's own DeepCompile, which needs a CUDA GPU; on this "
-                             "machine use --reference ceiling,fsdp2")
+                             "machine use --reference unsharded,ceiling,fsdp2")
         unknown = sorted(set(ns.references) - set(REFERENCES))
         if unknown:
             raise ValueError(f"unknown --reference row(s) {unknown}; choose from {REFERENCES}")
@@ -197,8 +199,8 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
         if ns.profile is None and (ns.explain or ns.autotune):
             ns.profile = "eager"  # they measure overheads and search the knobs from the eager step, not a profile's
         ns.resolved_profile = apply_profile(
-            ns, ns.world, **({"gpu_memory_gib": gpu_memory_gib(),  # the ceiling row runs unsharded on one GPU
-                              "sharded_gpus": 1 if "ceiling" in ns.references else None} if n_gpus else {}))
+            ns, ns.world, **({"gpu_memory_gib": gpu_memory_gib(),  # unsharded and the ceiling run on one GPU
+                              "sharded_gpus": 1 if set(ONE_PROCESS) & set(ns.references) else None} if n_gpus else {}))
         if n_gpus:
             _fill_unset(ns, GPU_DEFAULTS)
         ns.report_dir = Path(ns.out or "reports/latest")
@@ -227,8 +229,8 @@ def round_references(ns: argparse.Namespace, i: int) -> list[str]:
 
 
 def row_world(ns: argparse.Namespace, row: str) -> int:
-    """Processes of one run of `row`: the ceiling is one unsharded process; --parallel gives every run one GPU."""
-    return 1 if ns.parallel or row == "ceiling" else ns.world
+    """Processes of one run of `row`: unsharded and the ceiling are one process; --parallel gives every run one GPU."""
+    return 1 if ns.parallel or row in ONE_PROCESS else ns.world
 
 
 def kept_runs(ns: argparse.Namespace, train: TrainConfig) -> dict[tuple[str, int], RunResult]:
@@ -330,9 +332,9 @@ def main(argv: list[str] | None = None) -> dict:
         clock.before(f"{' and '.join(group)} (round {i + 1})")
 
         def launch_one(slot: int, path: str, i: int = i) -> RunResult:
-            # The ceiling is one unsharded process on the first GPU whatever the run's world size; with
+            # unsharded and the ceiling are one process on the first GPU whatever the run's world size; with
             # --parallel every run of a group has a GPU of its own.
-            env = {"CUDA_VISIBLE_DEVICES": visible_gpu(slot)} if ns.parallel or path == "ceiling" else None
+            env = {"CUDA_VISIBLE_DEVICES": visible_gpu(slot)} if ns.parallel or path in ONE_PROCESS else None
             return launch(path, train, row_world(ns, path), out_dir / "runs" / f"{path}_{i}.json",
                           out_dir / "logs" / f"{path}_{i}.log", ns.timeout, env=env)
 

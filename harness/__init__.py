@@ -5,7 +5,7 @@
   report.py    per-path summaries, parity of the two paths, the table, markdown and the plot
   explain.py   compare.py --explain: what each Lightning overhead costs
   autotune.py  compare.py --autotune: search micro-batch, checkpointing and ZeRO knobs
-  reference.py the reference rows (compare.py --reference): the unsharded ceiling and FSDP2, run by launch.py
+  reference.py the reference rows (compare.py --reference): unsharded, the PyTorch baseline and FSDP2, run by launch.py
 
 compare.py is the command line over this library; benchmarks/ import it too, and it neither imports nor runs them.
 """

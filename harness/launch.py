@@ -30,13 +30,17 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = {"deepspeed": ROOT / "plain_deepspeed" / "train.py", "lightning": ROOT / "lightning_app" / "train.py",
            "stock": ROOT / "plain_deepspeed" / "train.py"}
 # The reference rows are a module of this library, run as `torchrun -m harness.reference` (the paths are scripts).
-MODULES = {"ceiling": "harness.reference", "fsdp2": "harness.reference"}
-SCRIPT_ARGS = {"ceiling": ["--mode", "ceiling"], "fsdp2": ["--mode", "fsdp2"]}
+MODULES = {"unsharded": "harness.reference", "ceiling": "harness.reference", "fsdp2": "harness.reference"}
+SCRIPT_ARGS = {row: ["--mode", row] for row in MODULES}
 PATHS = ("deepspeed", "lightning")
-# Reference rows (--reference): the same model, seed and batches. ceiling: no DeepSpeed, unsharded, whole model
-# compiled, one GPU; fsdp2: torch FSDP2 + compiled blocks on the run's GPUs (harness/reference.py); stock: the raw
-# path under the stock profile, DeepSpeed as shipped (shared/train/profiles.py), on the run's GPUs.
-REFERENCES = ("ceiling", "fsdp2", "stock")
+# Reference rows (--reference): the same model, seed and batches (harness/reference.py). unsharded: the ZeRO-3
+# paths' 16-bit weights, fp32 masters and optimizer step without the sharding, one GPU (what ZeRO-3 costs is
+# measured against it); ceiling: the PyTorch user's baseline, fp32 weights under autocast and torch's fused AdamW,
+# one GPU; fsdp2: torch FSDP2 + compiled blocks on the run's GPUs; stock: the raw path under the stock profile,
+# DeepSpeed as shipped (shared/train/profiles.py), on the run's GPUs.
+REFERENCES = ("unsharded", "ceiling", "fsdp2", "stock")
+# The rows that run as one unsharded process on one GPU, whatever the compare's world size.
+ONE_PROCESS = ("unsharded", "ceiling")
 # After SIGTERM to a run's process group: seconds before what is left of it gets SIGKILL. A run stops at its
 # next agreed preemption check (shared/train/preemption.CHECK_EVERY steps); a benchmark run keeps nothing worth
 # waiting for.

@@ -1,16 +1,26 @@
 """Reference rows for `compare.py --reference`: the same GPT, seed, batches, optimizer, LR schedule and clipping as
 the two DeepSpeed paths, trained without DeepSpeed. They are yardsticks, not a third training product.
 
-    ceiling  plain PyTorch on one GPU: no sharding, the whole model (forward + loss) torch.compile'd. What this
-             model can do on this GPU with this compiler: the ZeRO-3 paths are reported as a fraction of it.
-    fsdp2    torch FSDP2 (`fully_shard` on every block and on the root) with compiled blocks: what a user would
-             pick instead of DeepSpeed.
+    unsharded  what ZeRO-3 itself costs is measured against this row: the ZeRO-3 paths' model and optimizer state
+               without the sharding, one process. 16-bit parameters and gradients (bf16 runs; fp32 runs hold fp32),
+               fp32 master weights and moments, the update the run's --zero3_step makes (`fused`: the project's
+               AdamW kernel, shared/kernels/adamw.py, updating master, moments and the 16-bit copy in one pass;
+               otherwise torch's AdamW on the masters, then the copy, as `fast` does), clipping by the global norm
+               with DeepSpeed's formula, and the paths' compile (--compile deepcompile: the whole model
+               torch.compile'd, as DeepCompile compiles the whole forward; blocks: the compiled blocks; none:
+               nothing). The ZeRO-3 paths are reported as a fraction of it (fraction_of_unsharded).
+    ceiling    the PyTorch user's baseline (the key keeps its old name, for old reports): no sharding, fp32
+               weights under bf16 autocast, torch's fused AdamW, the whole model torch.compile'd. It differs from
+               `unsharded` in the weights' precision and the optimizer, so it is no bound on the ZeRO-3 paths.
+    fsdp2      torch FSDP2 (`fully_shard` on every block and on the root) with compiled blocks: what a user would
+               pick instead of DeepSpeed.
 
-Precision: with bf16, parameters and optimizer state stay fp32 and the matmuls run in bf16 (autocast for the
-ceiling, FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)), as DeepSpeed's bf16 mode computes
-in bf16 from fp32 master weights. On a CPU (tests) nothing is compiled and the result says so (fused.compile).
+Precision of the ceiling and fsdp2: with bf16, parameters and optimizer state stay fp32 and the matmuls run in bf16
+(autocast for the ceiling, FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)). On a CPU (tests)
+nothing is compiled and the result says so (fused.compile); the unsharded row's AdamW kernel runs on a CPU only in
+Triton's interpreter (TRITON_INTERPRET=1), as the ZeRO-3 step's does.
 
-    torchrun --nproc_per_node 1 -m harness.reference --mode ceiling --preset 1.5b --micro_batch 16
+    torchrun --nproc_per_node 1 -m harness.reference --mode unsharded --preset 1.5b --micro_batch 16 --zero3_step fused
 """
 
 from __future__ import annotations
@@ -40,21 +50,132 @@ from shared.train.distributed import (
 )
 from shared.train.loop import peak_memory_bytes
 from shared.train.optim import build_optimizer, build_scheduler
-from shared.train.results import RunResult, build_result, write_result
+from shared.train.results import COMPUTE_DTYPES, RunResult, build_result, write_result
 from shared.train.timing import PhaseTimer
 
-MODES = ("ceiling", "fsdp2")
+MODES = ("unsharded", "ceiling", "fsdp2")
+
+
+class MasterAdamW:
+    """The ZeRO-3 paths' optimizer state on one process, without the sharding: each parameter group's 16-bit
+    parameters are views of one flat buffer (DeepSpeed's fp16_partitioned_groups_flat), its fp32 master weights one
+    flat tensor (fp32_partitioned_groups_flat), stepped by `inner`, the paths' torch AdamW (build_optimizer) whose
+    groups now hold the masters, as DeepSpeed's ZeRO optimizer rewrites its client optimizer's groups. The LR
+    schedule steps `inner`.
+
+    step(): the gradients of each group gathered into one flat 16-bit tensor (where ZeRO-3 reduces them into its
+    flat partition buffer), the global norm of them all with fp32 accumulation (zero3_step's norm), DeepSpeed's clip
+    scale `max(1, (norm + 1e-6) / grad_clip)` divided out of the gradient, an inf/NaN norm skipping the update (as
+    DeepSpeed skips the step), then AdamW on the masters and the 16-bit copy written. With `kernel` (the run's
+    --zero3_step fused) the update and the copy are one adamw_step call per group, its state laid out as torch's
+    fused AdamW keeps it (zero3_step's `_adamw_kernel_step`); without it, torch's AdamW (fused, with the scale as
+    its grad_scale and the skip as its found_inf, on a GPU), then the copy.
+    """
+
+    def __init__(self, gpt: GPT, train: TrainConfig, device: torch.device, kernel: bool):
+        self.inner = build_optimizer(gpt, train, device)  # the paths' AdamW and its hyperparameters
+        self.grad_clip, self.kernel = train.grad_clip, kernel
+        self.params, self.flat_lp, self.masters = [], [], []
+        for group in self.inner.param_groups:
+            params = list(group["params"])
+            flat = torch.cat([p.detach().reshape(-1) for p in params]) if params else \
+                torch.zeros(0, dtype=COMPUTE_DTYPES[train.precision], device=device)
+            offset = 0
+            for p in params:  # the model's parameters become views of the flat 16-bit buffer the update writes
+                p.data = flat[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+            master = flat.to(torch.float32, copy=True)  # from the 16-bit values, as DeepSpeed's masters are
+            group["params"] = [master]
+            self.params.append(params)
+            self.flat_lp.append(flat)
+            self.masters.append(master)
+
+    def flat_grads(self) -> list[torch.Tensor]:
+        """Each group's gradients as one flat tensor of the parameters' dtype."""
+        return [torch.cat([p.grad.reshape(-1) for p in params]) if params else flat.new_zeros(0)
+                for params, flat in zip(self.params, self.flat_lp)]
+
+    def step(self) -> torch.Tensor:
+        """One update from the parameters' gradients; returns the global gradient norm before clipping (a device
+        tensor: nothing here waits on the device, except the skip check of torch's unfused AdamW on a CPU)."""
+        grads = self.flat_grads()
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, 2.0, dtype=torch.float32)
+                                                     for g in grads]))
+        invalid = norm.isinf().logical_or(norm.isnan())
+        # DeepSpeed's combined scale (stage3.unscale_and_clip_grads, loss scale 1): the gradient is divided by it
+        scale = torch.clamp((norm + 1e-6) / self.grad_clip, min=1.0) if self.grad_clip > 0 else None
+        if self.kernel:
+            self._kernel_step(grads, scale, invalid)
+        else:
+            self._torch_step(grads, scale, invalid)
+        return norm
+
+    def _kernel_step(self, grads, scale, invalid) -> None:
+        from shared.kernels.adamw import adamw_step
+
+        for group, master, grad, flat in zip(self.inner.param_groups, self.masters, grads, self.flat_lp):
+            state = self.inner.state[master]
+            if not state:  # torch's fused AdamW's layout: the step count a device tensor
+                state["step"] = torch.zeros((), dtype=torch.float32, device=master.device)
+                state["exp_avg"] = torch.zeros_like(master)
+                state["exp_avg_sq"] = torch.zeros_like(master)
+            state["step"].add_(invalid.logical_not().to(state["step"].dtype))
+            beta1, beta2 = group["betas"]
+            adamw_step(master, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], lr=group["lr"],
+                       beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                       grad_scale=scale, param_lp=flat, skip=invalid)
+        self.inner._opt_called = True  # what torch's step wrapper records for the LR scheduler's order check
+
+    def _torch_step(self, grads, scale, invalid) -> None:
+        for master, grad in zip(self.masters, grads):
+            master.grad = grad.to(torch.float32)
+        fused = all(group.get("fused") for group in self.inner.param_groups)
+        if fused:  # the hooks torch.amp.GradScaler uses: the scale divided out as the kernel reads the gradient
+            if scale is not None:
+                self.inner.grad_scale = scale
+            self.inner.found_inf = invalid.to(torch.float32)
+        elif bool(invalid):  # torch's unfused AdamW (a CPU) has no skip hook: the host decides
+            return self._drop_grads()
+        elif scale is not None:
+            for master in self.masters:
+                master.grad.mul_(1.0 / scale)  # DeepSpeed's unscale, a multiply by the reciprocal
+        try:
+            self.inner.step()
+        finally:
+            for hook in ("grad_scale", "found_inf"):
+                if hasattr(self.inner, hook):
+                    delattr(self.inner, hook)
+        for master, flat in zip(self.masters, self.flat_lp):
+            flat.copy_(master)
+        self._drop_grads()
+
+    def _drop_grads(self) -> None:
+        for master in self.masters:
+            master.grad = None
+
+    def zero_grad(self) -> None:
+        for params in self.params:
+            for p in params:
+                p.grad = None
 
 
 def build_model(mode: str, train: TrainConfig, device: torch.device) -> tuple[torch.nn.Module, GPT, str]:
     """(module to call, the GPT inside it, what was compiled)."""
     cuda = device.type == "cuda"
     seed_all(train.seed)
-    if mode == "ceiling":
+    if mode in ("ceiling", "unsharded"):
         if dist.get_world_size() != 1:
-            raise ValueError("the ceiling row is one unsharded process: launch it with one process per run")
+            raise ValueError(f"the {mode} row is one unsharded process: launch it with one process per run")
         gpt = GPT(train.model()).to(device)
-        return (torch.compile(gpt) if cuda else gpt), gpt, "whole_model" if cuda else "none"
+        if mode == "ceiling":
+            return (torch.compile(gpt) if cuda else gpt), gpt, "whole_model" if cuda else "none"
+        gpt.to(COMPUTE_DTYPES[train.precision])  # the paths' 16-bit model: the fp32 initialization rounded
+        # The paths' compile: DeepCompile compiles the whole forward, so does this row; compiled blocks likewise.
+        if not cuda or train.compile == "none":
+            return gpt, gpt, "none"
+        if train.compile == "blocks":
+            return compile_blocks(gpt), gpt, "blocks"
+        return torch.compile(gpt), gpt, "whole_model"
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     # FSDP2's hooks sit on each block and its forward is compiled inside them (torchtitan's recipe): the paths'
@@ -84,7 +205,8 @@ def main(train: TrainConfig, mode: str) -> RunResult:
     rank, world = dist.get_rank(), dist.get_world_size()
     configure_inductor(train)
     module, gpt, compiled = build_model(mode, train, device)
-    optimizer = build_optimizer(gpt, train, device)
+    masters = MasterAdamW(gpt, train, device, kernel=train.zero3_step == "fused") if mode == "unsharded" else None
+    optimizer = masters.inner if masters else build_optimizer(gpt, train, device)
     scheduler = build_scheduler(optimizer, train)
     pin = device.type == "cuda"
     batches = iter(train_loader(train, rank, 0, pin_memory=pin))
@@ -106,11 +228,16 @@ def main(train: TrainConfig, mode: str) -> RunResult:
         timer.mark("forward")
         loss.backward()
         timer.mark("backward")
-        if train.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(gpt.parameters(), train.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        if masters is not None:
+            masters.step()
+            scheduler.step()
+            masters.zero_grad()
+        else:
+            if train.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(gpt.parameters(), train.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
         timer.mark("step")
         losses.append(loss.detach().float())
     timer.finish()
@@ -121,6 +248,8 @@ def main(train: TrainConfig, mode: str) -> RunResult:
         peak_mem_bytes=peak_memory_bytes(device),
     )
     result.fused["compile"] = compiled  # what this row compiled, not the DeepSpeed paths' mode
+    if masters is not None:  # which update this row made (the ZeRO-3 paths record theirs in zero3_step_calls)
+        result.fused["optimizer_step"] = "adamw_kernel" if masters.kernel else "torch_adamw"
     write_result(result, train.out, rank)
     dist.barrier()
     dist.destroy_process_group()

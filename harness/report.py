@@ -50,6 +50,9 @@ PARITY_TOLERANCE = {
 # A path whose runs' TFLOPs/GPU differ by more than this (max/min) ran on an unsteady machine (other load,
 # thermals): its median, and the ratio, are flagged in the report and printed with a WARNING line.
 REPEAT_SPREAD_BOUND = 1.10
+# How the table names the reference rows; the ceiling row keeps its key (report.json, run files) for old reports.
+ROW_NAMES = {"ceiling": "ceiling (the PyTorch user's baseline)",
+             "unsharded": "unsharded (the ZeRO-3 paths' model and step, no sharding)"}
 
 
 def measured(r: RunResult) -> dict:
@@ -209,6 +212,21 @@ def over_rounds(runs: list[RunResult], base: list[RunResult]) -> dict:
     return {"ratio": ratio, "min": min(per_round), "max": max(per_round), "n": len(per_round)}
 
 
+def baseline_difference(train: TrainConfig, cuda: bool) -> str:
+    """What the unsharded row does differently from the PyTorch user's baseline (the ceiling row) in this run: the
+    weights' precision and the optimizer step; both run unsharded on one process, with the same model and batches."""
+    if train.precision == "bf16":
+        weights = "bf16 weights and gradients with fp32 master weights (the baseline: fp32 weights under bf16 autocast)"
+    else:
+        weights = (f"{train.precision} weights with a separate fp32 master copy (the baseline: fp32 weights updated "
+                   "in place)")
+    baseline_step = "torch's fused AdamW" if cuda else "torch's AdamW"
+    step = ("the project's AdamW kernel, update and 16-bit copy in one pass" if train.zero3_step == "fused"
+            else f"{baseline_step} on the masters, then the 16-bit copy")
+    return (f"unsharded differs from the PyTorch user's baseline (ceiling) in its {weights} and its step: {step} "
+            f"(the baseline: {baseline_step}); the clip is DeepSpeed's formula (the baseline: clip_grad_norm_)")
+
+
 def build_report(train: TrainConfig, ns: argparse.Namespace, results: dict[str, list[RunResult]],
                  cross: dict[str, RunResult], argv: list[str]) -> dict:
     ds, pl = results["deepspeed"], results["lightning"]
@@ -254,6 +272,10 @@ def build_report(train: TrainConfig, ns: argparse.Namespace, results: dict[str, 
         report["fraction_of_ceiling"] = {p: report["paths"][p]["tflops_per_gpu"] / ceiling for p in PATHS}
         if "fsdp2" in refs:
             report["fraction_of_ceiling"]["fsdp2"] = report["reference"]["fsdp2"]["tflops_per_gpu"] / ceiling
+    if "unsharded" in refs:  # what ZeRO-3 costs: each row over the same round's unsharded run
+        report["fraction_of_unsharded"] = {p: over_rounds(results[p], results["unsharded"])
+                                           for p in (*PATHS, "fsdp2", "ceiling") if results.get(p)}
+        report["unsharded_vs_ceiling"] = baseline_difference(train, first.device.get("type") == "cuda")
     if "stock" in refs:  # what this project's profile adds over DeepSpeed as shipped, round by round
         report["over_stock"] = {p: over_rounds(results[p], results["stock"]) for p in PATHS}
     # --profile_step: each row's first run's profiled step (shared/train/step_profile.py)
@@ -371,20 +393,31 @@ def format_table(report: dict) -> str:
     for name, ref in report.get("reference", {}).items():
         s = ref["tflops_spread"]
         frac = report.get("fraction_of_ceiling", {})
+        of_unsharded = report.get("fraction_of_unsharded", {})
         clock = telemetry_cell(ref, "sm_mhz", ".0f")
-        lines.append(f"reference {name} ({ref['world_size']} x, compile {ref['fused']['compile']}): "
+        lines.append(f"reference {ROW_NAMES.get(name, name)} ({ref['world_size']} x, compile "
+                     f"{ref['fused']['compile']}): "
                      f"{ref['tflops_per_gpu']:{spec}} [{s['min']:{spec}}, {s['max']:{spec}}] TFLOPs/GPU, "
                      f"step {ref['step_time_s']['median'] * 1e3:.1f} ms, peak "
-                     f"{_fmt(ref['peak_mem_gib'])} GiB" + (f", {frac['fsdp2']:.3f} of the ceiling"
-                                                          if name == "fsdp2" and "fsdp2" in frac else "")
+                     f"{_fmt(ref['peak_mem_gib'])} GiB"
+                     + (f", {of_unsharded[name]['ratio']:.3f} of unsharded" if name in of_unsharded else "")
+                     + (f", {frac['fsdp2']:.3f} of the PyTorch baseline" if name == "fsdp2" and "fsdp2" in frac
+                        else "")
                      + (f", SM clock {clock} MHz" if any(ref.get("gpu_telemetry") or []) else ""))
     for p, o in report.get("over_stock", {}).items():
         lines.append(f"{p} over the stock row (DeepSpeed as shipped): {o['ratio']:.3f}x "
                      f"[{o['min']:.3f}, {o['max']:.3f}] over {o['n']} round(s)")
+    if "fraction_of_unsharded" in report:
+        f = report["fraction_of_unsharded"]
+        lines.append("fraction of unsharded (what ZeRO-3 costs; median TFLOPs / unsharded median, same run; per round "
+                     "[min, max]): " + ", ".join(f"{p} {f[p]['ratio']:.3f} [{f[p]['min']:.3f}, {f[p]['max']:.3f}]"
+                                                 for p in PATHS))
     if "fraction_of_ceiling" in report:
         f = report["fraction_of_ceiling"]
-        lines.append(f"fraction of the ceiling (median TFLOPs / ceiling median, same run): deepspeed "
-                     f"{f['deepspeed']:.3f}, lightning {f['lightning']:.3f}")
+        lines.append(f"fraction of the PyTorch user's baseline (ceiling row; median TFLOPs / its median, same run): "
+                     f"deepspeed {f['deepspeed']:.3f}, lightning {f['lightning']:.3f}")
+    if "unsharded_vs_ceiling" in report:
+        lines.append(report["unsharded_vs_ceiling"])
     rs, lp = report["ratio_spread"], report["loss_parity"]
     lines.append("")
     lines.append(f"Lightning / DeepSpeed throughput: {report['ratio_lightning_over_deepspeed']:.4f} (ratio of the "
