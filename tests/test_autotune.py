@@ -411,8 +411,9 @@ def test_keep_runs_with_autotune_checks_the_earlier_search_before_any_run(tmp_pa
 @pytest.mark.parametrize("args, message", [(["--mb_grid", "a,b"], "--mb_grid must be comma-separated integers"),
                                            (["--explain", "--autotune"], "separate modes"),
                                            (["--keep_runs"], "it needs --out")])
-def test_bad_autotune_arguments(args, message):
-    proc = run([sys.executable, ROOT / "compare.py", "--autotune", *args], check=False, timeout=60)
+def test_bad_autotune_arguments(tmp_path, args, message):
+    out = [] if "--keep_runs" in args else ["--out", tmp_path / "report"]  # that refusal is of the missing --out
+    proc = run([sys.executable, ROOT / "compare.py", "--autotune", *args, *out], check=False, timeout=60)
     assert proc.returncode == 2 and message in proc.stderr
 
 
