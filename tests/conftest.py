@@ -41,3 +41,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+# The training scripts' default --out (runs/result.json) and compare.py's (reports/latest): a test launches them with
+# an --out under its tmp_path, so that a refusal that regressed into a run cannot write into the checkout.
+DEFAULT_OUTPUTS = ("runs", "reports")
+
+
+def _files_under_default_outputs() -> set[Path]:
+    return {p for d in DEFAULT_OUTPUTS for p in (ROOT / d).rglob("*") if p.is_file()}
+
+
+@pytest.fixture(autouse=True)
+def no_output_in_the_checkout():
+    """Fail a test that leaves a new file under runs/ or reports/ at the repo root (a launch without --out)."""
+    before = _files_under_default_outputs()
+    yield
+    new = sorted(str(p.relative_to(ROOT)) for p in _files_under_default_outputs() - before)
+    if new:
+        pytest.fail(f"the test wrote into the checkout (launch it with --out under tmp_path): {', '.join(new)}")

@@ -71,8 +71,8 @@ def test_compare_end_to_end_on_cpu(tmp_path):
         (["--repeats", "0"], "--repeats must be positive"),
     ],
 )
-def test_bad_arguments_exit_2_with_a_clear_message(args, message):
-    proc = run([sys.executable, COMPARE, *args], check=False, timeout=60)
+def test_bad_arguments_exit_2_with_a_clear_message(tmp_path, args, message):
+    proc = run([sys.executable, COMPARE, *args, "--out", tmp_path / "report"], check=False, timeout=60)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr
 

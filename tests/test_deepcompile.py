@@ -32,10 +32,10 @@ def pretend_cuda(monkeypatch):
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="the CPU refusal")
-def test_deepcompile_on_cpu_is_refused_in_one_line():
+def test_deepcompile_on_cpu_is_refused_in_one_line(tmp_path):
     with pytest.raises(ValueError, match="needs a CUDA GPU"):
         TrainConfig(compile="deepcompile")
-    proc = run([sys.executable, RAW, "--compile", "deepcompile"], check=False, timeout=60)
+    proc = run([sys.executable, RAW, "--compile", "deepcompile", "--out", tmp_path / "r.json"], check=False, timeout=60)
     assert proc.returncode == 2
     assert "needs a CUDA GPU" in proc.stderr and "Traceback" not in proc.stderr
 

@@ -298,9 +298,9 @@ def test_ablation_naive_has_every_switch_off_even_where_cuda_defaults_them_on():
     assert configs["+compile"]["fused_bias_gelu"] is False and configs["+compile"]["compile"] == "blocks"
 
 
-def test_explain_with_lightnings_own_ds_dict_refuses_compiled_blocks():
+def test_explain_with_lightnings_own_ds_dict_refuses_compiled_blocks(tmp_path):
     from tests.helpers import ROOT
 
     proc = run([sys.executable, ROOT / "compare.py", "--explain", "--compile", "blocks", "--factors",
-                "pl_default_ds_config"], check=False, timeout=60)
+                "pl_default_ds_config", "--out", tmp_path / "report"], check=False, timeout=60)
     assert proc.returncode == 2 and "pl_default_ds_config cannot run with --compile blocks" in proc.stderr

@@ -24,10 +24,11 @@ HAS_CUDA = torch.cuda.is_available()
 
 @pytest.mark.skipif(HAS_CUDA, reason="the CPU refusal")
 @pytest.mark.parametrize("script", [RAW, LIGHTNING], ids=["raw", "lightning"])
-def test_coordinate_descent_tuning_is_refused_without_cuda(script):
+def test_coordinate_descent_tuning_is_refused_without_cuda(tmp_path, script):
     with pytest.raises(ValueError, match="only run on a CUDA GPU"):
         TrainConfig(coordinate_descent_tuning=True)
-    proc = run([sys.executable, script, "--coordinate_descent_tuning"], check=False, timeout=60)
+    proc = run([sys.executable, script, "--coordinate_descent_tuning", "--out", tmp_path / "r.json"], check=False,
+               timeout=60)
     assert proc.returncode == 2
     assert "--coordinate_descent_tuning tunes inductor's Triton kernels" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -184,7 +184,8 @@ def test_the_entry_points_run_by_path_from_anywhere(tmp_path, script):
     lightning_app is not an installed package (its name belongs to PyPI's lightning-app), so the script itself must
     put the repo root first. A refused flag ends before any process group starts: exit 2 and the message."""
     clean = {k: v for k, v in env().items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, str(ROOT / script), "--stage", "4"], cwd=tmp_path, env=clean,
+    proc = subprocess.run([sys.executable, str(ROOT / script), "--stage", "4", "--out", str(tmp_path / "out")],
+                          cwd=tmp_path, env=clean,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "ZeRO stage must be 0, 1, 2 or 3, got 4" in proc.stderr

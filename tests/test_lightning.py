@@ -77,7 +77,7 @@ def test_fabric_run_launcher(tmp_path):
 
 @pytest.mark.slow
 def test_bad_input_exits_2(tmp_path):
-    proc = run([sys.executable, LIGHTNING, "--precision", "fp16"], check=False)
+    proc = run([sys.executable, LIGHTNING, "--precision", "fp16", "--out", tmp_path / "r.json"], check=False)
     assert proc.returncode == 2 and "fp16 is not supported by DeepSpeed on CPU" in proc.stderr
 
 

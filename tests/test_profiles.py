@@ -191,9 +191,9 @@ def test_compare_on_a_cpu_runs_the_eager_profile_and_refuses_fast(capsys):
 
 
 @pytest.mark.parametrize("script", ["plain_deepspeed/train.py", "lightning_app/train.py"])
-def test_the_training_scripts_list_the_profiles_and_refuse_a_bad_one(script):
-    run = lambda *a: subprocess.run([sys.executable, script, *a], cwd=ROOT, env=env(), capture_output=True,
-                                    text=True, timeout=120)
+def test_the_training_scripts_list_the_profiles_and_refuse_a_bad_one(tmp_path, script):
+    run = lambda *a: subprocess.run([sys.executable, script, *a, "--out", str(tmp_path / "r.json")], cwd=ROOT,
+                                    env=env(), capture_output=True, text=True, timeout=120)
     listed = run("--profile", "list")
     assert listed.returncode == 0 and "fast: the fastest setup measured" in listed.stdout
     assert "rule: gpus > 1: deepcompile_backward_wait=host" in listed.stdout

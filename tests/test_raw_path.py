@@ -59,7 +59,7 @@ def test_deepspeed_launcher_grad_accum_and_study_flags(tmp_path):
 
 
 def test_bad_input_exits_2_before_training(tmp_path):
-    proc = run([sys.executable, RAW, "--precision", "fp16"], check=False)
+    proc = run([sys.executable, RAW, "--precision", "fp16", "--out", tmp_path / "r.json"], check=False)
     assert proc.returncode == 2 and "fp16 is not supported by DeepSpeed on CPU" in proc.stderr
-    proc = run([sys.executable, RAW, "--micro_batch", "0"], check=False)
+    proc = run([sys.executable, RAW, "--micro_batch", "0", "--out", tmp_path / "r.json"], check=False)
     assert proc.returncode == 2 and "micro_batch must be a positive integer, got 0" in proc.stderr

@@ -109,7 +109,8 @@ def test_truncated_or_unmarked_checkpoints_are_never_picked(tmp_path):
     assert checkpoint.latest_complete(ck).name == "step00000002"
     (ck / "step00000002" / checkpoint.MARKER).unlink()  # a save that never finished
     assert checkpoint.latest_complete(ck) is None
-    proc = run([sys.executable, RAW, *BASE, "--steps", "4", "--resume", str(ck / "step00000004")], check=False)
+    proc = run([sys.executable, RAW, *BASE, "--steps", "4", "--resume", str(ck / "step00000004"),
+                "--out", tmp_path / "resumed.json"], check=False)
     assert proc.returncode == 2 and "is incomplete" in proc.stderr
 
 
@@ -194,7 +195,7 @@ def test_nan_policy_skip_counts_and_continues(tmp_path):
     r = load(tmp_path / "r.json")
     assert r["extra"]["skipped_steps"] == [3]
     assert r["losses"][2] is None and all(math.isfinite(x) for i, x in enumerate(r["losses"]) if i != 2)
-    proc = run([sys.executable, LIGHTNING, *BASE, "--nan_policy", "skip"], check=False)
+    proc = run([sys.executable, LIGHTNING, *BASE, "--nan_policy", "skip", "--out", tmp_path / "pl.json"], check=False)
     assert proc.returncode == 2 and "not available in the Lightning path" in proc.stderr
 
 
@@ -240,7 +241,8 @@ def test_bad_inputs_are_refused_before_training(tmp_path):
     arr = np.fromfile(tokens, dtype=np.uint16)
     arr[:] = 300
     arr.tofile(tokens)
-    proc = run([sys.executable, RAW, *BASE, "--data", tmp_path / "t", "--steps", "2"], check=False)
+    proc = run([sys.executable, RAW, *BASE, "--data", tmp_path / "t", "--steps", "2", "--out", tmp_path / "r.json"],
+               check=False)
     assert proc.returncode != 0 and "token id 300" in proc.stdout + proc.stderr
     assert "outside the model's vocabulary of 256" in proc.stdout + proc.stderr
 
