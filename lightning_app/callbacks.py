@@ -173,7 +173,8 @@ class CheckpointCallback(pl.Callback):
     def __init__(self, train: TrainConfig, timing: TimingCallback):
         self.train, self.timing = train, timing
         self.preempted = False
-        self.saves = timing.saves  # the run's record reads them there
+        # each save's step and seconds, where the run's record reads them (a callback without timing keeps its own)
+        self.saves = timing.saves if timing is not None else []
 
     def on_train_start(self, trainer, pl_module):
         # Replaces Lightning's own SIGTERM handler: the flag is agreed on by all ranks every N steps instead.

@@ -191,6 +191,7 @@ def test_compare_on_a_cpu_runs_the_eager_profile_and_refuses_fast(capsys):
 
 
 @pytest.mark.parametrize("script", ["plain_deepspeed/train.py", "lightning_app/train.py"])
+@pytest.mark.timeout(900)  # two script starts, each under its own subprocess timeout
 def test_the_training_scripts_list_the_profiles_and_refuse_a_bad_one(tmp_path, script):
     run = lambda *a: subprocess.run([sys.executable, script, *a, "--out", str(tmp_path / "r.json")], cwd=ROOT,
                                     env=env(), capture_output=True, text=True, timeout=120)
