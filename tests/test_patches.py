@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import json
 import re
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import textwrap
 import types
 
 import pytest
+import torch
 
 from shared import patches
 from shared.patches import GROUPS, PATCHES, TESTED, fingerprints
@@ -20,7 +22,7 @@ from shared.train.config import TrainConfig
 from tests.helpers import RAW, ROOT, env
 from tests.test_layers import MODULES, in_layer
 
-CPU = __import__("torch").device("cpu")
+CPU = torch.device("cpu")
 
 
 # ---- the registry against the code and the docs -----------------------------------------------------------------
@@ -194,21 +196,32 @@ def test_another_lightning_refuses_the_lightning_path_only(untested, monkeypatch
     assert "pytorch-lightning 2.7.0" in msg and "pytorch-lightning==2.6.6" in msg and "raw path" in msg
 
 
-@pytest.mark.slow
-def test_the_raw_path_refuses_an_untested_deepspeed_before_its_process_group(tmp_path):
-    """The whole command, with DeepSpeed's version as another release would report it: exit 2, one message, no
-    process group, no result (the eager profile runs this project's ZeRO-3 step)."""
-    out = tmp_path / "r.json"
+def _raw_path_as_if(deepspeed: str, args: list, timeout: int) -> subprocess.CompletedProcess:
+    """The raw path's whole command, DeepSpeed's installed version reported as `deepspeed`."""
     code = ("import importlib.metadata as m, runpy, sys; v = m.version; "
-            "m.version = lambda d: '0.20.0' if d == 'deepspeed' else v(d); "
-            f"sys.argv = ['train.py', '--profile', 'eager', '--out', {str(out)!r}]; "
+            f"m.version = lambda d: {deepspeed!r} if d == 'deepspeed' else v(d); "
+            f"sys.argv = ['train.py', *{[str(a) for a in args]!r}]; "
             f"runpy.run_path({str(RAW)!r}, run_name='__main__')")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env(), cwd=ROOT,
-                          timeout=240)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env(), cwd=ROOT,
+                          timeout=timeout)
+
+
+@pytest.mark.slow
+def test_the_raw_path_refuses_an_untested_deepspeed_before_its_process_group_and_stock_runs(tmp_path):
+    """With DeepSpeed's version as another release would report it: the eager profile (this project's ZeRO-3 step)
+    exits 2 with one message, no process group, no result; the stock profile trains, and replaces nothing."""
+    out = tmp_path / "r.json"
+    proc = _raw_path_as_if("0.20.0", ["--profile", "eager", "--out", out], timeout=240)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "this machine has DeepSpeed 0.20.0" in proc.stderr and "--profile stock" in proc.stderr
     assert "Traceback" not in proc.stderr and "init_distributed" not in proc.stdout + proc.stderr
     assert not out.exists()
+    proc = _raw_path_as_if("0.20.0", ["--profile", "stock", "--preset", "tiny", "--steps", "4", "--warmup_steps", "2",
+                                      "--out", out], timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["versions"]["deepspeed"] == "0.20.0" and result["train"]["zero3_step"] == "deepspeed"
+    assert result["extra"]["patches"] == [] and result["extra"]["zero3_step_calls"] is None
 
 
 # ---- the fingerprints ---------------------------------------------------------------------------------------------
