@@ -249,7 +249,7 @@ PATCHES: tuple[Patch, ...] = (
           "shared.patches.lightning.throttle_sigterm_broadcast",
           "Lightning's per-step SIGTERM broadcast (a collective and a .item()) run every preemption.CHECK_EVERY steps "
           "and counted (extra.lightning.sigterm_broadcasts)", "lightning_sigterm", "docs/ledger.md",
-          "`--sigterm_check_every`", ("tests/test_explain.py::test_explain_end_to_end_two_processes",),
+          "the explain factor `sigterm_check`", ("tests/test_explain.py::test_explain_end_to_end_two_processes",),
           sources=("pytorch_lightning.loops.training_epoch_loop._TrainingEpochLoop._broadcast_sigterm_tensor",
                    "pytorch_lightning.loops.training_epoch_loop._TrainingEpochLoop.advance")),
 )

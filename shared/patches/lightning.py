@@ -13,7 +13,7 @@ Lightning inside its functions only.
 - Since 2.5.2 Lightning broadcasts a SIGTERM flag from rank 0 at the start of every training step when there is
   more than one process, and reads it back with .item(): a collective and a host sync per step (Lightning issue
   #21487). `throttle_sigterm_broadcast` runs it every `every` steps instead, and counts the broadcasts
-  (docs/ledger.md, row `--sigterm_check_every`).
+  (docs/ledger.md, the row of the explain factor `sigterm_check`).
 """
 
 from __future__ import annotations
