@@ -21,18 +21,18 @@ the device, the tuned ZeRO-3 buckets; 20 steps of which 10 warm-up) and changes 
 24 (`+mb24`: each step's host work is the same, its kernels half as long again), the vocabulary unpadded (`-vocab128`),
 DeepSpeed's own optimizer step instead of this project's (`-fast_zero3_step`), the fast step's three passes (gradient
 copy, torch's fused AdamW, parameter copy) instead of the one kernel (`-fused_zero3_step`, shared/kernels/adamw.py),
-DeepCompile without the small parameters kept gathered (`-persist_threshold`, shared/train/deepcompile_passes.py),
+DeepCompile without the small parameters kept gathered (`-persist_threshold`, shared/patches/deepcompile_passes.py),
 inductor's generated kernels without coordinate-descent tuning (`-coordinate_descent`), inductor's generated bias + GELU
 backward instead of that kernel (`-triton_gelu_grad`, shared/kernels/bias_gelu_grad.py), the model's own loss
 (inductor's kernels over the whole logits) instead of one Triton kernel per row (`-triton_loss`,
 shared/kernels/cross_entropy.py), eager ZeRO-3's list of persistent parameters kept under DeepCompile, so each step
-gathers them again (`-drop_eager_persist`, shared/train/ds_runtime.drop_eager_persistent), DeepSpeed's own walks of the
-model around each step instead of lists taken once (`-cached_walks`, shared/train/ds_runtime.cache_deepcompile_walks),
+gathers them again (`-drop_eager_persist`, shared/patches/deepcompile.py), DeepSpeed's own walks of the
+model around each step instead of lists taken once (`-cached_walks`, shared/patches/deepcompile.py),
 inductor's dropout masks, one Philox call per element, instead of the Triton kernel's eight draws per call
 (`-triton_dropout`, shared/kernels/dropout_mask.py), DeepSpeed's own DeepCompile op, whose host waits for the backward's
-end, instead of the one whose compute stream waits for it (`-device_backward_wait`, shared/train/deepcompile_op.py),
+end, instead of the one whose compute stream waits for it (`-device_backward_wait`, shared/patches/deepcompile_op.py),
 DeepSpeed's read of the gradient norm's inf/NaN check on the host instead of the flag left on the device, each update
-skipping itself there (`-device_norm_check`, shared/train/zero3_step.py), and the padded vocabulary, the Triton loss and
+skipping itself there (`-device_norm_check`, shared/patches), and the padded vocabulary, the Triton loss and
 the Triton dropout all off (`-together`: each measured within its baselines' noise alone, the three 1.017x together).
 The levers measured here and removed since are in docs/ledger.md. The block-sparse kernel is not a lever here: on the
 causal layout SDPA (cuDNN) is faster, with and without dropout; benchmarks/attention.py and attention_dropout.py compare
@@ -106,7 +106,7 @@ SWITCHES = {
 PATHS = ("deepspeed", "lightning")
 LABEL = {"deepspeed": "raw", "lightning": "Lightning"}  # the paths as the tables name them
 # Every switch off, spelled out: the bias fusions default to on where CUDA is (shared/model/config.py), the fast
-# ZeRO-3 step everywhere (shared/train/zero3_step.py).
+# ZeRO-3 step everywhere (shared/patches/zero3_step.py).
 NAIVE = {"fused_bias_dropout_add": False, "fused_bias_gelu": False, "zero3_step": "deepspeed"}
 
 

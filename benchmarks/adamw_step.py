@@ -5,7 +5,7 @@
 
 On flat buffers of `--numel` elements (fp32 parameters and moments, a bf16 gradient and bf16 parameter copy, as
 ZeRO-3 keeps a sub-group's partition), alternated `--repeats` times, each timed between device synchronizations:
-- fast: what shared/train/zero3_step.py's fast step runs: the bf16 gradient cast to an fp32 copy, torch's fused
+- fast: what shared/patches/zero3_step.py's fast step runs: the bf16 gradient cast to an fp32 copy, torch's fused
   AdamW with the clip/loss-scale factor as its grad_scale, the fp32 parameters copied into the bf16 ones;
 - fused: shared/kernels/adamw.adamw_step, the three in one kernel (`--zero3_step fused`).
 Writes the times (ms), their median and [min, max], the ratio of the medians, each mode's bytes moved per element

@@ -52,9 +52,9 @@ WARM = Path("/tmp/zero3bench_keep")  # the folders `--keep warm` continues, one 
 CACHES = {"TORCH_EXTENSIONS_DIR": "/tmp/zero3bench_extensions", "TORCHINDUCTOR_CACHE_DIR": "/tmp/zero3bench_inductor",
           "TRITON_CACHE_DIR": "/tmp/zero3bench_triton"}
 COMPILE_CACHE = ROOT / ".compile_cache"  # an earlier call's saved caches, where they came with the repo
-# DeepCompile's op and its variant whose compute stream waits for the backward's end (shared/train/deepcompile_op.py)
+# DeepCompile's op and its variant whose compute stream waits for the backward's end (shared/patches/deepcompile_op.py)
 OPS = {"op_build.log": "from deepspeed.ops.op_builder.dc import DeepCompileBuilder; DeepCompileBuilder().load()",
-       "op_build_device_wait.log": "from shared.train.deepcompile_op import builder; builder().load()"}
+       "op_build_device_wait.log": "from shared.patches.deepcompile_op import builder; builder().load()"}
 OPS_S = 300  # the op builds take about a minute each on an H200
 PACK_S = 8  # kept out of the budget for packing the results
 TIME_LIMIT_MARGIN_S = 20  # compare.py / ablation.py stop this much before their timeout would cut them

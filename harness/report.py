@@ -91,7 +91,7 @@ def summarize_path(runs: list[RunResult]) -> dict:
         "warmup_s": [r.extra.get("warmup_s") for r in runs],
         "compile_s": [r.extra.get("compile_s") for r in runs],
         "deepcompile_passes_s": [r.extra.get("deepcompile_passes_s") for r in runs],
-        # of those, DeepCompile's operator and memory profiling (shared/train/ds_runtime.time_deepcompile_profilers)
+        # of those, DeepCompile's operator and memory profiling (shared/patches/deepcompile.time_deepcompile_profilers)
         "deepcompile_profiling_s": [_profiling_s(r.extra.get("deepcompile_profilers")) for r in runs],
         # inductor's compiled graphs found in its on-disk cache / compiled / not cacheable, per run
         "compile_cache": [r.extra.get("compile_cache") for r in runs],

@@ -20,35 +20,16 @@ import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_app.module import GPTModule
+from shared import patches
 from shared.model.gpt import count_parameters
-from shared.train import checkpoint, preemption, zero3_step
+from shared.patches import lightning as lightning_patches
+from shared.train import checkpoint, preemption
 from shared.train.config import TrainConfig
 from shared.train.distributed import dropout_seed, freeze_gc
 from shared.train.ds_runtime import BreakdownCollector, GradNormRecorder, param_checksum
 from shared.train.loop import peak_memory_bytes, start_progress
 from shared.train.preemption import Preemption
 from shared.train.results import RunResult, build_result, write_result
-
-
-class SigtermCheck:
-    """Runs Lightning's SIGTERM broadcast every `every` steps instead of every step, and counts the broadcasts.
-
-    Since 2.5.2 Lightning broadcasts a SIGTERM flag from rank 0 at the start of every training step when there
-    is more than one process, and reads it back with .item(): a collective and a host sync per step (Lightning
-    issue #21487). every=1 keeps Lightning's behaviour (and still counts). Preemption itself is handled by
-    shared/train/preemption.py (CheckpointCallback), which replaces Lightning's SIGTERM handler at train start.
-    """
-
-    def __init__(self, trainer: pl.Trainer, every: int):
-        self.loop = trainer.fit_loop.epoch_loop
-        self.broadcast = self.loop._broadcast_sigterm_tensor  # private API of pytorch-lightning 2.6 (pinned)
-        self.every, self.calls = every, 0
-        self.loop._broadcast_sigterm_tensor = self
-
-    def __call__(self) -> None:
-        if self.loop.global_step % self.every == 0:
-            self.calls += 1
-            self.broadcast()
 
 
 class TimingCallback(pl.Callback):
@@ -120,7 +101,9 @@ class RunCallback(pl.Callback):
 
     def on_train_start(self, trainer, pl_module):
         on = self.train.overheads
-        self.sigterm = SigtermCheck(trainer, 1 if "sigterm_check" in on else preemption.CHECK_EVERY)
+        # Lightning's per-step SIGTERM broadcast, every CHECK_EVERY steps (shared/patches/lightning.py)
+        self.sigterm = lightning_patches.throttle_sigterm_broadcast(
+            trainer, 1 if "sigterm_check" in on else preemption.CHECK_EVERY)
         if "python_gc_auto" not in on:
             freeze_gc()
 
@@ -156,7 +139,7 @@ class RunCallback(pl.Callback):
             extra={"lightning": effective_settings(trainer, pl_module, self.sigterm), "start_step": timing.start,
                    "resumed_from": str(self.resume_from) if self.resume_from else None,
                    "val": pl_module.val_history, "saves": timing.saves,
-                   "zero3_step_calls": zero3_step.calls(engine)},
+                   "zero3_step_calls": patches.step_calls(engine)},
         )
         if self.train.export:
             checkpoint.export_live(pl_module.gpt, dataclasses.asdict(pl_module.model_cfg), self.train.export,
@@ -220,7 +203,7 @@ class CheckpointCallback(pl.Callback):
             self.preemption.restore()
 
 
-def effective_settings(trainer: pl.Trainer, pl_module: GPTModule, sigterm: SigtermCheck) -> dict:
+def effective_settings(trainer: pl.Trainer, pl_module: GPTModule, sigterm: lightning_patches.SigtermCheck) -> dict:
     """What the Lightning run actually did, read back from the live objects (tests assert on it)."""
     loader = trainer.train_dataloader
     return {

@@ -155,7 +155,8 @@ def main(train: TrainConfig) -> RunResult | None:
     check_overheads(train)
     devices = default_devices(train)
     world = int(os.environ["WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else devices
-    check_before_start(train, torch.device("cuda" if torch.cuda.is_available() else "cpu"), world, devices)
+    check_before_start(train, torch.device("cuda" if torch.cuda.is_available() else "cpu"), world, devices,
+                       lightning=True)
     resume_from = checkpoint.resolve_resume(train.resume, train.ckpt_dir)
     checkpoint.check_ckpt_dir(train, resume_from)
     if resume_from is not None:

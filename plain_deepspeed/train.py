@@ -21,8 +21,9 @@ import torch
 import torch.distributed as dist
 from torchmetrics import MeanMetric
 
+from shared import patches
 from shared.model.gpt import GPT, count_parameters
-from shared.train import checkpoint, zero3_step
+from shared.train import checkpoint
 from shared.train.cli import parse_train_config
 from shared.train.compile import compile_blocks, configure_inductor
 from shared.train.config import TrainConfig
@@ -126,7 +127,7 @@ def main(train: TrainConfig) -> RunResult:
             print(f"[deepspeed] resumed from {resume_from} at step {start}", flush=True)
     # after the resume: DeepCompile registers the loaded shards
     compile_engine(engine, train, rank)
-    zero3_step.apply(engine, train.zero3_step, train.grad_norm_check)
+    patches.install(engine, train)  # the ZeRO-3 step (shared/patches/zero3_step.py)
 
     pin = device.type == "cuda"
     loader = train_loader(train, rank, start, pin_memory=pin)
@@ -214,7 +215,7 @@ def main(train: TrainConfig) -> RunResult:
         peak_mem_bytes=peak_mem,
         grad_norms=grad_norms.values(), param_checksum=param_checksum(model),
         extra={"start_step": start, "resumed_from": str(resume_from) if resume_from else None,
-               "skipped_steps": nan_guard.skipped, "zero3_step_calls": zero3_step.calls(engine), **history},
+               "skipped_steps": nan_guard.skipped, "zero3_step_calls": patches.step_calls(engine), **history},
     )
     write_result(result, train.out, rank)
     dist.barrier()

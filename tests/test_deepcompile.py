@@ -120,7 +120,7 @@ def test_the_persistence_pass_drops_only_the_releases_of_small_parameters(monkey
 
     import torch.fx
 
-    from shared.train import deepcompile_passes as dp
+    from shared.patches import deepcompile_passes as dp
 
     if not hasattr(torch.ops.zero3bench_test, "release_param"):
         torch.library.define("zero3bench_test::release_param",
@@ -141,7 +141,7 @@ def test_the_persistence_pass_drops_only_the_releases_of_small_parameters(monkey
     assert dp.small_param_ids(manager, threshold=8) == {7}
     assert dp.drop_releases(gm.graph, {7}) == 1
     gm.recompile()
-    kept = [n.args[2] for n in gm.graph.nodes if dp._op_name(n) == dp.RELEASE_OP]
+    kept = [n.args[2] for n in gm.graph.nodes if dp.op_name(n) == dp.RELEASE_OP]
     assert kept == [9]  # the large weight's release stays
     torch.testing.assert_close(gm(x, ln_w, fc_w), expected)
 
@@ -205,7 +205,7 @@ def test_deepcompiles_two_profilers_are_timed_once_per_process(monkeypatch):
     from deepspeed.compile.profilers import graph_profile
 
     from harness.report import _profiling_s
-    from shared.train import ds_runtime
+    from shared.patches import deepcompile
 
     seen = []
 
@@ -214,13 +214,13 @@ def test_deepcompiles_two_profilers_are_timed_once_per_process(monkeypatch):
 
     monkeypatch.setattr(graph_profile.ProfilingInterpreter, "run", lambda self, *args: seen.append(args) or "out")
     monkeypatch.setattr(graph_profile.MemoryProfilingInterpreter, "run", fails)
-    monkeypatch.setattr(ds_runtime, "PROFILERS", None)
-    ds_runtime.time_deepcompile_profilers()
-    ds_runtime.time_deepcompile_profilers()  # a second engine in the process wraps nothing again
+    monkeypatch.setattr(deepcompile, "PROFILERS", None)
+    assert deepcompile.time_deepcompile_profilers()
+    assert not deepcompile.time_deepcompile_profilers()  # a second engine in the process wraps nothing again
     assert graph_profile.ProfilingInterpreter.run(object(), 1, 2) == "out" and seen == [(1, 2)]
     with pytest.raises(RuntimeError, match="out of memory"):
         graph_profile.MemoryProfilingInterpreter.run(object())
-    timed = ds_runtime.PROFILERS
+    timed = deepcompile.PROFILERS
     assert timed["operators_runs"] == 1 and timed["memory_runs"] == 1
     assert timed["operators_s"] >= 0 and timed["memory_s"] >= 0
     assert _profiling_s(timed) == timed["operators_s"] + timed["memory_s"] and _profiling_s(None) is None
@@ -232,7 +232,7 @@ def test_a_resumed_engine_starts_deepcompiles_schedule_at_its_own_step():
     from collections import deque
     from types import SimpleNamespace
 
-    from shared.train.ds_runtime import start_schedule_at
+    from shared.patches.deepcompile import start_schedule_at
 
     backend = SimpleNamespace(remaining_schedule=deque([(0, ["gather"]), (5, ["gather", "prefetch"])]))
     start_schedule_at(backend, 0)
@@ -247,7 +247,7 @@ def test_the_schedule_follows_a_checkpoint_loaded_after_compilation():
     from collections import deque
     from types import SimpleNamespace
 
-    from shared.train.ds_runtime import align_schedule
+    from shared.patches import align_schedule
 
     backend = SimpleNamespace(remaining_schedule=deque([(0, ["gather"]), (5, ["prefetch"])]))
     engine = SimpleNamespace(global_steps=0, is_deepcompile_active=lambda: True)
@@ -271,7 +271,7 @@ def test_the_lightning_strategy_aligns_the_schedule_after_loading_a_checkpoint(m
 
     aligned = []
     monkeypatch.setattr(DeepSpeedStrategy, "load_checkpoint", lambda self, path, *a, **k: {"global_step": 20})
-    monkeypatch.setattr(strategy, "align_schedule", aligned.append)
+    monkeypatch.setattr(strategy.patches, "align_schedule", aligned.append)
     zs = strategy.ZeroStrategy.__new__(strategy.ZeroStrategy)
     monkeypatch.setattr(strategy.ZeroStrategy, "deepspeed_engine", "engine", raising=False)
     assert zs.load_checkpoint("ck/step00000020") == {"global_step": 20} and aligned == ["engine"]
@@ -338,16 +338,18 @@ def test_the_lightning_strategy_hands_every_deepcompile_option_to_compile_engine
     Lightning's strategy, the same config."""
     from lightning_app import strategy
     from lightning_app.train import build_strategy
+    from shared.patches import lightning as lightning_patches
 
     calls = []
     monkeypatch.setattr(strategy, "compile_engine", lambda *args: calls.append(args))
-    monkeypatch.setattr(strategy.zero3_step, "apply",
-                        lambda engine, mode, check: calls.append(("zero3_step", mode, check)))
+    monkeypatch.setattr(strategy.patches, "install",
+                        lambda engine, train: calls.append(("zero3_step", train.zero3_step, train.grad_norm_check)))
+    monkeypatch.setattr(lightning_patches, "initialize", lambda strategy, model, optimizer, scheduler: ("engine",
+                                                                                                       "optimizer"))
     train = TrainConfig(deepcompile_schedule="once", deepcompile_persist="deepspeed",
                         deepcompile_eager_persist="deepspeed", deepcompile_cached_walks=False, zero3_step="fused",
                         grad_norm_check="device")
     zs = build_strategy(train)
-    monkeypatch.setattr(zs, "_initialize", lambda model, optimizer, scheduler=None: ("engine", "optimizer"))
     assert zs._setup_model_and_optimizer("model", "optimizer") == ("engine", "optimizer")
     assert calls == [("engine", train, zs.global_rank), ("zero3_step", "fused", "device")]
     assert calls[0][1] is train
@@ -356,7 +358,6 @@ def test_the_lightning_strategy_hands_every_deepcompile_option_to_compile_engine
     calls.clear()
     default_dict = dataclasses.replace(train, lightning_overheads="pl_default_ds_config")
     zs = build_strategy(default_dict)
-    monkeypatch.setattr(zs, "_initialize", lambda model, optimizer, scheduler=None: ("engine", "optimizer"))
     zs._setup_model_and_optimizer("model", "optimizer")
     assert calls[-1] == ("zero3_step", "fused", "device")
 
@@ -436,7 +437,7 @@ def test_the_once_schedule_trains_like_deepspeeds_schedule(tmp_path, kjv):
 @pytest.mark.parametrize("gpus", [1, pytest.param(2, marks=pytest.mark.skipif(
     torch.cuda.device_count() < 2, reason="needs two GPUs: the reduce-scatter across ranks"))])
 def test_the_device_wait_trains_like_the_host_wait_without_the_backwards_sync(tmp_path, kjv, gpus):
-    """--deepcompile_backward_wait device (shared/train/deepcompile_op.py): the op built from DeepSpeed's patched
+    """--deepcompile_backward_wait device (shared/patches/deepcompile_op.py): the op built from DeepSpeed's patched
     source runs, the backward's host wait is gone from the step's synchronizing calls (the norm check's stays), and
     the run trains as with DeepSpeed's own op: the change is one of timing only."""
     host = _train(RAW, tmp_path, "host", kjv, "--compile", "deepcompile", "--sync_check_step", "7", gpus=gpus)

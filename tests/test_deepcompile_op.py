@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import shared.model.config as model_config
-from shared.train import deepcompile_op
+from shared.patches import deepcompile_op
 from shared.train.config import TrainConfig
 
 ds = pytest.importorskip("deepspeed")
@@ -85,13 +85,14 @@ def test_bad_settings_are_refused_by_name(monkeypatch):
 
 
 def test_compile_engine_installs_the_op_before_deepspeed_loads_its_own(monkeypatch):
+    from shared.patches import deepcompile
     from shared.train import ds_runtime
 
     monkeypatch.setattr(model_config, "cuda_available", lambda: True)
     order = []
 
     class Engine:
-        _config = types.SimpleNamespace(compile_config=types.SimpleNamespace())
+        config = {"compile": {"deepcompile": True}}
 
         def compile(self, backend, schedule):
             order.append("engine.compile")
@@ -103,8 +104,9 @@ def test_compile_engine_installs_the_op_before_deepspeed_loads_its_own(monkeypat
             return 0
 
     monkeypatch.setattr(deepcompile_op, "install", lambda: order.append("install"))
-    for name in ("time_deepcompile_profilers", "drop_eager_persistent", "cache_deepcompile_walks", "align_schedule"):
-        monkeypatch.setattr(ds_runtime, name, lambda *a, **k: None)
+    for name in ("time_deepcompile_profilers", "drop_eager_persistent", "cache_deepcompile_walks", "align_schedule",
+                 "schedule_shift"):
+        monkeypatch.setattr(deepcompile, name, lambda *a, **k: None)
     for wait, expected in (("device", ["install", "engine.compile"]), ("host", ["engine.compile"])):
         order.clear()
         ds_runtime.compile_engine(Engine(), TrainConfig(compile="deepcompile", warmup_steps=6, stage=2,

@@ -4,6 +4,9 @@
   - shared/kernels/ imports nothing of shared/ outside itself: Triton operations only;
   - shared/model/ imports no DeepSpeed, no Lightning and nothing of shared.train / shared.tools: torch only;
   - shared/train/ imports no Lightning, and DeepSpeed only inside functions;
+  - shared/patches/ (every replacement of DeepSpeed or Lightning internals) imports both only inside functions, and
+    outside it only its entry points are imported: the package itself (shared.patches), and its Lightning hooks
+    (shared.patches.lightning) by lightning_app/ alone, so that every patch goes through the version gate;
   - shared/ imports nothing of the paths, the harness or compare.py (arrows point one way);
   - the harness imports neither compare.py nor any private name of it;
   - the library (shared/, harness/) neither imports benchmarks/ nor names a file of it to run: benchmarks are
@@ -131,6 +134,21 @@ def test_the_model_imports_torch_not_the_training_stack():
 def test_the_training_layer_imports_deepspeed_only_inside_functions_and_never_lightning():
     assert _bad("shared.train", lambda base, top: any(in_layer(base, b) for b in LIGHTNING)) == []
     assert _bad("shared.train", lambda base, top: top and in_layer(base, "deepspeed")) == []
+
+
+def test_the_patch_layer_imports_deepspeed_and_lightning_only_inside_functions():
+    libraries = ("deepspeed", *LIGHTNING)
+    assert _bad("shared.patches", lambda base, top: top and any(in_layer(base, b) for b in libraries)) == []
+    assert "shared.patches.lightning" in MODULES and "shared.patches.zero3_step" in MODULES
+
+
+def test_outside_the_patch_layer_only_its_entry_points_are_imported():
+    allowed = {"shared.patches": None, "shared.patches.lightning": "lightning_app"}  # module -> who may (None: any)
+    bad = [f"{m} imports {t}" for m in MODULES if not in_layer(m, "shared.patches")
+           for t in targets(m) if in_layer(t, "shared.patches")
+           and (t not in allowed or (allowed[t] is not None and not in_layer(m, allowed[t])))]
+    assert bad == []
+    assert "shared.patches.lightning" in targets("lightning_app.strategy")  # the rule sees such an import
 
 
 def test_shared_imports_no_path_harness_or_entry_point():

@@ -9,6 +9,7 @@ from pytorch_lightning.strategies import DeepSpeedStrategy
 
 from lightning_app.strategy import ZeroStrategy
 from lightning_app.train import lightning_ds_config
+from shared.patches import PATCHES
 from shared.train.config import TrainConfig
 from shared.train.distributed import free_port
 from shared.train.ds_config import build_ds_config
@@ -43,9 +44,12 @@ def test_one_process_matches_raw_path_bit_for_bit(tmp_path):
     assert pl.path == "lightning" and pl.world_size == 1
     assert pl.ds_config == raw.ds_config  # what deepspeed.initialize received, in both paths
     assert pl.losses == raw.losses  # same init, batches, dropout masks and optimizer: identical on CPU
-    # both ran the fast ZeRO-3 step (shared/train/zero3_step.py) the same number of times, never falling back
+    # both ran the fast ZeRO-3 step (shared/patches/zero3_step.py) the same number of times, never falling back
     assert pl.extra["zero3_step_calls"] == raw.extra["zero3_step_calls"]
     assert raw.extra["zero3_step_calls"]["fast"] > 0 and raw.extra["zero3_step_calls"]["deepspeed"] == 0
+    # the Lightning path's hooks on a CPU, on top of the raw loop's patches (shared/patches)
+    lightning_hooks = {p.target for p in PATCHES if p.group.startswith("lightning_")}
+    assert set(pl.extra["patches"]) == set(raw.extra["patches"]) | lightning_hooks and raw.extra["patches"]
     for r in (raw, pl):  # each path's hooks open and close every phase of the profiled step
         phases = r.extra["profile"]["phases"]
         assert set(phases) == {"data", "forward", "backward", "step"}, r.path

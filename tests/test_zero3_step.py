@@ -1,4 +1,4 @@
-"""The fast ZeRO-3 optimizer step (shared/train/zero3_step.py) against DeepSpeed's own, on CPU (gloo)."""
+"""The fast ZeRO-3 optimizer step (shared/patches/zero3_step.py) against DeepSpeed's own, on CPU (gloo)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import sys
 import pytest
 import torch
 
+from shared.patches import PATCHES
+from shared.patches.zero3_step import _flat_region
 from shared.train.config import TrainConfig
-from shared.train.zero3_step import _flat_region
 from tests.helpers import FAST, GPU_BASE, LIGHTNING, RAW, ROOT, load, run, torchrun
 from tests.helpers import env as run_env
 
@@ -273,6 +274,9 @@ def test_the_raw_path_runs_the_fast_step_by_default_records_it_and_trains_like_d
     # one norm and one fp32 copy per sub-group (tiny: 2, the decayed and the undecayed parameters) per step
     assert f["extra"]["zero3_step_calls"]["fast"] == 2 * 2 * FAST_STEPS
     assert d["extra"]["zero3_step_calls"] is None
+    # what each process replaced of DeepSpeed's (shared/patches): the step's group, or nothing
+    assert f["extra"]["patches"] == sorted(p.target for p in PATCHES if p.group == "zero3_step")
+    assert d["extra"]["patches"] == []
     for a, b in zip(f["grad_norms"], d["grad_norms"], strict=True):
         assert math.isclose(a, b, rel_tol=1e-4), (a, b)
     assert f["losses"] == pytest.approx(d["losses"], rel=1e-4)

@@ -6,8 +6,8 @@ fast code and report the same global norm. Then, with torch's fused AdamW (which
 with the fast, with DeepSpeed's and with the fused step (the AdamW kernel, in Triton's interpreter), clipping on
 and off: the fast one hands the unscale to the optimizer, the fused one to the kernel.
 Last, the step's eager gather of ZeRO-3's persistent parameters, as it runs once DeepCompile has turned persistence
-off (shared/train/ds_runtime.drop_eager_persistent): gathered after each step with the list, not without it; and
-the cached walks (ds_runtime.cache_deepcompile_walks) against DeepSpeed's own on the same parameter states.
+off (shared/patches/deepcompile.drop_eager_persistent): gathered after each step with the list, not without it; and
+the cached walks (deepcompile.cache_deepcompile_walks) against DeepSpeed's own on the same parameter states.
 Writes the figures of rank 0 to argv[1] (JSON); argv[2] is the token files' prefix the equivalence runs train on.
 """
 
@@ -21,12 +21,13 @@ import torch
 import torch.distributed as dist
 
 from shared.model.gpt import GPT
-from shared.train import ds_runtime, zero3_step
+from shared.patches import deepcompile, zero3_step
+from shared.patches.deepcompile import cache_deepcompile_walks, drop_eager_persistent
 from shared.train.config import TrainConfig
 from shared.train.data import train_loader
 from shared.train.distributed import ensure_env, exit_process, seed_all
 from shared.train.ds_config import build_ds_config
-from shared.train.ds_runtime import cache_deepcompile_walks, drop_eager_persistent, param_checksum
+from shared.train.ds_runtime import param_checksum
 from shared.train.optim import build_optimizer, build_scheduler, param_groups
 
 
@@ -216,7 +217,7 @@ def cached_walks(train: TrainConfig, rank: int) -> dict:
     loss = engine(x, y)
     engine.backward(loss)
     engine.step()
-    return {"refusal": refusal, "recorded": ds_runtime.CACHED_WALKS, "n_params": len(params),
+    return {"refusal": refusal, "recorded": deepcompile.CACHED_WALKS, "n_params": len(params),
             "n_modules": len(list(engine.module.modules())), "walks_when_partitioned": walks_when_partitioned,
             "gathered_before": gathered_before,
             "walk": walk, "contexts": contexts, "expected_released": sorted([params[1].ds_id, params[5].ds_id]),

@@ -1,6 +1,6 @@
 """AdamW over flat buffers in one Triton kernel: the 16-bit gradient read as it is, the 16-bit parameter copy written.
 
-ZeRO-3's step on a sub-group of the fp32 master weights runs three passes over memory (shared/train/zero3_step.py,
+ZeRO-3's step on a sub-group of the fp32 master weights runs three passes over memory (shared/patches/zero3_step.py,
 `--zero3_step fast`): the 16-bit gradient partition copied to fp32, torch's fused AdamW (reads parameter, gradient and
 both moments, writes parameter and moments), and the fp32 parameters copied back into the 16-bit partition the model
 gathers. `adamw_step` is all three in one pass: per element it reads the fp32 parameter, the gradient (any float

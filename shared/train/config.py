@@ -38,22 +38,22 @@ DEEPCOMPILE_WARMUP = 5
 # schedule (gather/release at step 0, then a second whole compile at step 5 with prefetching and selective
 # gathering); once = all three passes at step 0 from the first step's profile, one compile instead of two.
 DEEPCOMPILE_SCHEDULES = ("deepspeed", "once")
-# Which parameters DeepCompile keeps gathered from the start (shared/train/deepcompile_passes.py): threshold = those at
-# most ZeRO-3's persistence threshold, their releases taken out of the compiled graphs; deepspeed = none (its own).
+# Which parameters DeepCompile keeps gathered from the start (shared/patches/deepcompile_passes.py): threshold = those
+# at most ZeRO-3's persistence threshold, their releases taken out of the compiled graphs; deepspeed = none (its own).
 DEEPCOMPILE_PERSIST = ("threshold", "deepspeed")
-# Eager ZeRO-3's list of persistent parameters under DeepCompile (shared/train/ds_runtime.drop_eager_persistent):
+# Eager ZeRO-3's list of persistent parameters under DeepCompile (shared/patches/deepcompile.drop_eager_persistent):
 # drop = emptied, so the optimizer step no longer gathers them eagerly; deepspeed = kept (DeepSpeed 0.19.8).
 DEEPCOMPILE_EAGER_PERSIST = ("drop", "deepspeed")
-# Where DeepCompile's op waits for its reduce-scatters at the end of the backward (shared/train/deepcompile_op.py):
+# Where DeepCompile's op waits for its reduce-scatters at the end of the backward (shared/patches/deepcompile_op.py):
 # host = DeepSpeed 0.19.8's stream synchronize; device = the compute stream waits on an event, the host goes on.
 DEEPCOMPILE_BACKWARD_WAITS = ("host", "device")
 NAN_POLICIES = ("stop", "skip")
-# The ZeRO-3 optimizer step (shared/train/zero3_step.py): fast = the gradient norm and fp32 gradient copy on the flat
+# The ZeRO-3 optimizer step (shared/patches/zero3_step.py): fast = the gradient norm and fp32 gradient copy on the flat
 # gradient buffer, one kernel each, and the unscale inside torch's fused AdamW; deepspeed = DeepSpeed's per-parameter
 # loops and its multiply; fused = fast with the fp32 gradient copy, torch's AdamW and the 16-bit parameter copy in one
 # Triton kernel (shared/kernels/adamw.py).
 ZERO3_STEPS = ("fast", "fused", "deepspeed")
-# Where the ZeRO-3 step checks the gradient norm for inf/NaN (shared/train/zero3_step.py): host = DeepSpeed 0.19.8's
+# Where the ZeRO-3 step checks the gradient norm for inf/NaN (shared/patches/zero3_step.py): host = DeepSpeed 0.19.8's
 # bool() of the device value; device = the flag stays on the device and the update skips itself there.
 GRAD_NORM_CHECKS = ("host", "device")
 
@@ -133,26 +133,26 @@ class TrainConfig(FusedSwitches):
     """threshold | deepspeed: ZeRO-3 parameters DeepCompile keeps gathered from the first compile. threshold: those
     of at most the ZeRO-3 persistence threshold (the biases and LayerNorms of the presets), as eager ZeRO-3 does,
     with their release ops taken out of the compiled graphs so inductor fuses across them
-    (shared/train/deepcompile_passes.py); deepspeed: DeepSpeed's own (none; its selective gathering may add some).
+    (shared/patches/deepcompile_passes.py); deepspeed: DeepSpeed's own (none; its selective gathering may add some).
     Only with --compile deepcompile at stage 3"""
     deepcompile_eager_persist: str = "drop"
     """drop | deepspeed: eager ZeRO-3's list of persistent parameters, under DeepCompile at stage 3. ZeRO-3 lists
     them when the engine is built and all-gathers them after every optimizer step; DeepCompile turns persistence off
     but keeps the list, so each step gathered the small parameters eagerly and the next forward partitioned them
     again, host work the device waits on (docs/results.md). drop: the list is emptied after DeepCompile is set up
-    (shared/train/ds_runtime.drop_eager_persistent); deepspeed: kept, DeepSpeed 0.19.8's behaviour. Only with
+    (shared/patches/deepcompile.drop_eager_persistent); deepspeed: kept, DeepSpeed 0.19.8's behaviour. Only with
     --compile deepcompile at stage 3"""
     deepcompile_cached_walks: bool = True
     """under DeepCompile at stage 3: the host's walks of the model around each step (ZeRO-3's release of every
     parameter at the optimizer step, the eager-fallback context's marking of every module at each forward) over
-    lists taken once (shared/train/ds_runtime.cache_deepcompile_walks); same behaviour, less Python the device
+    lists taken once (shared/patches/deepcompile.cache_deepcompile_walks); same behaviour, less Python the device
     waits on (measured in docs/ledger.md). false: DeepSpeed 0.19.8's own walks. Only with --compile deepcompile at
     stage 3 (other modes and stages ignore it, as they do --deepcompile_persist)"""
     deepcompile_backward_wait: str = "host"
     """host | device: how DeepCompile's op waits for its last reduce-scatters at the end of each backward. host:
     DeepSpeed 0.19.8's op, whose host waits for its reduce-scatter stream, so the device idles while the host runs
     the autograd engine's end and the optimizer step's Python (docs/results.md); device: the same op built from
-    DeepSpeed's sources with that wait made the compute stream's, on an event (shared/train/deepcompile_op.py; built
+    DeepSpeed's sources with that wait made the compute stream's, on an event (shared/patches/deepcompile_op.py; built
     once per machine on first use). Same results, other timing (measured in docs/ledger.md); compare.py's GPU
     default when its runs use one GPU. Only with --compile deepcompile"""
     coordinate_descent_tuning: bool = False
@@ -163,7 +163,7 @@ class TrainConfig(FusedSwitches):
     the warm-up, a warm one nothing; CUDA only. compare.py's GPU default (DeepCompile) turns it on"""
     zero3_step: str = "fast"
     """fast | fused | deepspeed: the ZeRO-3 optimizer step's gradient norm, fp32 gradient copy and unscale. fast: one
-    kernel each on the flat gradient buffer (shared/train/zero3_step.py; norm accumulated in fp32) and the
+    kernel each on the flat gradient buffer (shared/patches/zero3_step.py; norm accumulated in fp32) and the
     unscale/clip factor handed to torch's fused AdamW instead of a multiply pass; fused: fast, with the gradient copy,
     torch's AdamW and the copy of the fp32 parameters into the 16-bit ones in one Triton kernel (AdamW only; on a CPU
     under TRITON_INTERPRET=1 only); deepspeed: DeepSpeed's own per-parameter loops (norm in fp64) and multiply. Other
@@ -172,7 +172,7 @@ class TrainConfig(FusedSwitches):
     """host | device: where the ZeRO-3 step checks its global gradient norm for inf/NaN (DeepSpeed then skips the
     update). host: DeepSpeed 0.19.8's check, which makes the host wait for the backward and the norm, so the device
     idles while the host then launches the rest of the step; device: the flag stays on the device and each update
-    skips itself there when it is set (shared/train/zero3_step.py): the same parameters, moments and step counts,
+    skips itself there when it is set (shared/patches/zero3_step.py): the same parameters, moments and step counts,
     but the engine does not learn of a skip during the step (its learning-rate schedule advances, as torch's with a
     GradScaler does; the run JSON's zero3_step_calls.norm_skipped counts skips). Measured in docs/ledger.md;
     compare.py's GPU default when its runs use one GPU. bf16/fp32 only (fp16's loss scale needs the host); with

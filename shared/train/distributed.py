@@ -286,13 +286,17 @@ def with_own_ninja(path: str) -> str:
     return os.pathsep.join(filter(None, [str(own.parent), path]))
 
 
-def check_before_start(train, device: torch.device, world: int, local_world: int) -> None:
-    """Everything that can be refused before a process group or DeepSpeed starts: the precision on this device,
-    the token files, a user DeepSpeed JSON, a size that clearly cannot fit, the attention backend with its layout,
-    the Triton kernels asked for, a JIT-build lock left behind, output files that cannot be written."""
+def check_before_start(train, device: torch.device, world: int, local_world: int, lightning: bool = False) -> None:
+    """Everything that can be refused before a process group or DeepSpeed starts: first the versions of DeepSpeed
+    (and with `lightning`, of pytorch-lightning: the Lightning path's hooks) that the run's patches were written for
+    (shared/patches.check_versions), then the precision on this device, the token files, a user DeepSpeed JSON, a
+    size that clearly cannot fit, the attention backend with its layout, the Triton kernels asked for, a JIT-build
+    lock left behind, output files that cannot be written."""
+    from shared import patches
     from shared.train.data import check_data
     from shared.train.ds_config import build_ds_config
 
+    patches.check_versions(train, lightning=lightning)  # before anything is touched: no half-patched run
     check_build_locks()
     check_outputs(train)
     check_precision(device, train.precision)

@@ -4,7 +4,7 @@ A scheduler sends SIGTERM to every rank, but not at the same instant, so a rank 
 one rank entering a checkpoint save (collectives) while another starts a training step deadlocks both. Every
 CHECK_EVERY steps the ranks all-reduce their flags (MAX) and all stop at the same step if any rank was signalled.
 That is one tiny all-reduce and one host sync per CHECK_EVERY steps, instead of Lightning's one per step (the
-Lightning path runs Lightning's own broadcast at the same cadence: lightning_app/callbacks.SigtermCheck).
+Lightning path runs Lightning's own broadcast at the same cadence: shared/patches/lightning.SigtermCheck).
 """
 
 from __future__ import annotations

@@ -11,9 +11,15 @@ The profiles:
   fast   the fastest setup measured on the GPU (docs/ledger.md lists each setting's measurement): DeepSpeed's
          DeepCompile with its passes run once, this project's ZeRO-3 step in one Triton kernel, inductor's
          coordinate-descent tuning, the Triton kernels of the model, micro-batch 16 where it fits.
-  stock  DeepSpeed and Lightning as shipped: DeepSpeed's own DeepCompile schedule where it runs, its own ZeRO-3
-         step and waits, and none of this project's replacements of library internals (shared/patches.py installs
-         nothing) nor Triton kernels of its own: what the library gives a user with the same model.
+  stock  DeepSpeed and Lightning as shipped: DeepSpeed's own DeepCompile schedule where it runs (eager on a CPU),
+         its own ZeRO-3 step and waits, and none of this project's replacements of DeepSpeed internals nor Triton
+         kernels of its own: what the library gives a user with the same model, on any DeepSpeed version (the
+         version gate, shared/patches, refuses the other profiles on an untested one). What remains of the patch
+         layer (shared/patches.PATCHES): the Lightning path's always-on hooks (groups lightning_cpu: its CPU
+         set-up; lightning_engine: deepspeed.initialize with the same dict and the run's engine set-up;
+         lightning_sigterm: Lightning's SIGTERM broadcast every 50 steps), and, for a run resumed under DeepCompile
+         only, the shift of DeepCompile's pass schedule to the resumed step (group deepcompile_resume), without which
+         DeepSpeed 0.19.8 never compiles a resumed engine.
   eager  no compiler: the model's PyTorch ops under ZeRO with this project's eager ZeRO-3 step; what runs on a CPU.
 The default is fast on a machine with a CUDA GPU and eager without one.
 """
@@ -113,8 +119,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
     Profile(
         name="stock",
         doc="DeepSpeed and Lightning as shipped: DeepSpeed's own DeepCompile and ZeRO-3 step, no replacement of "
-            "library internals, no Triton kernel of this project",
-        needs_cuda=True,
+            "DeepSpeed internals (any DeepSpeed version), no Triton kernel of this project",
         settings=dict(compile="deepcompile", deepcompile_schedule="deepspeed", deepcompile_persist="deepspeed",
                       deepcompile_eager_persist="deepspeed", deepcompile_cached_walks=False,
                       deepcompile_backward_wait="host", coordinate_descent_tuning=False, zero3_step="deepspeed",
@@ -123,6 +128,8 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
                       # DeepSpeed's schedule recompiles at step 5 (config.DEEPCOMPILE_WARMUP): no timed step may hold it
                       warmup_steps=6),
         rules=(
+            Rule(when=(("cuda", "==", False),), set=dict(compile="none"),
+                 why="DeepSpeed runs DeepCompile only on CUDA: its eager ZeRO step on a CPU"),
             Rule(when=(("stage", "==", 0),), set=dict(compile="none"),
                  why="DeepCompile is a ZeRO pass: stage 0 has none"),
             Rule(when=_NO_COMPILER, set=dict(compile="none"),

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
+from shared import patches
 from shared.model import flops, layouts
 from shared.model.attention import applied_attention_dropout, sdpa_kernel
 from shared.model.config import GPTConfig, fused_paths
-from shared.train import deepcompile_op
 from shared.train.config import TrainConfig
 from shared.train.sync_check import format_syncs
 
@@ -167,7 +167,7 @@ def build_result(*, path: str, train: TrainConfig, model_cfg: GPTConfig, ds_conf
     tflops = step_flops / step_time / world_size / 1e12
     causal_flops = flops.step_flops_causal(model_cfg, global_batch, k)
     dev = device_info(device)
-    runtime = sys.modules.get("shared.train.ds_runtime")  # its globals record DeepCompile's set-up; None: not imported
+    recorded = patches.records()  # what the patches of this process did (DeepCompile's set-up)
     return RunResult(
         path=path,
         command=" ".join([os.path.basename(sys.executable)] + sys.argv),
@@ -207,12 +207,13 @@ def build_result(*, path: str, train: TrainConfig, model_cfg: GPTConfig, ds_conf
                "compile_s": compile_seconds(),
                "compile_cache": compile_cache_counts(),
                "deepcompile_passes_s": _deepcompile_pass_seconds(),
-               "deepcompile_persist": getattr(sys.modules.get("shared.train.deepcompile_passes"), "LAST_STATS", None),
+               "deepcompile_persist": recorded["deepcompile_persist"],
                "deepcompile_schedules": getattr(sys.modules.get("shared.train.deepcompile_passes"), "SCHEDULES", None),
-               "deepcompile_eager_persist_dropped": getattr(runtime, "EAGER_PERSIST_DROPPED", None),
-               "deepcompile_cached_walks": getattr(runtime, "CACHED_WALKS", None),
-               "deepcompile_profilers": getattr(runtime, "PROFILERS", None),
-               "deepcompile_op": deepcompile_op.active_op(),
+               "deepcompile_eager_persist_dropped": recorded["deepcompile_eager_persist_dropped"],
+               "deepcompile_cached_walks": recorded["deepcompile_cached_walks"],
+               "deepcompile_profilers": recorded["deepcompile_profilers"],
+               "deepcompile_op": recorded["deepcompile_op"],
+               "patches": patches.installed(),  # every upstream target replaced in this process (shared/patches)
                **({"profile": timing["profile"]} if timing.get("profile") else {}),
                **({"syncs": timing["syncs"]} if timing.get("syncs") else {})},
     )

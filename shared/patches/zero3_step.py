@@ -1,22 +1,25 @@
 """A faster ZeRO-3 optimizer step: the gradient partitions read as the one flat buffer they already are.
 
+Installed through shared/patches (`patches.install(engine, train)`), which checks the DeepSpeed version first; the
+registry there names each method replaced here. The measurements: docs/ledger.md (rows `--zero3_step fast`,
+`--zero3_step fused`, `--grad_norm_check device`) and docs/results.md ("Where the ZeRO-3 optimizer step goes").
+
 DeepSpeed 0.19.8's DeepSpeedZeroOptimizer_Stage3.step (deepspeed/runtime/zero/stage3.py), on a GPU, spends most of
 its time in two per-parameter Python loops over the gradient partitions of each sub-group, although those
 partitions are adjacent views of one buffer (`grad_partitions_flat_buffer`, laid out sub-group by sub-group):
 
 - the gradient norm (`get_grad_norm_direct`): per parameter, a copy to fp64 and a norm, then a stack and a sum;
-  launch-bound, 29.0 ms of a 76.3 ms step for the 1.5b preset on one H200 (4.5 ms of it kernels;
-  benchmarks/results/optimizer_step_1xh200);
+  launch-bound: most of its time is kernel launches, not kernels;
 - the fp32 gradient of each sub-group (`_prepare_fp32_grad_for_sub_group`): a torch.cat of the views (a bf16 copy)
-  and then the fp32 cast (a second copy); 10.6 ms;
-- the unscale and clip (`unscale_and_clip_grads`): a multiply of the whole fp32 gradient by 1/scale, 5.7 ms of a
-  41.8 ms step (benchmarks/results/zero3_step_1xh200), paid even when the scale is 1 (bf16, norm under the clip).
+  and then the fp32 cast (a second copy);
+- the unscale and clip (`unscale_and_clip_grads`): a multiply of the whole fp32 gradient by 1/scale, paid even when
+  the scale is 1 (bf16, norm under the clip).
 
 `install(zero_opt)` replaces the first two on the optimizer instance by one kernel each on the flat region of the
 sub-group: `torch.linalg.vector_norm(region, dtype=float32)` (fp32 accumulation, as torch.nn.utils.clip_grad_norm_;
-DeepSpeed accumulates the per-parameter squares in fp64: the two agree to about 1e-6 relative,
-tests/test_zero3_step.py) and one `region.to(float32)`. Where the inner optimizer is torch's fused Adam/AdamW, it
-hands the combined scale to the optimizer's own `grad_scale` (the hook torch.amp.GradScaler uses), so the fused
+DeepSpeed accumulates the per-parameter squares in fp64: the two agree within the tolerance
+tests/test_zero3_step.py asserts) and one `region.to(float32)`. Where the inner optimizer is torch's fused Adam/AdamW,
+it hands the combined scale to the optimizer's own `grad_scale` (the hook torch.amp.GradScaler uses), so the fused
 kernel divides each gradient by it as it reads it and the multiply pass disappears (exact for a scale of 1; with
 clipping, a division instead of a multiply by the reciprocal). Everything else (the all-reduce of the squared norm
 over the partition group, the -1 for an inf/NaN norm that DeepSpeed turns into a skipped step, the clip factor,
@@ -136,6 +139,7 @@ def _patch_invalid_norm_check() -> None:
         return False
 
     is_invalid_grad_norm._zero3bench = True
+    is_invalid_grad_norm.__wrapped__ = original  # DeepSpeed's own, for the fingerprint (shared/patches/fingerprints.py)
     stage3.is_invalid_grad_norm = is_invalid_grad_norm
 
 

@@ -17,6 +17,8 @@ Only one library may register the `dc` operators in a process, so `install()` mu
 DeepSpeed's (engine.compile() does, at its first call of deepspeed.compile.util.get_deepcompile_handle); it hands
 DeepSpeed the patched module through that function's cached handle. A DeepSpeed whose header no longer holds the
 statement exactly as 0.19.8 wrote it is refused: the option never silently builds DeepSpeed's op or another change.
+Installed through shared/patches (`patches.before_compile`), which checks the DeepSpeed version first; the
+measurement: docs/ledger.md, row `--deepcompile_backward_wait device`.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ DEVICE_WAIT = """\
         flushAllReduceBuckets();
 
         // The optimizer's step runs on the compute stream: that stream waits for the reductions, the host does not
-        // (shared/train/deepcompile_op.py).
+        // (shared/patches/deepcompile_op.py).
         at::cuda::CUDAEvent reduce_done(cudaEventDisableTiming);
         reduce_done.record(rs_stream_);
         reduce_done.block(at::cuda::getCurrentCUDAStream());
