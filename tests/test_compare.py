@@ -723,9 +723,11 @@ def test_the_stock_row_is_the_raw_path_under_the_stock_profile_and_the_report_ra
         reports.format_table(report)
 
 
-def test_the_stock_row_needs_a_gpu_and_the_bare_flag_leaves_it_out_on_a_cpu(capsys):
+def test_the_bare_reference_flag_leaves_the_stock_row_out_on_a_cpu_where_it_runs_deepspeeds_eager_step():
     assert compare.parse(["--reference"])[1].references == ["unsharded", "ceiling", "fsdp2"]
-    with pytest.raises(SystemExit) as exc:
-        compare.parse(["--reference", "stock"])
-    assert exc.value.code == 2 and "--reference stock runs DeepSpeed's own DeepCompile, which needs a CUDA GPU" in \
-        capsys.readouterr().err
+    train, ns = compare.parse(["--reference", "stock"])
+    assert ns.references == ["stock"]
+    from harness.launch import row_config
+
+    stock = row_config("stock", train, 1)
+    assert (stock.profile, stock.compile, stock.zero3_step) == ("stock", "none", "deepspeed")
