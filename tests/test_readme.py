@@ -12,6 +12,7 @@ from tests.helpers import ROOT
 # The README and the docs/ pages it links: the claims below may sit in either.
 README = "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
 RESULTS = ROOT / "benchmarks" / "results"
+PATHS = ("deepspeed", "lightning")
 
 
 def _expand(path: str) -> list[str]:
@@ -89,6 +90,32 @@ def _table(text: str, heading: str) -> list[list[str]]:
     return [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[2:]]
 
 
+def _source(name: str, where: str, above: dict | None, folder, prefix: str, problems: list[str]) -> dict | None:
+    """The report a table row quotes (`same`: the row above's), or None with the problem noted: a source that is no
+    committed file, `same` under no readable row; `its own report` is the 2022 study's row only, and quotes none."""
+    if where == "its own report":
+        if "2022 study" not in name:
+            problems.append(f"{name}: no source")
+        return None
+    if where == "same":
+        if above is None:
+            problems.append(f"{name}: no readable source above")
+        return above
+    path = folder / where.strip("`")
+    if not where.startswith(prefix) or not path.is_file():
+        problems.append(f"{name}: source {where} is not a committed file")
+        return None
+    return json.loads(path.read_text())
+
+
+def _check_medians(name: str, raw: str, lightning: str, ratio: str, report: dict, problems: list[str]) -> None:
+    """A row's two medians and their ratio, each as the report has it, rounded as printed."""
+    if not all(_quotes(x, report["paths"][p]["tflops_per_gpu"]) for x, p in zip((raw, lightning), PATHS)):
+        problems.append(f"{name}: {raw} / {lightning}")
+    if not _quotes(ratio.split()[0], report["ratio_lightning_over_deepspeed"]):
+        problems.append(f"{name}: ratio {ratio}")
+
+
 def headline_problems(text: str) -> list[str]:
     """What in the README's headline table disagrees with the report each row names (`same`: the row above's):
     medians, Lightning / DeepSpeed ratio with its pairs and range, GPUs, micro-batch, failed parity checks, and the
@@ -98,18 +125,8 @@ def headline_problems(text: str) -> list[str]:
     problems, report = [], None
     for row in _table(text, "## Headline results"):
         name, gpus, mb, raw, lightning, ratio, failed, where = row
-        if where == "its own report":
-            if "2022 study" not in name:
-                problems.append(f"{name}: no source")
-            continue
-        if where != "same":
-            path = RESULTS / where.strip("`")
-            if not where.startswith("`") or not path.is_file():
-                problems.append(f"{name}: source {where} is not a committed file")
-                continue
-            report = json.loads(path.read_text())
+        report = _source(name, where, report, RESULTS, "`", problems)
         if report is None:
-            problems.append(f"{name}: 'same' with no row above")
             continue
         n, _, device = gpus.partition(" x ")
         reference = name.startswith("plain PyTorch reference")
@@ -122,11 +139,7 @@ def headline_problems(text: str) -> list[str]:
             if not _quotes(raw, report["reference"]["ceiling"]["tflops_per_gpu"]):
                 problems.append(f"{name}: {raw}")
             continue
-        paths = ("deepspeed", "lightning")
-        if not all(_quotes(x, report["paths"][p]["tflops_per_gpu"]) for x, p in zip((raw, lightning), paths)):
-            problems.append(f"{name}: {raw} / {lightning}")
-        if not _quotes(ratio.split()[0], report["ratio_lightning_over_deepspeed"]):
-            problems.append(f"{name}: ratio {ratio}")
+        _check_medians(name, raw, lightning, ratio, report, problems)
         spread = report["ratio_spread"]
         m = re.search(r"\((\d+)(?:: ([0-9.]+)-([0-9.]+))?\)", ratio)
         if not m or int(m.group(1)) != spread["n"] or (m.group(2) and not (
@@ -173,37 +186,22 @@ def docs_table_problems(text: str) -> list[str]:
     study's."""
     problems, report = [], None
     for name, raw, lightning, ratio, fraction, where in _table(text, "## Every compare of the GPU default's history"):
-        if where == "its own report":
-            if "2022 study" not in name:
-                problems.append(f"{name}: no source")
-            continue
-        if where != "same":
-            path = ROOT / where.strip("`")
-            if not where.startswith("`benchmarks/results/") or not path.is_file():
-                problems.append(f"{name}: source {where} is not a committed file")
-                report = None
-                continue
-            report = json.loads(path.read_text())
+        report = _source(name, where, report, ROOT, "`benchmarks/results/", problems)
         if report is None:
-            problems.append(f"{name}: no readable source above")
             continue
         if fraction == "1" or name.startswith("torch FSDP2"):
             ref = report["reference"]["ceiling" if fraction == "1" else "fsdp2"]
             if not _quotes(raw, ref["tflops_per_gpu"]):
                 problems.append(f"{name}: {raw}")
             continue
-        paths = ("deepspeed", "lightning")
-        if not all(_quotes(x, report["paths"][p]["tflops_per_gpu"]) for x, p in zip((raw, lightning), paths)):
-            problems.append(f"{name}: {raw} / {lightning}")
-        if not _quotes(ratio.split()[0], report["ratio_lightning_over_deepspeed"]):
-            problems.append(f"{name}: ratio {ratio}")
+        _check_medians(name, raw, lightning, ratio, report, problems)
         pairs = re.search(r"\((\d+) pairs?(?:, ([0-9.]+)-([0-9.]+))?\)", ratio)
         spread = report.get("ratio_spread")
         if pairs and spread and (int(pairs.group(1)) != spread["n"] or (pairs.group(2) and not (
                 _quotes(pairs.group(2), spread["min"]) and _quotes(pairs.group(3), spread["max"])))):
             problems.append(f"{name}: pairs {ratio} vs {spread}")
         if fraction and not all(_quotes(x, report["fraction_of_ceiling"][p])
-                                for x, p in zip(fraction.split(" / "), paths)):
+                                for x, p in zip(fraction.split(" / "), PATHS)):
             problems.append(f"{name}: fractions {fraction}")
     return problems
 
