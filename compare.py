@@ -47,21 +47,14 @@ from harness.launch import (
 from harness.order import round_order
 from harness.report import build_report, format_table, plot_phases, smoke_test_note, write_markdown
 from lightning_app.overheads import check_overheads
-from shared.train.cli import Parser, add_config_args, apply_profile, config_from_args, more_options
+from shared.train.cli import MORE_TITLE, Parser, add_config_args, apply_profile, config_from_args, option_group
 from shared.train.config import TrainConfig
-from shared.train.distributed import check_before_start
+from shared.train.distributed import check_before_start, gpu_memory_gib
 from shared.train.results import RunResult, differences, replace_text, versions
 
 # What compare.py runs on a machine with GPUs when these flags are not given: the study's model and a longer run.
 # The speed settings come from the run's profile (shared/train/profiles.py: fast on GPUs, eager on a CPU).
 GPU_DEFAULTS = {"preset": "1.5b", "micro_batch": 8, "steps": 30, "warmup_steps": 10}
-
-
-def gpu_memory_gib() -> float:
-    """The first GPU's memory, GiB (what the profile's micro-batch is chosen for)."""
-    from shared.train.distributed import GiB, memory_capacity
-
-    return memory_capacity(torch.device("cuda", 0), 1)[0] / GiB
 
 
 def _fill_unset(ns: argparse.Namespace, defaults: dict) -> None:
@@ -80,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         if action.dest in GPU_DEFAULTS:
             action.help = action.help.replace("(default: ", f"(default on GPUs: {GPU_DEFAULTS[action.dest]}; "
                                               "without a GPU: ")
-    more = more_options(p)
+    more = option_group(p, MORE_TITLE)
     p.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all); error if fewer exist")
     more.add_argument("--nproc", type=int, default=None, help="processes on a machine without GPUs (default 1)")
     p.add_argument("--repeats", type=int, default=2, help="runs of each path, interleaved (default 2)")

@@ -209,7 +209,7 @@ def test_the_training_scripts_resolve_the_profile_for_the_launchers_world(monkey
 
     sys.path.insert(0, str(ROOT))
     from lightning_app.train import launch_world
-    from shared.train.cli import launched_world
+    from shared.train.distributed import launched_world
 
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setenv("WORLD_SIZE", "4")

@@ -77,15 +77,9 @@ def add_config_args(parser: argparse.ArgumentParser, cls=TrainConfig) -> None:
     fields in LEVERS go to a group of their own (LEVERS_TITLE), which --help lists after the common flags."""
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
-    levers = more = None
     for f in dataclasses.fields(cls):
-        group = parser
-        if f.name in LEVERS:
-            levers = levers or parser.add_argument_group(LEVERS_TITLE)
-            group = levers
-        elif f.name in MORE_OPTIONS:
-            more = more or more_options(parser)
-            group = more
+        group = (option_group(parser, LEVERS_TITLE) if f.name in LEVERS
+                 else option_group(parser, MORE_TITLE) if f.name in MORE_OPTIONS else parser)
         tp = hints[f.name]
         args = typing.get_args(tp)
         if args and type(None) in args:  # X | None
@@ -118,12 +112,13 @@ NEGATIVE_NUMBER = re.compile(r"^-(\d[\d_]*\.?\d*|\.\d+)([eE][+-]?\d+)?$|^-(inf|i
 MORE_TITLE = "more options (shape overrides, optimizer details, diagnostics, logging)"
 
 
-def more_options(parser: argparse.ArgumentParser):
-    """The parser's group of options --help leaves out and --help-all lists (MORE_TITLE), made on first use."""
+def option_group(parser: argparse.ArgumentParser, title: str):
+    """The parser's group of options titled `title` (LEVERS_TITLE, MORE_TITLE: --help leaves them out, --help-all
+    lists them), made on first use."""
     for group in parser._action_groups:
-        if group.title == MORE_TITLE:
+        if group.title == title:
             return group
-    return parser.add_argument_group(MORE_TITLE)
+    return parser.add_argument_group(title)
 
 
 class Parser(argparse.ArgumentParser):
@@ -179,20 +174,15 @@ def apply_profile(ns: argparse.Namespace, gpus: int, **facts):
         raise SystemExit(0)
     cuda = torch.cuda.is_available()
     if cuda and "gpu_memory_gib" not in facts:
-        facts["gpu_memory_gib"] = torch.cuda.get_device_properties(0).total_memory / 2**30
+        from shared.train.distributed import gpu_memory_gib
+
+        facts["gpu_memory_gib"] = gpu_memory_gib()
     given = {f.name: getattr(ns, f.name, None) for f in dataclasses.fields(TrainConfig)}
     resolved = profiles.resolve(given, ns.profile, cuda=cuda, gpus=gpus, **facts)
     for key, value in resolved.filled.items():
         setattr(ns, key, value)
     ns.profile = resolved.name
     return resolved
-
-
-def launched_world() -> int:
-    """The processes of a run under a launcher (torchrun, deepspeed, fabric run): WORLD_SIZE, else 1."""
-    import os
-
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def parse_train_config(argv: list[str] | None, description: str, world=None) -> TrainConfig:
@@ -203,6 +193,8 @@ def parse_train_config(argv: list[str] | None, description: str, world=None) -> 
     # Launchers pass these; DeepSpeed's launcher adds --local_rank=N.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     ns = parser.parse_args(argv)
+    from shared.train.distributed import launched_rank, launched_world
+
     try:
         resolved = apply_profile(ns, world(ns) if world else launched_world())
         if launched_rank() == 0:
@@ -210,12 +202,6 @@ def parse_train_config(argv: list[str] | None, description: str, world=None) -> 
         return config_from_args(ns)
     except ValueError as e:
         parser.error(str(e))
-
-
-def launched_rank() -> int:
-    import os
-
-    return int(os.environ.get("RANK", "0"))
 
 
 def to_argv(cfg) -> list[str]:

@@ -38,6 +38,16 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
+def launched_rank() -> int:
+    """This process's rank under a launcher (torchrun, deepspeed, fabric run): RANK, else 0."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def launched_world() -> int:
+    """The processes of a run under a launcher (torchrun, deepspeed, fabric run): WORLD_SIZE, else 1."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def pick_device(require_gpus: int | None = None) -> torch.device:
     """cuda:LOCAL_RANK when CUDA is present, else the CPU; fails clearly when asked-for GPUs are absent."""
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -62,6 +72,11 @@ def check_precision(device: torch.device, precision: str) -> None:
 
 
 GiB = 2**30
+
+
+def gpu_memory_gib() -> float:
+    """The first GPU's memory, GiB (what a profile's micro-batch is chosen for)."""
+    return memory_capacity(torch.device("cuda", 0), 1)[0] / GiB
 
 
 def memory_capacity(device: torch.device, local_world: int) -> tuple[float, str]:

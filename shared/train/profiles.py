@@ -192,7 +192,7 @@ def expected_peak_gib(profile: Profile, micro_batch: int, world: int, stage: int
 
 MEMORY_SHARE = 0.95
 # the flags that change the model's shape: with any of them, or in fp32, the measured peaks do not apply
-SHAPE_FLAGS = ("preset", "seq_len", "n_layer", "n_head", "n_embd", "vocab_size", "activation_checkpointing")
+SHAPE_FLAGS = ("seq_len", "n_layer", "n_head", "n_embd", "vocab_size", "activation_checkpointing")
 
 
 def micro_batch_for_memory(profile: Profile, world: int, memory_gib: float, stage: int) -> tuple[int, str]:
@@ -217,10 +217,10 @@ def resolve(given: dict, name: str | None, *, cuda: bool, gpus: int, gpu_memory_
             sharded_gpus: int | None = None) -> Resolved:
     """Fill the speed settings the user did not give (`given`: TrainConfig field -> value or None) from profile
     `name` (None: the machine's default), applying its rules; returns what was filled and why. The facts the rules
-    read: the user's flags (else TrainConfig's defaults), `gpus` (processes of the run), `cuda`, and the first GPU's
-    memory (the micro-batch). `sharded_gpus`: the GPUs the model state is sharded over where that differs from
-    `gpus` (compare's unsharded ceiling row runs on one). ValueError for an unknown profile or one this machine
-    cannot run."""
+    read: each field as the run would have it before any rule (the user's flag, else the profile's setting, else
+    TrainConfig's default), `gpus` (processes of the run), `cuda`, and the first GPU's memory (the micro-batch).
+    `sharded_gpus`: the GPUs the model state is sharded over where that differs from `gpus` (compare's one-GPU
+    reference rows). ValueError for an unknown profile or one this machine cannot run."""
     name = name or default_name(cuda)
     profile = check_name(name)
     if profile.needs_cuda and not cuda:
@@ -245,7 +245,7 @@ def resolve(given: dict, name: str | None, *, cuda: bool, gpus: int, gpu_memory_
     note = ""
     if ("micro_batch" in settings and given.get("micro_batch") is None and used.peak_gib and cuda
             and facts["preset"] == "1.5b" and facts["precision"] in ("bf16", "fp16")
-            and all(given.get(f) in (None, False) for f in SHAPE_FLAGS if f != "preset")
+            and all(given.get(f) in (None, False) for f in SHAPE_FLAGS)
             and gpu_memory_gib is not None):
         settings["micro_batch"], note = micro_batch_for_memory(used, sharded_gpus or gpus, gpu_memory_gib,
                                                                facts["stage"])
