@@ -201,11 +201,11 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
         ns.kept_candidates, ns.kept_commands = (autotune.kept_candidates(train, ns.world, ns.report_dir)
                                                 if ns.keep_runs and ns.autotune else ([], []))
         # precision on this device, token files, --ds_config, size: refused here, not by a run's log
-        check_before_start(train, torch.device("cuda" if n_gpus else "cpu"), ns.world, ns.world,
+        device = torch.device("cuda" if n_gpus else "cpu")
+        check_before_start(train, device, ns.world, ns.world,
                            lightning=not ns.autotune)  # the autotuner runs the raw path only
         if "stock" in ns.references:  # DeepSpeed as shipped: its own config must run here too
-            check_before_start(row_config("stock", train, ns.world), torch.device("cuda" if n_gpus else "cpu"),
-                               ns.world, ns.world, lightning=False)
+            check_before_start(row_config("stock", train, ns.world), device, ns.world, ns.world, lightning=False)
         if ns.explain:  # every factor's config must be valid before the first run starts
             for factor in explain.parse_factors(ns.factors):
                 explain.factor_config(train, factor)
