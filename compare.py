@@ -312,7 +312,8 @@ def main(argv: list[str] | None = None) -> dict:
         plan += [(i, g) for g in ([order, refs] if ns.parallel else [[p] for p in [*order, *refs]]) if g]
     to_run = sum((p, i) not in ns.kept for i, group in plan for p in group)
     clock = TimeLimit(ns.time_limit, t0, to_run, out_dir / "runs", ["python", "compare.py", *argv],
-                      ("--keep_runs", "--keep-runs"))
+                      ("--keep_runs", "--keep-runs"),
+                      kept_s=[r.extra["launch_s"] for r in ns.kept.values() if (r.extra or {}).get("launch_s")])
     for i, group in plan:
         for path in [p for p in group if (p, i) in ns.kept]:
             print(f"  {path} (round {i + 1}): kept from {out_dir / 'runs' / f'{path}_{i}.json'} (--keep_runs)",

@@ -82,17 +82,20 @@ class TimeLimitReached(Exception):
 
 
 class TimeLimit:
-    """--time_limit: before each run (or group of runs side by side), whether the longest one made so far in this
-    invocation still fits in the time left; the first always starts (nothing to estimate from). A stop names the
-    command that runs the rest: `command` with a keep flag (the first of `keep_flags`) added if it has none."""
+    """--time_limit: before each run (or group of runs side by side), whether the longest run made so far still fits
+    in the time left. "So far" counts the runs an earlier invocation left (`kept_s`: their launch_s, start-up and
+    compilation included): a continued compare whose first call compiled cold must not start a run the second call
+    cannot finish because that call's own runs were warm. With nothing to estimate from, the first run starts. A stop
+    names the command that runs the rest: `command` with a keep flag (the first of `keep_flags`) added if it has
+    none."""
 
     def __init__(self, limit_s: float | None, t0: float, runs: int, where: Path, command: list,
-                 keep_flags: tuple[str, ...]):
+                 keep_flags: tuple[str, ...], kept_s: list[float] = ()):
         self.limit_s, self.t0, self.left, self.where = limit_s, t0, runs, where
         self.command = [str(a) for a in command]
         if not set(keep_flags) & set(self.command):
             self.command.append(keep_flags[0])
-        self.started, self.longest = t0, 0.0
+        self.started, self.longest = t0, max(kept_s, default=0.0)
 
     def fits(self, runs: int = 1) -> bool:
         """Whether `runs` runs as long as the longest so far still fit in the time left (always before the first)."""
@@ -216,11 +219,14 @@ def launch(path: str, train: TrainConfig, world: int, out: Path, log: Path, time
         result.extra["gpu_telemetry"] = ({"gpus": gpus, "error": tele.error} if tele.error else
                                          telemetry.summarize(tele.csv_path, result.extra.get("timed_wall"), gpus,
                                                              tele.interval_ms))
-        result.to_json(out)
+    # the run's wall time from launch to exit, start-up and compilation included: what a continued compare's
+    # --time_limit plans the next call's runs with (TimeLimit's kept_s)
+    result.extra["launch_s"] = time.perf_counter() - t0
+    result.to_json(out)
     clock = telemetry.held_sm_mhz(result.extra)
     print(f"  {path:<9} {result.tflops_per_gpu:9.3f} TFLOPs/GPU  step {result.step_time_s['median'] * 1e3:8.1f} ms"
           + (f"  SM {clock:.0f} MHz" if clock else "")
-          + f"  ({time.perf_counter() - t0:.0f}s incl. start-up)", flush=True)
+          + f"  ({result.extra['launch_s']:.0f}s incl. start-up)", flush=True)
     return result
 
 

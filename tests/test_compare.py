@@ -15,6 +15,7 @@ import torch
 
 import compare
 from harness import report as reports
+from harness.launch import TimeLimit, TimeLimitReached
 from shared.model.config import preset
 from shared.tools.prepare_data import prepare
 from shared.train.config import TrainConfig
@@ -473,6 +474,7 @@ def test_the_gpu_defaults_kernels_train_alike_on_every_row(tmp_path):
         assert r["fused"]["triton_linear_cross_entropy"] and r["fused"]["dropout_triton_mask"], name
         assert (r["model"]["vocab_size"], r["model"]["vocab_multiple"]) == (300, 128), name
         assert r["losses"] == pytest.approx(runs["deepspeed"]["losses"], rel=1e-6, abs=0), name
+        assert r["extra"]["launch_s"] > 0, name  # what a continued compare's --time_limit plans with
     assert runs["lightning"]["losses"] == runs["deepspeed"]["losses"]
     assert report["loss_parity"]["ok"] and set(report["reference"]) == {"ceiling", "fsdp2"}
 
@@ -604,6 +606,28 @@ def test_time_limit_stops_between_runs_when_the_longest_would_not_fit(tmp_path, 
     launched.clear()
     assert compare.cli([*base, "--time_limit", "1"]) == compare.TIME_LIMIT_EXIT
     assert launched == ["deepspeed_0.json"]  # the first run always starts: nothing to estimate from
+
+
+def test_time_limit_counts_the_runs_an_earlier_invocation_left(monkeypatch):
+    """A continued compare plans with its kept runs' durations too. As on one H100: the first call's raw run compiled
+    cold (280 s with start-up); in the second, the Lightning run took 207 s, warm, and the unsharded row, never run
+    before, would have started with 269 s left and been cut by the call's end. Counting the kept run, it is not
+    started; counting only this invocation's runs, as before, it would be."""
+    clock = [0.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+
+    def second_call(kept_s):
+        limit = TimeLimit(476, 0.0, 3, ROOT / "runs", ["python", "compare.py"], ("--keep_runs",), kept_s=kept_s)
+        clock[0] = 0.0
+        limit.before("lightning (round 1)")
+        clock[0] = 207.0
+        limit.after(1)
+        limit.before("unsharded (round 1)")
+
+    with pytest.raises(TimeLimitReached, match="269 s left, and the longest so far took 280 s; stopped before "
+                                               "unsharded"):
+        second_call([280.0])
+    second_call([])  # nothing kept to plan with: only this invocation's 207 s
 
 
 @pytest.mark.parametrize("args, match", [(["--time_limit", "0", "--out", "r"], "--time_limit must be positive"),
