@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "ceiling (the PyTorch user's baseline: fp32 weights under autocast, torch's fused AdamW, "
                         "whole model compiled, one GPU), fsdp2 (torch FSDP2 + compiled blocks) and stock (the raw "
                         "path under --profile stock: DeepSpeed as shipped); each path is reported against "
-                        "them, per round (default with the flag: all four on GPUs, all but stock without)")
+                        "them, per round (default with the flag: all four on GPUs, all but stock without); "
+                        "row:N runs a row in the first N rounds only (unsharded,ceiling:1)")
     more.add_argument("--reference_rounds", "--reference-rounds", type=int, default=None,
                    help="run the reference rows in the first N rounds only (default: every round); the fractions of "
                         "the unsharded row and the ceiling then divide by the median of those N runs")
@@ -152,14 +153,11 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
             explain.parse_factors(ns.factors)
         # the bare flag on a CPU leaves out stock, whose eager DeepSpeed step says nothing the paths do not
         every = REFERENCES if n_gpus else tuple(r for r in REFERENCES if r != "stock")
-        ns.references = list(every) if ns.reference == "all" else [r.strip() for r in ns.reference.split(",")
-                                                                  if r.strip()]
-        unknown = sorted(set(ns.references) - set(REFERENCES))
-        if unknown:
-            raise ValueError(f"unknown --reference row(s) {unknown}; choose from {REFERENCES}")
-        if ns.reference_rounds is not None and not (ns.references and 1 <= ns.reference_rounds <= ns.repeats):
+        if ns.reference_rounds is not None and not (ns.reference and 1 <= ns.reference_rounds <= ns.repeats):
             raise ValueError(f"--reference_rounds {ns.reference_rounds} needs --reference and a value from 1 to "
                              f"--repeats ({ns.repeats})")
+        ns.references, ns.rounds_of = parse_references(
+            ",".join(every) if ns.reference == "all" else ns.reference, ns.repeats, ns.reference_rounds)
         if ns.references and (ns.explain or ns.autotune):
             raise ValueError("--reference adds rows to a compare run; it does not combine with --explain/--autotune")
         if ns.parallel and (ns.explain or ns.autotune or ns.cross_check):
@@ -215,9 +213,27 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
 
 
 
+def parse_references(value: str, repeats: int, default_rounds: int | None) -> tuple[list[str], dict[str, int]]:
+    """--reference's rows and the rounds each runs in: `unsharded,ceiling:1` runs unsharded in every round (or the
+    first --reference_rounds) and the ceiling in the first round only; a ValueError names a bad entry."""
+    rows, rounds = [], {}
+    for entry in (e.strip() for e in value.split(",") if e.strip()):
+        name, _, n = entry.partition(":")
+        if name not in REFERENCES:
+            raise ValueError(f"unknown --reference row {name!r}; choose from {REFERENCES}")
+        if name in rounds:
+            raise ValueError(f"--reference names {name!r} twice")
+        if n and not (n.isdigit() and 1 <= int(n) <= repeats):
+            raise ValueError(f"--reference {entry}: the rounds after ':' must be a whole number from 1 to --repeats "
+                             f"({repeats})")
+        rows.append(name)
+        rounds[name] = int(n) if n else default_rounds or repeats
+    return rows, rounds
+
+
 def round_references(ns: argparse.Namespace, i: int) -> list[str]:
-    """The reference rows of round i (0-based): all of them, or none past --reference_rounds."""
-    return ns.references if ns.reference_rounds is None or i < ns.reference_rounds else []
+    """The reference rows of round i (0-based): those whose rounds (--reference row:N, --reference_rounds) reach it."""
+    return [r for r in ns.references if i < ns.rounds_of[r]]
 
 
 def row_world(ns: argparse.Namespace, row: str) -> int:

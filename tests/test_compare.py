@@ -572,12 +572,26 @@ def test_fractions_of_unsharded_are_per_round_and_say_what_the_baseline_differs_
     assert "the project's AdamW kernel" in line and "torch's AdamW" in line  # the smoke test's device is a CPU
 
 
+def test_each_reference_row_runs_in_the_rounds_it_names():
+    """`--reference unsharded,ceiling:1`: the unsharded row every round (what ZeRO-3 costs, round by round), the
+    ceiling once; --reference_rounds is the default of the rows that name no rounds."""
+    rows, rounds = compare.parse_references("unsharded, ceiling:1", 3, None)
+    assert rows == ["unsharded", "ceiling"] and rounds == {"unsharded": 3, "ceiling": 1}
+    ns = SimpleNamespace(references=rows, rounds_of=rounds)
+    assert [compare.round_references(ns, i) for i in range(3)] == [["unsharded", "ceiling"], ["unsharded"],
+                                                                   ["unsharded"]]
+    assert compare.parse_references("stock:2,unsharded", 3, 1)[1] == {"stock": 2, "unsharded": 1}
+
+
 def test_reference_and_parallel_flags_are_checked_before_any_run(tmp_path):
     for args, match in [(["--reference", "ceiling,huge"], "unknown --reference row"),
                         (["--parallel", "--explain"], "--parallel runs compare pairs side by side"),
                         (["--reference_rounds", "1"], "--reference_rounds 1 needs --reference"),
                         (["--keep_runs", "--explain"], "--keep_runs continues a compare run or an autotune search"),
-                        (["--reference", "--repeats", "2", "--reference_rounds", "3"], "a value from 1 to --repeats")]:
+                        (["--reference", "--repeats", "2", "--reference_rounds", "3"], "a value from 1 to --repeats"),
+                        (["--reference", "ceiling:3", "--repeats", "2"], "--reference ceiling:3: the rounds after"),
+                        (["--reference", "ceiling:x"], "--reference ceiling:x: the rounds after"),
+                        (["--reference", "ceiling,ceiling:1"], "names 'ceiling' twice")]:
         proc = run([sys.executable, COMPARE, *args, "--out", tmp_path], check=False, timeout=60)
         assert proc.returncode == 2 and match in proc.stderr, proc.stderr[-1000:]
 
