@@ -68,6 +68,11 @@ def test_a_result_recorded_with_options_since_removed_loads_and_differs_only_in_
     assert differences(train, old.train, here, old.versions) == []
     changed = differences(train, {**old.train, "steps": 7}, here, {**old.versions, "torch": "1.0"})
     assert changed == ["steps 7 there vs 6 now", f"torch '1.0' there vs {versions()['torch']!r} now"]
+    # a field added since the run was recorded: no difference at its default (what the run did), one when set
+    before = {k: v for k, v in old.train.items() if k != "grad_clip"}
+    assert differences(train, before, here, old.versions) == []
+    assert differences(dataclasses.replace(train, grad_clip=0.5), before, here, old.versions) == [
+        "grad_clip None there vs 0.5 now"]
 
 
 def test_compare_table_and_report_label_the_convention(tmp_path):

@@ -74,10 +74,12 @@ def device_info(device: torch.device | None = None) -> dict:
 def differences(train: TrainConfig, there_train: dict, there_device: str | None, there_versions: dict) -> list[str]:
     """How a recorded run (its TrainConfig as a dict, device name and package versions) differs from `train` on
     this machine now, one "X there vs Y now" each; the output path does not count, nor what this version no longer
-    records (a field or a package version of a removed option: docs/ledger.md)."""
+    records (a field or a package version of a removed option: docs/ledger.md), nor a field added since that is at
+    its default now (a new option defaults to what runs did before it existed)."""
     here_device, here_versions = device_info()["name"], versions()
+    default = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     diff = [f"{k} {there_train.get(k)!r} there vs {v!r} now" for k, v in dataclasses.asdict(train).items()
-            if k != "out" and there_train.get(k) != v]
+            if k != "out" and there_train.get(k, default[k]) != v]
     if there_device != here_device:
         diff.append(f"device {there_device!r} there vs {here_device!r} now")
     return diff + [f"{pkg} {v!r} there vs {here_versions[pkg]!r} now" for pkg, v in there_versions.items()
