@@ -65,7 +65,8 @@ def test_every_command_of_a_stage_is_one_its_script_accepts(name, pretend_gpus, 
     for cmd in commands(STAGES[name]):
         assert cmd[0] == sys.executable
         words = cmd[1:]
-        if words[:2] == ["-m", "torch.distributed.run"]:  # torchrun: the script and its flags follow its own
+        if words[:2] in (["-m", "torch.distributed.run"], ["-m", "deepspeed.launcher.runner"]):
+            # torchrun, deepspeed: the script and its flags follow the launcher's own
             words = words[next(i for i, w in enumerate(words) if w.endswith(".py")):]
         if words[0] == "compare.py":
             train, ns = pretend_gpus.parse(words[1:])  # exits 2, naming the flag, if any is wrong
@@ -99,9 +100,9 @@ def test_what_a_stage_continues_is_the_folder_its_command_writes():
         if stage.keep is None:
             continue
         kept = device.fill(stage.keep, {**stage.params, "device": "1xh200"})
-        first = commands(stage)[0]
+        # the command that continues what it finds there (not a setup's)
+        first = next(c for c in commands(stage) if {"--keep_runs", "--keep"} & set(c))
         assert first[first.index("--out") + 1] == f"/tmp/work/{kept}", name
-        assert {"--keep_runs", "--keep"} & set(first), name  # and continues what it finds there
 
 
 def test_an_unknown_stage_or_setting_is_refused_by_name(capsys, monkeypatch):
