@@ -20,7 +20,7 @@ from shared.model.config import preset
 from shared.tools.prepare_data import prepare
 from shared.train.config import TrainConfig
 from shared.train.results import RunResult
-from tests.helpers import RAW, ROOT, env, run
+from tests.helpers import GPU_BASE, RAW, ROOT, env, run
 
 COMPARE = ROOT / "compare.py"
 
@@ -423,35 +423,55 @@ def test_fp32_bounds_are_tight_and_unrecorded_measures_are_not_judged():
 # is ~0.8), else a missing clip changes nothing; bf16, so the check runs at the bounds GPU runs are judged by.
 FAULT_RUN = ["--preset", "tiny", "--steps", "8", "--warmup_steps", "2", "--lr_warmup_steps", "3", "--grad_accum",
              "2", "--grad_clip", "0.5", "--log_every", "4", "--precision", "bf16"]
+# The same on a GPU: the GPU tests' small model (tests/helpers.GPU_BASE) with the eager profile, whose ZeRO-3 step
+# calls torch's AdamW.step, where `skip_update` is planted (the fast profile's fused step is one Triton kernel).
+GPU_FAULT_RUN = [*GPU_BASE, "--steps", "8", "--warmup_steps", "2", "--lr_warmup_steps", "3", "--grad_accum", "2",
+                 "--grad_clip", "0.5", "--log_every", "4", "--precision", "bf16", "--profile", "eager"]
+FAULTS = ("noclip", "double_scale", "lr2x", "skip_update@4", "dropout_rate")
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1800)  # seven runs of the tiny model, each with its own subprocess timeout
-def test_parity_catches_each_fault_that_trains_another_model_on_real_text(tmp_path):
-    """The Lightning path with one fault planted against the raw path, on the shipped text (byte tokens), at the bf16
-    bounds GPU runs are judged by: a missing clip, the gradients scaled twice, a doubled learning rate, one skipped
-    update and attention dropout at another rate each fail parity; the raw path against itself passes."""
+def faults_caught(tmp_path, args: list) -> dict[str, list[str]]:
+    """The Lightning path with each fault of FAULTS planted against the raw path, on the shipped text (byte tokens):
+    the measures each pair fails, after checking that the raw path against itself passes."""
     prepare(ROOT / "data" / "kjv.txt", tmp_path / "kjv", "byte")
-    args = [*FAULT_RUN, "--data", tmp_path / "kjv"]
+    args = [*args, "--data", tmp_path / "kjv"]
     run([sys.executable, RAW, *args, "--out", tmp_path / "raw.json"])
     raw = RunResult.from_json(tmp_path / "raw.json")
     assert raw.grad_norms[0] > 0.5 and len(raw.grad_norms) == 8 and raw.param_checksum["numel"] == raw.n_params
     run([sys.executable, RAW, *args, "--out", tmp_path / "raw_again.json"])
     assert reports.loss_parity([raw], [RunResult.from_json(tmp_path / "raw_again.json")], "bf16", 3)["ok"]
     caught = {}
-    for fault in ("noclip", "double_scale", "lr2x", "skip_update@4", "dropout_rate"):
+    for fault in FAULTS:
         run([sys.executable, ROOT / "tests" / "inject.py", "lightning", fault, "--", *args,
              "--out", tmp_path / f"{fault}.json"])
         report = reports.loss_parity([raw], [RunResult.from_json(tmp_path / f"{fault}.json")], "bf16", 3)
         assert report["past_warmup"] and report["pairs"][0]["steps"] == [3, 8]
         caught[fault] = report["failed"]
     print("caught:", caught)
+    return caught
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # seven runs of the tiny model, each with its own subprocess timeout
+def test_parity_catches_each_fault_that_trains_another_model_on_real_text(tmp_path):
+    """At the bf16 bounds GPU runs are judged by: a missing clip, the gradients scaled twice, a doubled learning
+    rate, one skipped update and attention dropout at another rate each fail parity."""
+    caught = faults_caught(tmp_path, FAULT_RUN)
     # Measured on CPU: no clip moves the gradient norm past its bound; the double scaling halves it; the doubled LR
     # and the skipped update change the losses after them; the other dropout rate changes every loss.
     assert "grad_norm" in caught["noclip"]
     assert "grad_norm" in caught["double_scale"]
     assert "loss" in caught["lr2x"]
     assert caught["skip_update@4"] and caught["dropout_rate"]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(900)
+def test_parity_catches_each_fault_on_the_gpu(tmp_path):
+    """The same five faults on a GPU (bf16, cuDNN attention and its dropout, torch's fused AdamW): each fails parity,
+    and the raw path against itself passes."""
+    caught = faults_caught(tmp_path, GPU_FAULT_RUN)
+    assert all(caught[f] for f in FAULTS), caught
 
 
 @pytest.mark.slow
