@@ -254,10 +254,17 @@ def test_the_readmes_prose_numbers_are_their_sources():
     assert int(lo) == round(min(min(s) for s in steps) * 1e3) and int(hi) == round(max(max(s) for s in steps) * 1e3)
     fraction = re.search(r"so they run ([0-9.]+)x it", text).group(1)
     assert all(_quotes(fraction, f) for f in top["fraction_of_ceiling"].values())
-    script = json.loads((RESULTS / "fast_profile_1xh100" / "raw_fast_1.5b.json").read_text())
-    assert _quotes(re.search(r"ran at ([0-9.]+) TFLOPs/GPU on one H100", text).group(1), script["tflops_per_gpu"])
-    assert (script["train"]["profile"], script["train"]["micro_batch"]) == ("fast", 8)
-    assert "H100" in script["device"]["name"]
+    entry = RESULTS / "fast_profile_entry_points_1xh100"
+    scripts = [json.loads((entry / f"{p}_script.json").read_text()) for p in ("raw", "lightning")]
+    compared = [json.loads((entry / "headline_1xh100" / "runs" / f"{p}_0.json").read_text())
+                for p in ("deepspeed", "lightning")]
+    m = re.search(r"ran at ([0-9.]+) and ([0-9.]+) TFLOPs/GPU: ([0-9.]+) and ([0-9.]+) of a compare's run", text)
+    quoted = [s["tflops_per_gpu"] for s in scripts] + [s["tflops_per_gpu"] / c["tflops_per_gpu"]
+                                                       for s, c in zip(scripts, compared)]
+    assert [_quotes(x, v) for x, v in zip(m.groups(), quoted)] == [True] * 4
+    for r in scripts + compared:
+        assert (r["train"]["profile"], r["train"]["micro_batch"]) == ("fast", 8) and "H100" in r["device"]["name"]
+    assert all("--compile" not in s["command"] and "--profile" not in s["command"] for s in scripts)  # no speed flag
     parity = json.loads((RESULTS / "deepcompile_2xh200" / "report.json").read_text())["loss_parity"]
     diff, bound = re.search(r"checksums differed by ([0-9.e-]+), over the ([0-9.e-]+) bound", text).groups()
     assert _quotes(diff.split("e")[0], parity["checksum_rel_diff"] * 1e3)
