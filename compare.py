@@ -49,6 +49,7 @@ from harness.report import build_report, format_table, plot_phases, smoke_test_n
 from lightning_app.overheads import check_overheads
 from shared.train.cli import MORE_TITLE, Parser, add_config_args, apply_profile, config_from_args, option_group
 from shared.train.config import TrainConfig
+from shared.train.data import SHIPPED
 from shared.train.distributed import check_before_start, gpu_memory_gib
 from shared.train.results import RunResult, differences, replace_text, versions
 
@@ -70,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     for action in p._actions:  # the help says what compare.py changes on GPUs (see parse)
         if action.dest == "micro_batch":
             action.help += "; the profile's where it sets one (see --profile)"
+        if action.dest == "data":
+            action.help = action.help.replace("(default: synthetic)", f"(default in compare.py: {SHIPPED}, so that "
+                                              "loss parity judges real training)")
         if action.dest in GPU_DEFAULTS:
             action.help = action.help.replace("(default: ", f"(default on GPUs: {GPU_DEFAULTS[action.dest]}; "
                                               "without a GPU: ")
@@ -183,6 +187,8 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
             if not 0 < ns.budget_s < math.inf:
                 raise ValueError(f"--budget_s must be positive, got {ns.budget_s}")
         ns.world = ns.gpus or n_gpus or ns.nproc or 1
+        # real text unless told otherwise: parity on random tokens hardly tests training (the loss barely moves)
+        _fill_unset(ns, {"data": SHIPPED})
         if n_gpus:  # the run's shape first: the profile's micro-batch depends on the preset
             _fill_unset(ns, {k: v for k, v in GPU_DEFAULTS.items() if k != "micro_batch"})
         if ns.profile is None and (ns.explain or ns.autotune):

@@ -195,3 +195,45 @@ def test_prepare_reads_files_not_folders_named_txt(tmp_path):
     (folder / "b.txt").write_text("more words " * 100)
     meta = prepare(folder, tmp_path / "d", val_fraction=0.1)
     assert meta["documents"] == 2
+
+
+def test_the_shipped_text_is_made_into_token_files_once_on_first_use(tmp_path, monkeypatch):
+    """`--data kjv`: data/kjv.txt as byte tokens, made beside it when first asked for (by every rank of a run, and runs
+    side by side: one makes the files under a lock, the others read them), then read like any token file."""
+    import shutil
+    import subprocess
+    import sys
+
+    from shared.train import data
+
+    shutil.copy(data.SHIPPED_TEXT, tmp_path / "kjv.txt")
+    monkeypatch.setattr(data, "SHIPPED_PREFIX", tmp_path / "kjv")
+    monkeypatch.setattr(data, "SHIPPED_TEXT", tmp_path / "kjv.txt")
+    assert data.resolve("synthetic") == "synthetic" and data.resolve("my/prefix") == "my/prefix"
+    assert data.resolve("kjv") == str(tmp_path / "kjv")
+    made = (tmp_path / "kjv.train.bin").stat().st_mtime_ns
+    assert data.resolve("kjv") == str(tmp_path / "kjv") and (tmp_path / "kjv.train.bin").stat().st_mtime_ns == made
+    x, y = next(iter(train_loader(TrainConfig(preset="tiny", data="kjv", steps=2, warmup_steps=1), rank=0)))
+    assert torch.equal(x[:, 1:], y[:, :-1]) and x.max() < 256
+    assert sum(chr(int(t)).isalpha() or chr(int(t)) == " " for t in x.flatten()) > 0.8 * x.numel()  # English text
+    # four processes at once on a fresh folder: all get the same files, none fails on another's half-made ones
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    shutil.copy(tmp_path / "kjv.txt", fresh / "kjv.txt")
+    code = ("import sys; from pathlib import Path; from shared.train import data; "
+            f"data.SHIPPED_PREFIX = Path({str(fresh / 'kjv')!r}); "
+            f"data.SHIPPED_TEXT = Path({str(fresh / 'kjv.txt')!r}); print(data.resolve('kjv'))")
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=data.SHIPPED_PREFIX.parents[1], stdout=subprocess.PIPE,
+                              text=True) for _ in range(4)]
+    assert [p.communicate(timeout=120)[0].strip() for p in procs] == [str(fresh / "kjv")] * 4
+    assert all(p.returncode == 0 for p in procs)
+    assert np.array_equal(np.fromfile(fresh / "kjv.train.bin", np.uint16), np.fromfile(tmp_path / "kjv.train.bin",
+                                                                                        np.uint16))
+
+
+def test_the_shipped_text_where_its_folder_cannot_be_written_says_what_to_do(tmp_path, monkeypatch):
+    from shared.train import data
+
+    monkeypatch.setattr(data, "SHIPPED_PREFIX", tmp_path / "missing_folder" / "kjv")
+    with pytest.raises(ValueError, match="--data kjv: cannot write its token files .* or pass --data synthetic"):
+        data.resolve("kjv")

@@ -35,6 +35,8 @@ def test_missing_data_metadata_is_an_error_not_bytes(tmp_path, monkeypatch, caps
     assert "--data PREFIX" in generate_error(capsys, [str(weights), "--tokens", "2", "--device", "cpu"])
     assert generate.main([str(weights), "--tokens", "2", "--device", "cpu", "--data", "run/data/kjv"])
     assert generate.tokenizer_for({"data": "synthetic"})[2] == 256  # synthetic tokens stay byte-level
+    encode, decode, _ = generate.tokenizer_for({"data": "kjv"})  # the shipped text's bytes, from any folder
+    assert decode(encode("In the beginning")) == "In the beginning" and len(encode("God")) == 3
 
 
 @pytest.mark.parametrize("flags, message", [

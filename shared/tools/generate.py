@@ -27,7 +27,7 @@ def tokenizer_for(meta: dict, data: str | None = None):
     Byte-level only for synthetic tokens (or an export that records no data); a missing PREFIX.meta.json is an
     error, not bytes, since decoding BPE ids as bytes prints garbage."""
     data = data or meta.get("data")
-    if data in (None, "synthetic"):
+    if data in (None, "synthetic", "kjv"):  # kjv: the shipped text as bytes (shared/train/data.resolve)
         return get_tokenizer("byte")
     meta_path = Path(f"{data}.meta.json")
     if not meta_path.is_file():

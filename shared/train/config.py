@@ -195,7 +195,8 @@ class TrainConfig(FusedSwitches):
     """comma-separated overheads to switch on in the Lightning path (names: lightning_app/overheads.py; compare.py
     --explain runs each); the raw loop ignores them"""
     data: str = "synthetic"
-    """synthetic (seeded random tokens) or the prefix of a token file made by `python -m shared.tools.prepare_data`"""
+    """synthetic (seeded random tokens), kjv (the shipped text, data/kjv.txt, as byte tokens: made on first use) or
+    the prefix of a token file made by `python -m shared.tools.prepare_data`"""
     profile_step: int | None = None
     """run this step (counted from the run's first, 0) under torch.profiler, with a device sync at each phase
     boundary, and write its summary into the result JSON (extra.profile: per phase wall, busy and idle ms, kernel

@@ -6,10 +6,13 @@ RandomSampler would draw from torch's global generator and shift every dropout m
 
 Token files (written by `python -m shared.tools.prepare_data`): `PREFIX.train.bin` / `PREFIX.val.bin`, a flat array
 of uint16 (vocab <= 65535) or uint32 token ids, and `PREFIX.meta.json` with the dtype, vocab size and tokenizer.
+`--data kjv` names the text shipped with the project (data/kjv.txt) as byte tokens, made into data/kjv_byte.* on
+first use: real language for any preset (its 256 byte values fit every vocabulary), with nothing to prepare.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 from pathlib import Path
 
@@ -39,6 +42,32 @@ class SyntheticTokens(Dataset):
         g = torch.Generator().manual_seed(batch_seed(self.seed, self.rank, micro_step))
         tokens = torch.randint(0, self.vocab_size, (self.micro_batch, self.seq_len + 1), generator=g)
         return tokens[:, :-1], tokens[:, 1:]
+
+
+SHIPPED = "kjv"
+# the token files of data/kjv.txt as bytes, apart from data/kjv.* (the name the docs' prepare_data examples write)
+SHIPPED_PREFIX = Path(__file__).resolve().parents[2] / "data" / f"{SHIPPED}_byte"
+SHIPPED_TEXT = SHIPPED_PREFIX.with_name(f"{SHIPPED}.txt")
+
+
+def resolve(data: str) -> str:
+    """What `data` names: "synthetic", or a token-file prefix; the shipped text's files are made on first use (under a
+    lock: every rank of a run, and runs side by side, resolve it)."""
+    if data != SHIPPED:
+        return data
+    from shared.tools.prepare_data import output_files, prepare
+
+    try:
+        lock = open(SHIPPED_PREFIX.with_name(f".{SHIPPED}.lock"), "w")
+    except OSError as e:
+        raise ValueError(f"--data {SHIPPED}: cannot write its token files beside {SHIPPED_TEXT} ({e.strerror}); "
+                         "make them elsewhere with `python -m shared.tools.prepare_data data/kjv.txt --out PREFIX` "
+                         "and pass --data PREFIX, or pass --data synthetic") from e
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not all(f.is_file() for f in output_files(SHIPPED_PREFIX, "byte")):
+            prepare(SHIPPED_TEXT, SHIPPED_PREFIX, "byte", force=True)
+    return str(SHIPPED_PREFIX)
 
 
 def read_meta(prefix: str | Path) -> dict:
@@ -85,7 +114,7 @@ def check_data(train) -> None:
         return
     model = train.model()
     for split in ("train", "val") if train.val_every else ("train",):
-        check_token_file(train.data, split, model.vocab_size, model.seq_len)
+        check_token_file(resolve(train.data), split, model.vocab_size, model.seq_len)
 
 
 class TokenFile(Dataset):
@@ -150,7 +179,7 @@ def make_dataset(data: str, split: str, vocab_size: int, seq_len: int, micro_bat
     if data == "synthetic":
         salt = 0 if split == "train" else 7_777_777
         return SyntheticTokens(vocab_size, seq_len, micro_batch, seed + salt, rank, length)
-    return TokenFile(data, split, vocab_size, seq_len, micro_batch, seed, rank, length)
+    return TokenFile(resolve(data), split, vocab_size, seq_len, micro_batch, seed, rank, length)
 
 
 def make_loader(data: str, vocab_size: int, seq_len: int, micro_batch: int, seed: int, rank: int,
