@@ -8,9 +8,10 @@ The evidence, every source under benchmarks/results/:
   - each committed pytest log (`*.log`): the per-test lines of `-v` (`tests/x.py::t[p] PASSED [ 5%]`, with `-s` the
     outcome may follow the test's output on a later line) and of `-rA` (`FAILED tests/x.py::t[p] - AssertionError`);
     a `-q` log has no such lines, but where its session's totals count passes only (`6 passed, 12 deselected`),
-    each test its durations list names in the call phase passed. Its commit is the one that first added the log
-    (`git log --follow --diff-filter=A`, so a folder renamed later keeps the commit of its run), its date that
-    commit's, its device the `_<n>x<gpu>` that ends its folder's name;
+    each test its durations list names in the call phase passed. Its commit is the one pytest's header names
+    (`commit: ...`, which tests/conftest.py prints), else the one that added the log (through exact moves: a folder
+    renamed later keeps the commit of its run); its date is the adding commit's, its device the `_<n>x<gpu>` that
+    ends its folder's name. A log beside a run record is left out (the record says the same, and when);
   - each run record `gpu_test_record*.json` that tests/conftest.py writes where GPU_TEST_RECORD names a file: its
     own commit (ZERO3_BENCH_COMMIT, else the checkout's HEAD), date and device.
 Per test id, as `pytest --collect-only -m gpu` names it now, the latest pass wins (by date, then path), and a failure
@@ -42,8 +43,9 @@ PERCENT = r"(?:\s+\[\s*\d+%\])"
 XDIST = r"(?:\[gw\d+\]\s+\[\s*\d+%\]\s+)?"
 SUMMARY = re.compile(rf"^{XDIST}{WORD} ({NODEID})(?: - .*)?$")  # -rA, and -v under xdist
 VERBOSE = re.compile(rf"^({NODEID})(?: (.*))?$")  # -v: the id, then (after any output of -s) the outcome
-TRAILING = re.compile(rf"(?:^|\s){WORD}{PERCENT}?\s*$")
-BARE = re.compile(rf"^{WORD}{PERCENT}?\s*$|\s{WORD}{PERCENT}\s*$")  # -s: the outcome after the test's output
+REASON = r"(?: \([^)]*\))?"  # -v: SKIPPED (its reason)
+TRAILING = re.compile(rf"(?:^|\s){WORD}{REASON}{PERCENT}?\s*$")
+BARE = re.compile(rf"^{WORD}{REASON}{PERCENT}?\s*$|\s{WORD}{REASON}{PERCENT}\s*$")  # -s: after the test's output
 DURATION = re.compile(rf"^\s*[\d.]+s\s+call\s+({NODEID})\s*$")
 TOTALS = re.compile(r"^=*\s*(\d+ [a-z]+(?:, \d+ [a-z]+)*) in [\d.]+s\b")
 PASSES_ONLY = {"passed", "deselected", "warning", "warnings"}
@@ -209,11 +211,13 @@ the device and the log (or run record) that shows it. Written by `python benchma
 every committed pytest log and run record under `benchmarks/results/` (`--check` fails when this file is stale;
 `tests/test_gpu_record.py` runs it); [GPU_TESTS.json](GPU_TESTS.json) holds the same for scripts.
 
-The commit of a log is the commit that first added the log to git (renames followed): the code it ran at is that
-commit or its parent's working tree, since a log was committed with or after the change it tested. A run record
+The commit of a log written before pytest's header named one (`commit: ...`) is the commit that added the log to
+git (through exact moves of its folder), and its date that commit's: the code it ran at is that commit or its
+parent's working tree, since a log was committed with or after the change it tested. A run record
 (`gpu_test_record.json`, written by `tests/conftest.py` where `GPU_TEST_RECORD` is set) names the commit it ran at
-itself, and the GPU by name. The device of a log is its folder's `<n>x<gpu>`. "then" names a failure or error
-after the latest pass; a test that never passed shows its latest failure, or `never run`.
+itself, its date, and the GPU by name. The device of a log is its folder's `<n>x<gpu>`. The latest pass is the one
+of the latest date (then path); "then" names a failure or error after it; a test that never passed shows its latest
+failure, or `never run`. A `-q` log without per-test lines counts where its session passed every test it ran.
 """
 
 
