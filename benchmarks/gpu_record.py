@@ -11,7 +11,7 @@ The evidence, every source under benchmarks/results/:
     each test its durations list names in the call phase passed. Its commit is the one pytest's header names
     (`commit: ...`, which tests/conftest.py prints), else the one that added the log (through exact moves: a folder
     renamed later keeps the commit of its run); its date is the adding commit's, its device the `_<n>x<gpu>` that
-    ends its folder's name. A log beside a run record is left out (the record says the same, and when);
+    ends its folder's name. A log whose tests a run record beside it names is left out (the record says more);
   - each run record `gpu_test_record*.json` that tests/conftest.py writes where GPU_TEST_RECORD names a file: its
     own commit (ZERO3_BENCH_COMMIT, else the checkout's HEAD), date and device.
 Per test id, as `pytest --collect-only -m gpu` names it now, the latest pass wins (by date, then path), and a failure
@@ -142,15 +142,18 @@ def origins(root: Path = ROOT) -> dict[str, tuple[str, str]]:
 def log_runs(root: Path = ROOT) -> list[Run]:
     """Every committed log under results/ that names a test's outcome, with the commit that added it."""
     results = root / RESULTS.relative_to(ROOT)
-    recorded = {p.parent for p in results.rglob(RUN_RECORDS)}  # a log beside a run record says less than it
+    recorded: dict[Path, set[str]] = {}  # folder -> the tests its run records name
+    for run in record_runs(root):
+        recorded.setdefault((results / run.source).parent, set()).update(run.outcomes)
     added = origins(root)
     runs = []
     for path in git("ls-files", "-z", "--", "*.log", root=results).split("\0"):
         commit = added.get(str((results / path).relative_to(root)))
-        if not path or commit is None or (results / path).parent in recorded:  # None: staged, not committed
+        if not path or commit is None:  # None: staged, not committed
             continue
         text = (results / path).read_text(errors="replace")
-        if not (outcomes := parse_log(text)):
+        # a log whose tests a run record beside it names says less than the record (which has its commit and date)
+        if not (outcomes := parse_log(text)) or outcomes.keys() <= recorded.get((results / path).parent, set()):
             continue
         ran_at = HEADER_COMMIT.search(text)  # the commit tests/conftest.py prints in pytest's header
         device = next((m.group(1) for part in reversed(Path(path).parent.parts) if (m := DEVICE.search(part))), None)

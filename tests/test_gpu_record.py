@@ -207,7 +207,8 @@ def test_a_log_keeps_the_commit_of_its_run_through_a_move_but_not_through_a_copy
     (results / "recorded_1xh100").mkdir()
     (results / "recorded_1xh100" / "gpu.log").write_text(log + "\n")  # beside a run record: the record tells
     (results / "recorded_1xh100" / "gpu_test_record.json").write_text(json.dumps(
-        {"commit": "feed123", "date": "2026-12-07T00:00:00+00:00", "device": "NVIDIA H100", "tests": []}))
+        {"commit": "feed123", "date": "2026-12-07T00:00:00+00:00", "device": "NVIDIA H100",
+         "tests": [{"id": f"tests/t.py::test_{x}", "outcome": "passed", "duration_s": 1.0} for x in "xy"]}))
     git("add", ".")
     git("commit", "-qm", "move, and a second run")
     runs = {r.source: r for r in gpu_record.log_runs(tmp_path)}
@@ -215,3 +216,17 @@ def test_a_log_keeps_the_commit_of_its_run_through_a_move_but_not_through_a_copy
     assert runs["first_1xh200/gpu.log"].commit == first and runs["first_1xh200/gpu.log"].device == "1xh200"
     assert runs["second_1xh100/gpu.log"].commit != first
     assert runs["second_1xh100/gpu.log"].outcomes == {"tests/t.py::test_x": "passed", "tests/t.py::test_y": "failed"}
+
+
+def test_every_gpu_test_command_of_the_device_stages_writes_a_run_record():
+    from benchmarks import device
+
+    found = 0
+    for stage in device.load().values():
+        for c in stage.commands():
+            if "pytest -m gpu" in c.command:
+                env = {k: device.fill(v, {"work": "/tmp/work"}) for k, v in {**stage.env, **c.env}.items()}
+                assert Path(env["GPU_TEST_RECORD"]).match(gpu_record.RUN_RECORDS), (stage.name, c.log)
+                assert Path(env["GPU_TEST_RECORD"]).parent == Path("/tmp/work"), (stage.name, c.log)
+                found += 1
+    assert found == 3
