@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import json
 import os
+import subprocess
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -44,6 +48,45 @@ def pytest_collection_modifyitems(config, items):
 
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# The run record of the gpu-marked tests: each one's outcome, written on a CUDA machine where GPU_TEST_RECORD names a
+# file; benchmarks/gpu_record.py reads these into benchmarks/results/GPU_TESTS.md. The device machine gets the tree
+# without .git, so its caller passes the commit in ZERO3_BENCH_COMMIT.
+GPU_TESTS: dict[str, dict] = {}
+RANK = {"skipped": 0, "passed": 1, "failed": 2, "error": 3}
+
+
+def run_commit() -> str | None:
+    if os.environ.get("ZERO3_BENCH_COMMIT"):
+        return os.environ["ZERO3_BENCH_COMMIT"]
+    if not (ROOT / ".git").exists():
+        return None
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or None
+
+
+def pytest_report_header(config):
+    return f"commit: {run_commit() or 'unknown (no .git and no ZERO3_BENCH_COMMIT)'}"
+
+
+def pytest_runtest_logreport(report):
+    if "gpu" not in report.keywords:
+        return
+    test = GPU_TESTS.setdefault(report.nodeid, {"id": report.nodeid, "outcome": None, "duration_s": 0.0})
+    test["duration_s"] = round(test["duration_s"] + report.duration, 3)
+    if report.when == "call" or not report.passed:  # a setup or teardown that fails is an error, as pytest counts it
+        outcome = "error" if report.failed and report.when != "call" else report.outcome
+        if RANK[outcome] > RANK.get(test["outcome"], -1):
+            test["outcome"] = outcome
+
+
+def pytest_sessionfinish(session):
+    path, tests = os.environ.get("GPU_TEST_RECORD"), [t for t in GPU_TESTS.values() if t["outcome"]]
+    if not (HAS_CUDA and path and tests) or hasattr(session.config, "workerinput"):  # xdist: the controller writes
+        return
+    Path(path).write_text(json.dumps({
+        "commit": run_commit(), "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(), "tests": tests,
+        "versions": {m: importlib.metadata.version(m) for m in ("torch", "deepspeed")}}, indent=1) + "\n")
 # The training scripts' default --out (runs/result.json) and compare.py's (reports/latest): a test launches them with
 # an --out under its tmp_path, so that a refusal that regressed into a run cannot write into the checkout.
 DEFAULT_OUTPUTS = ("runs", "reports")

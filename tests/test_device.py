@@ -141,7 +141,8 @@ def test_the_dry_run_prints_each_command_with_its_time_limit_and_runs_nothing(tm
     assert 565 - device.PACK_S - 200 - device.TIME_LIMIT_MARGIN_S - 5 <= limit <= 565 - 200
     assert "--configs=baseline" in ablation and "CUDA_VISIBLE_DEVICES" in ablation
     assert lines[-2].endswith("-m pytest -m gpu -v -rA -p no:cacheprovider tests/test_timing.py    # env "
-                              "{'CUDA_VISIBLE_DEVICES': '0'}")
+                              f"{{'CUDA_VISIBLE_DEVICES': '0', "
+                              f"'GPU_TEST_RECORD': '{device.WORK}/lever/gpu_test_record.json'}}")
     assert f"benchmarks/compile_cache.py save {out}" in lines[-1]  # last, the caches for the next machine
     assert not out.exists()
 

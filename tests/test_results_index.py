@@ -58,7 +58,8 @@ def test_every_folder_is_in_the_index_once_and_every_row_is_a_folder():
 def test_the_results_hold_folders_named_by_the_scheme_and_nothing_loose():
     assert [f for f in folders() if not NAME.fullmatch(f.removeprefix("archive/"))] == []
     loose = sorted(p.name for p in RESULTS.iterdir() if p.is_file())
-    assert loose == ["INDEX.md", "RENAMES.md"]
+    # the files about every folder: the index, the renames, the GPU tests' record (benchmarks/gpu_record.py)
+    assert loose == ["GPU_TESTS.json", "GPU_TESTS.md", "INDEX.md", "RENAMES.md"]
     assert [p.name for p in (RESULTS / "archive").iterdir() if p.is_file()] == []
 
 
