@@ -256,8 +256,8 @@ def test_the_readmes_prose_numbers_are_their_sources():
     assert all(_quotes(fraction, f) for f in top["fraction_of_ceiling"].values())
     entry = RESULTS / "fast_profile_entry_points_1xh100"
     scripts = [json.loads((entry / f"{p}_script.json").read_text()) for p in ("raw", "lightning")]
-    compared = [json.loads((entry / "headline_1xh100" / "runs" / f"{p}_0.json").read_text())
-                for p in ("deepspeed", "lightning")]
+    runs = RESULTS / "fast_profile_entry_points_1xh100/headline_1xh100/runs"
+    compared = [json.loads((runs / f"{p}_0.json").read_text()) for p in ("deepspeed", "lightning")]
     m = re.search(r"ran at ([0-9.]+) and ([0-9.]+) TFLOPs/GPU: ([0-9.]+) and ([0-9.]+) of a compare's run", text)
     quoted = [s["tflops_per_gpu"] for s in scripts] + [s["tflops_per_gpu"] / c["tflops_per_gpu"]
                                                        for s, c in zip(scripts, compared)]
