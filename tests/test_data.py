@@ -237,3 +237,7 @@ def test_the_shipped_text_where_its_folder_cannot_be_written_says_what_to_do(tmp
     monkeypatch.setattr(data, "SHIPPED_PREFIX", tmp_path / "missing_folder" / "kjv")
     with pytest.raises(ValueError, match="--data kjv: cannot write its token files .* or pass --data synthetic"):
         data.resolve("kjv")
+    monkeypatch.setattr(data, "SHIPPED_PREFIX", tmp_path / "kjv")
+    monkeypatch.setattr(data, "SHIPPED_TEXT", tmp_path / "gone.txt")  # the text itself missing: the tool's own line
+    with pytest.raises(ValueError, match="--data kjv: making its token files failed: .*gone.txt"):
+        data.resolve("kjv")

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import fcntl
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -52,11 +54,10 @@ SHIPPED_TEXT = SHIPPED_PREFIX.with_name(f"{SHIPPED}.txt")
 
 def resolve(data: str) -> str:
     """What `data` names: "synthetic", or a token-file prefix; the shipped text's files are made on first use (under a
-    lock: every rank of a run, and runs side by side, resolve it)."""
+    lock: every rank of a run, and runs side by side, resolve it), by the prepare_data tool in a process of its own
+    (the tools sit above this module: an import would be a circle)."""
     if data != SHIPPED:
         return data
-    from shared.tools.prepare_data import output_files, prepare
-
     try:
         lock = open(SHIPPED_PREFIX.with_name(f".{SHIPPED}.lock"), "w")
     except OSError as e:
@@ -65,8 +66,14 @@ def resolve(data: str) -> str:
                          "and pass --data PREFIX, or pass --data synthetic") from e
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not all(f.is_file() for f in output_files(SHIPPED_PREFIX, "byte")):
-            prepare(SHIPPED_TEXT, SHIPPED_PREFIX, "byte", force=True)
+        if not all(Path(f"{SHIPPED_PREFIX}.{part}").is_file() for part in ("train.bin", "val.bin", "meta.json")):
+            made = subprocess.run([sys.executable, "-m", "shared.tools.prepare_data", str(SHIPPED_TEXT), "--out",
+                                   str(SHIPPED_PREFIX), "--force"], cwd=Path(__file__).resolve().parents[2],
+                                  capture_output=True, text=True)
+            if made.returncode != 0:  # the tool's own "error: ..." line, else its last
+                lines = made.stderr.strip().splitlines() or ["(no message)"]
+                said = next((ln for ln in lines if "error:" in ln), lines[-1])
+                raise ValueError(f"--data {SHIPPED}: making its token files failed: {said}")
     return str(SHIPPED_PREFIX)
 
 
