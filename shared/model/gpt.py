@@ -98,7 +98,8 @@ class GeluLinear(Linear):
 
 
 class ResidualProjection(nn.Module):
-    """Base of a block's two residual branches: their output projection `proj` and its tail, residual + dropout(proj(x)).
+    """Base of a block's two residual branches: their output projection `proj` and its tail,
+    residual + dropout(proj(x)).
 
     Fused (cfg.fused_bias_dropout_add) `proj` is a ResidualLinear that runs the tail itself; otherwise `proj` is a
     plain Linear whose forward is the bare product, the module torchao's float8 conversion swaps (shared/model/fp8.py),
@@ -204,6 +205,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.head = LMHead(self.wte.weight, cfg.vocab_size, cfg.triton_loss)
         self.attention_backend = self.blocks[0].attn.attn.backend
+        self.fp8: dict | None = None  # what the FP8 conversion did, where one ran (shared/model/fp8.convert)
         self.register_buffer("pos", torch.arange(cfg.seq_len), persistent=False)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
