@@ -427,7 +427,7 @@ assert LEVERS <= {f.name for f in dataclasses.fields(TrainConfig)}, "every lever
 # (shared/train/cli.add_config_args).
 MORE_OPTIONS = frozenset({
     "min_lr", "lr_warmup_steps", "weight_decay", "grad_clip", "layout", "seq_len", "n_layer", "n_head", "n_embd",
-    "vocab_size", "dropout", "activation_checkpointing", "wall_clock_breakdown", "lightning_overheads",
+    "vocab_size", "dropout", "activation_checkpointing", "fp8_recipe", "wall_clock_breakdown", "lightning_overheads",
     "profile_step", "profile_stack", "profile_sync", "sync_check_step", "log_every", "keep_last", "trust_checkpoint",
     "val_batches", "nan_policy", "max_nan_skips", "log_csv"})
 assert MORE_OPTIONS <= {f.name for f in dataclasses.fields(TrainConfig)} and not MORE_OPTIONS & LEVERS
