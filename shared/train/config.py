@@ -454,9 +454,9 @@ def _check_fp8(train: TrainConfig) -> None:
     torchao (shared/model/fp8.py says why each)."""
     asked = [name for name in fp8.UNCONVERTIBLE if getattr(train._model, name)]
     if asked:
-        raise ValueError(f"--precision fp8 cannot convert the blocks' linears under --{asked[0]} ("
-                         f"{fp8.UNCONVERTIBLE[asked[0]]}, bypassing nn.Linear's forward that torchao's Float8Linear "
-                         f"replaces): drop {', '.join('--' + a for a in asked)} (fp8 runs them unfused by default)")
+        raise ValueError(f"--precision fp8 cannot convert the blocks' linears under --{asked[0]}: "
+                         f"{fp8.UNCONVERTIBLE[asked[0]]}, past the nn.Linear forward that torchao's Float8Linear "
+                         f"replaces; drop {', '.join('--' + a for a in asked)} (fp8 runs the tails unfused by default)")
     for refusal in (fp8.shape_refusal(train._model), fp8.device_refusal(), fp8.torchao_refusal()):
         if refusal:
             raise ValueError(refusal)
@@ -466,8 +466,8 @@ _PRECISION_ALIASES = {
     "bf16": "bf16", "bf16-mixed": "bf16", "bf16-true": "bf16", "bfloat16": "bf16",
     "fp16": "fp16", "16": "fp16", "16-mixed": "fp16", "16-true": "fp16", "float16": "fp16",
     "fp32": "fp32", "32": "fp32", "32-true": "fp32", "float32": "fp32",
-    # torchao's name for the dtype family, and its recipes' (convert_to_float8_training); Lightning's
-    # "transformer-engine" precisions are another library's FP8 and are not mapped here
+    # float8: torchao's name (torchao.float8, Float8LinearConfig); Lightning's "transformer-engine" precisions are
+    # another library's FP8 and are not mapped here
     "fp8": "fp8", "float8": "fp8",
 }
 
