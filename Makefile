@@ -11,7 +11,7 @@ JOBS ?= 2
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet "$(TORCH)" -e '.[dev]'
+	$(PY) -m pip install --quiet "$(TORCH)" -e '.[dev,fp8]'
 	touch $@
 
 .PHONY: run test lint

@@ -29,6 +29,7 @@ import torch
 
 from harness import autotune, explain
 from harness.launch import (
+    FP8_REFUSAL,
     GRACE_S,
     ONE_PROCESS,
     PATHS,
@@ -201,6 +202,8 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
         ns.report_dir = Path(ns.out or "reports/latest")
         train = config_from_args(ns, out=str(ns.report_dir / "runs" / "run.json"))
         check_overheads(train)
+        if train.precision == "fp8" and set(ns.references) - {"stock"}:
+            raise ValueError(FP8_REFUSAL)
         ns.kept = kept_runs(ns, train) if ns.keep_runs and not ns.autotune else {}
         ns.kept_candidates, ns.kept_commands = (autotune.kept_candidates(train, ns.world, ns.report_dir)
                                                 if ns.keep_runs and ns.autotune else ([], []))

@@ -39,6 +39,11 @@ PATHS = ("deepspeed", "lightning")
 # one GPU; fsdp2: torch FSDP2 + compiled blocks on the run's GPUs; stock: the raw path under the stock profile,
 # DeepSpeed as shipped (shared/train/profiles.py), on the run's GPUs.
 REFERENCES = ("unsharded", "ceiling", "fsdp2", "stock")
+# The unsharded, ceiling and fsdp2 rows (harness/reference.py) build their own models, which no FP8 conversion
+# reaches: a bf16 row beside fp8 paths would read as what fp8 costs or saves.
+FP8_REFUSAL = ("the reference rows unsharded, ceiling and fsdp2 run bf16 or fp32 models of their own, not the paths' "
+               "FP8 conversion: with --precision fp8 use --reference stock (the raw path under the stock profile), "
+               "or compare them in a bf16 compare")
 # The rows that run as one unsharded process on one GPU, whatever the compare's world size.
 ONE_PROCESS = ("unsharded", "ceiling")
 # After SIGTERM to a run's process group: seconds before what is left of it gets SIGKILL. A run stops at its

@@ -32,6 +32,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from harness.launch import FP8_REFUSAL
 from shared.model.gpt import GPT, count_parameters
 from shared.train.cli import add_config_args, config_from_args
 from shared.train.compile import compile_blocks, configure_inductor
@@ -196,6 +197,8 @@ def main(train: TrainConfig, mode: str) -> RunResult:
         raise ValueError(f"unknown reference mode {mode!r}; choose one of {MODES}")
     if train.precision == "fp16":
         raise ValueError("the reference rows run bf16 or fp32 (fp16 would need a loss scaler the paths share)")
+    if train.precision == "fp8":
+        raise ValueError(FP8_REFUSAL)
     if train.grad_accum != 1 or train.activation_checkpointing:
         raise ValueError("the reference rows run grad_accum 1 without activation checkpointing")
     ensure_env()

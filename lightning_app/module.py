@@ -15,7 +15,7 @@ import pytorch_lightning as pl
 from torchmetrics import MeanMetric
 
 from shared.model.gpt import GPT
-from shared.train.compile import compile_blocks
+from shared.train.build import build_model
 from shared.train.config import TrainConfig
 from shared.train.distributed import seed_all
 from shared.train.loop import format_validation, validation_figures
@@ -40,8 +40,7 @@ class GPTModule(pl.LightningModule):
 
     def build_gpt(self) -> GPT:
         seed_all(self.train_cfg.seed)  # the same RNG state the raw loop builds its model from
-        gpt = GPT(self.model_cfg)
-        return compile_blocks(gpt) if self.train_cfg.compile == "blocks" else gpt
+        return build_model(self.train_cfg)  # converted to FP8 and compiled as asked, as the raw loop's
 
     def configure_model(self) -> None:
         if self.gpt is not None:  # Lightning calls this hook again on every fit/validate

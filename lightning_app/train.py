@@ -79,7 +79,7 @@ def lightning_ds_config(train: TrainConfig) -> dict:
 
 
 def build_strategy(train: TrainConfig) -> ZeroStrategy:
-    precision = ZeroPrecision(LIGHTNING_PRECISION[train.precision])
+    precision = ZeroPrecision(LIGHTNING_PRECISION[train.tensor_precision])  # fp8: bf16's, FP8 inside the model
     if "pl_default_ds_config" in train.overheads:
         # What `Trainer(strategy="deepspeed_stage_3")` gives: Lightning's defaults (buckets of 2e8, DeepSpeed's
         # stage-3 defaults for prefetch and persistence, DeepSpeed's synchronized throughput timer). The dict only:
@@ -111,7 +111,7 @@ class DataModule(pl.LightningDataModule):
 def build_trainer(train: TrainConfig, callbacks: list[pl.Callback]) -> pl.Trainer:
     devices = default_devices(train)
     on_gpu = torch.cuda.is_available()
-    check_precision(torch.device("cuda" if on_gpu else "cpu"), train.precision)
+    check_precision(torch.device("cuda" if on_gpu else "cpu"), train.tensor_precision)
     if on_gpu and devices > torch.cuda.device_count():
         raise ValueError(f"{devices} GPU(s) asked for but {torch.cuda.device_count()} available")
     num_nodes = int(os.environ.get("WORLD_SIZE", devices)) // devices if "LOCAL_WORLD_SIZE" in os.environ else 1

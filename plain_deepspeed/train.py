@@ -22,10 +22,11 @@ import torch.distributed as dist
 from torchmetrics import MeanMetric
 
 from shared import patches
-from shared.model.gpt import GPT, count_parameters
+from shared.model.gpt import count_parameters
 from shared.train import checkpoint
+from shared.train.build import build_model
 from shared.train.cli import parse_train_config
-from shared.train.compile import compile_blocks, configure_inductor
+from shared.train.compile import configure_inductor
 from shared.train.config import TrainConfig
 from shared.train.data import train_loader, val_loader
 from shared.train.distributed import (
@@ -112,9 +113,7 @@ def main(train: TrainConfig) -> RunResult:
     seed_all(train.seed)
     # ZeRO-3 partitions each parameter as its module is built, so the full model never sits on one GPU.
     with deepspeed.zero.Init(config_dict_or_path=ds_config, enabled=train.stage == 3):
-        model = GPT(model_cfg)
-    if train.compile == "blocks":
-        compile_blocks(model)
+        model = build_model(train)  # converted to FP8 and compiled as asked, as Lightning's (shared/train/build.py)
     optimizer = build_optimizer(model, train, device)
     scheduler = build_scheduler(optimizer, train)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
@@ -213,7 +212,7 @@ def main(train: TrainConfig) -> RunResult:
         n_params=count_parameters(model),
         ds_breakdown_ms=breakdown.summary(train.warmup_steps * train.grad_accum),
         peak_mem_bytes=peak_mem,
-        grad_norms=grad_norms.values(), param_checksum=param_checksum(model),
+        grad_norms=grad_norms.values(), param_checksum=param_checksum(model), fp8=model.fp8,
         extra={"start_step": start, "resumed_from": str(resume_from) if resume_from else None,
                "skipped_steps": nan_guard.skipped, "zero3_step_calls": patches.step_calls(engine), **history},
     )

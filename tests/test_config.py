@@ -49,7 +49,7 @@ def test_study_preset_shape():
         (dict(steps=5, warmup_steps=5), "warmup_steps"),
         (dict(warmup_steps=3, profile_step=3), r"profile_step \(3\) must be >= 0 and below warmup_steps \(3\)"),
         (dict(profile_step=-1), r"profile_step \(-1\)"),
-        (dict(precision="fp8"), "unknown precision 'fp8'"),
+        (dict(precision="fp4"), "unknown precision 'fp4'"),
         (dict(attention="nope"), "unknown attention backend"),
         (dict(attn_dropout_mask="mask"), "unknown attn_dropout_mask 'mask'"),
         (dict(lr=-1.0), "lr must be positive and finite, got -1.0"),

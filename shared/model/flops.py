@@ -38,6 +38,13 @@ layout's density (the share of the s x s grid the layout's blocks visit): compar
 the same head undercount at k = 3; `matmul_flops` with that density is the exact matmul count.
 tests/test_flops.py checks F_exact, the formula and the causal count against torch.utils.flop_counter on the
 model itself. TFLOPs per GPU = F / (median step time * n_gpus), with B the global batch of that step.
+
+FP8 runs (--precision fp8, shared/model/fp8.py) are counted by the same formula: the model does the same matmuls,
+some of them in FP8, so their TFLOPs compare with bf16 runs' as speed. Their MFU is reported twice, against the
+device's bf16 peak (the run JSON's `mfu`, comparable with bf16 runs) and against its FP8 peak (`mfu_fp8`, the bound of
+the FP8 matmuls alone; no run of this model can reach it, since its attention and head stay bf16). `fp8_linear_flops`
+is what ran in FP8: the blocks' four linears, k * l * 24 B s h^2 (forward, input and weight gradients, recomputed
+forward included); its share of the exact causal count is recorded with each fp8 run.
 """
 
 from __future__ import annotations
@@ -103,6 +110,21 @@ def step_flops(cfg: GPTConfig, global_batch: int, k: int) -> float:
     return megatron_flops(global_batch, cfg.seq_len, cfg.n_layer, cfg.n_embd, cfg.vocab_size, k)
 
 
+def fp8_linear_flops(batch: int, seq: int, n_layer: int, hidden: int, k: int = 3) -> float:
+    """Matmul FLOPs of the blocks' four linear layers (QKV, proj, MLP fc and proj) in one training step: k*l*24*B*s*h^2,
+    the matmuls --precision fp8 runs in FP8."""
+    if k not in (3, 4):
+        raise ValueError(f"k must be 3 (no recompute) or 4 (activation checkpointing), got {k}")
+    return k * n_layer * 24.0 * batch * seq * hidden**2
+
+
+def fp8_share(cfg: GPTConfig, global_batch: int, k: int) -> float:
+    """Share of a step's exact causal matmul FLOPs (step_flops_causal) that the blocks' linear layers do: what an fp8
+    run ran in FP8."""
+    in_fp8 = fp8_linear_flops(global_batch, cfg.seq_len, cfg.n_layer, cfg.n_embd, k)
+    return in_fp8 / step_flops_causal(cfg, global_batch, k)
+
+
 def megatron_params(n_layer: int, hidden: int, vocab: int, seq: int) -> float:
     """Parameter count by the Megatron formula: 12*l*h^2*(1 + 13/(12h) + (V+s)/(12*l*h)).
 
@@ -116,18 +138,23 @@ def megatron_params(n_layer: int, hidden: int, vocab: int, seq: int) -> float:
 # torch.cuda.get_device_name() reports. Exact, not by substring: "NVIDIA L40" contains "L4" (a third of its
 # peak) and "NVIDIA H200 NVL" contains "H200" (the SXM part, 18% faster); a name not listed gets no MFU.
 # fp32 is the TF32 tensor-core rate where the chip has one (what PyTorch uses for fp32 matmuls when allowed).
-_H100_SXM = {"bf16": 989.4e12, "fp16": 989.4e12, "fp32": 494.7e12}
-_NVL = {"bf16": 835.0e12, "fp16": 835.0e12, "fp32": 417.5e12}  # H100 NVL and H200 NVL (per GPU, 1671 sparse)
+# fp8 is the dense FP8 tensor-core rate (e4m3/e5m2 inputs, fp32 accumulation: torch._scaled_mm's), twice the bf16
+# rate: NVIDIA's H100 and H200 datasheets (SXM, PCIe, NVL) and the HGX B200's quote FP8 with sparsity at twice their
+# BF16-with-sparsity figure, dense being half of either (tests/test_flops.py checks fp8 = 2 x bf16 wherever listed).
+# Ampere, Volta and the A10G have no FP8 tensor cores. The Ada parts (L40S, L40, L4, RTX 4090) have them but no fp8
+# entry yet (their FP8 figures are not checked against their datasheets here): an fp8 run there reports no fp8 MFU.
+_H100_SXM = {"bf16": 989.4e12, "fp16": 989.4e12, "fp32": 494.7e12, "fp8": 1978.8e12}
+_NVL = {"bf16": 835.0e12, "fp16": 835.0e12, "fp32": 417.5e12, "fp8": 1670.0e12}  # H100 NVL and H200 NVL, per GPU
 _A100 = {"bf16": 312e12, "fp16": 312e12, "fp32": 156e12}  # SXM and PCIe, 40 and 80 GB alike
 PEAK_FLOPS: dict[str, dict[str, float]] = {
     "NVIDIA H100 80GB HBM3": _H100_SXM,
-    "NVIDIA H100 PCIe": {"bf16": 756.0e12, "fp16": 756.0e12, "fp32": 378.0e12},
+    "NVIDIA H100 PCIe": {"bf16": 756.0e12, "fp16": 756.0e12, "fp32": 378.0e12, "fp8": 1512.0e12},
     "NVIDIA H100 NVL": _NVL,
     "NVIDIA H200": _H100_SXM,  # the SXM part: H100's compute, more and faster memory
     "NVIDIA H200 NVL": _NVL,
     "NVIDIA GH200 480GB": _H100_SXM,
     "NVIDIA GH200 144G HBM3e": _H100_SXM,
-    "NVIDIA B200": {"bf16": 2250e12, "fp16": 2250e12, "fp32": 1100e12},
+    "NVIDIA B200": {"bf16": 2250e12, "fp16": 2250e12, "fp32": 1100e12, "fp8": 4500e12},
     "NVIDIA A100-SXM4-80GB": _A100,
     "NVIDIA A100-SXM4-40GB": _A100,
     "NVIDIA A100 80GB PCIe": _A100,
@@ -143,8 +170,9 @@ PEAK_FLOPS: dict[str, dict[str, float]] = {
     "NVIDIA GeForce RTX 4090": {"bf16": 165.2e12, "fp16": 165.2e12, "fp32": 82.6e12},
 }
 # The SM clock (MHz) each datasheet peak above is quoted at, where its arithmetic is known: 132 SMs x 4096 dense
-# bf16 FLOP per clock x 1830 MHz = 989.4 TFLOP/s (H100 SXM and H200). Under its power cap a GPU holds a lower clock
-# in training (the run's telemetry, harness/telemetry.py), and its peak falls with it: peak_flops_at_clock.
+# bf16 FLOP per clock x 1830 MHz = 989.4 TFLOP/s (H100 SXM and H200; FP8 does 8192 per SM and clock). Under its power
+# cap a GPU holds a lower clock in training (the run's telemetry, harness/telemetry.py), and its peak falls with it:
+# peak_flops_at_clock.
 PEAK_CLOCK_MHZ: dict[str, float] = {"NVIDIA H100 80GB HBM3": 1830.0, "NVIDIA H200": 1830.0}
 _warned: set[str] = set()
 

@@ -65,42 +65,67 @@ class Embedding(nn.Embedding):
             self.weight[self.used:].zero_()
 
 
+def residual_std(cfg: GPTConfig) -> float:
+    """Init std of a residual branch's output projection (attention proj, MLP proj): 0.02/sqrt(2*n_layer)."""
+    return INIT_STD / math.sqrt(2 * cfg.n_layer)
+
+
 class ResidualLinear(Linear):
-    """A residual branch's output projection: residual + dropout(x W^T + b), fused when cfg asks for it."""
+    """A residual branch's output projection with its tail fused: residual + dropout(x W^T + b) as one compiled
+    kernel (shared/model/fused_ops.py). Its forward reads the weight itself, not through nn.Linear.forward, so a
+    conversion that replaces nn.Linear's forward (torchao's float8 training, shared/model/fp8.py) cannot take it:
+    without the fusion the projection is a plain Linear and its block applies the tail."""
 
     def __init__(self, cfg: GPTConfig, in_features: int):
-        super().__init__(in_features, cfg.n_embd, cfg.bias, std=INIT_STD / math.sqrt(2 * cfg.n_layer))
-        self.fused = cfg.fused_bias_dropout_add
+        super().__init__(in_features, cfg.n_embd, cfg.bias, std=residual_std(cfg))
         self.bias_dropout_add = fused_ops.bias_dropout_add_triton if cfg.triton_dropout else fused_ops.bias_dropout_add
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            return self.bias_dropout_add(F.linear(x, self.weight), self.bias, residual, self.dropout.p,
-                                         self.training)
-        return residual + self.dropout(F.linear(x, self.weight, self.bias))
+        return self.bias_dropout_add(F.linear(x, self.weight), self.bias, residual, self.dropout.p, self.training)
 
 
 class GeluLinear(Linear):
-    """The MLP's up projection with its GELU (tanh approximation): gelu(x W^T + b)."""
+    """The MLP's up projection with its GELU (tanh approximation) fused: gelu(x W^T + b) as one compiled kernel. As
+    ResidualLinear, it reads the weight itself; without the fusion the MLP holds a plain Linear and applies the GELU."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__(cfg.n_embd, 4 * cfg.n_embd, cfg.bias)
-        self.fused = cfg.fused_bias_gelu
         self.bias_gelu = fused_ops.bias_gelu_triton_grad if cfg.triton_gelu_grad else fused_ops.bias_gelu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            return self.bias_gelu(F.linear(x, self.weight), self.bias)
-        return F.gelu(F.linear(x, self.weight, self.bias), approximate="tanh")
+        return self.bias_gelu(F.linear(x, self.weight), self.bias)
 
 
-class CausalSelfAttention(nn.Module):
+class ResidualProjection(nn.Module):
+    """Base of a block's two residual branches: their output projection `proj` and its tail,
+    residual + dropout(proj(x)).
+
+    Fused (cfg.fused_bias_dropout_add) `proj` is a ResidualLinear that runs the tail itself; otherwise `proj` is a
+    plain Linear whose forward is the bare product, the module torchao's float8 conversion swaps (shared/model/fp8.py),
+    and the tail runs here. Chosen at construction; the parameter names (`proj.weight`, `proj.bias`) are the same."""
+
+    def init_projection(self, cfg: GPTConfig, in_features: int) -> None:
+        self.fused_tail = cfg.fused_bias_dropout_add
+        if self.fused_tail:
+            self.proj = ResidualLinear(cfg, in_features)
+        else:
+            self.proj = Linear(in_features, cfg.n_embd, cfg.bias, std=residual_std(cfg))
+            self.dropout = nn.Dropout(cfg.dropout)
+
+    def project(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + dropout(x W^T + b)"""
+        if self.fused_tail:
+            return self.proj(x, residual)
+        return residual + self.dropout(self.proj(x))
+
+
+class CausalSelfAttention(ResidualProjection):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head = cfg.n_head
         self.qkv = Linear(cfg.n_embd, 3 * cfg.n_embd, cfg.bias)
-        self.proj = ResidualLinear(cfg, cfg.n_embd)
+        self.init_projection(cfg, cfg.n_embd)
         self.attn = build_attention(cfg)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -112,18 +137,20 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         y = self.attn(q, k, v)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, C)
-        return self.proj(y, residual)
+        return self.project(y, residual)
 
 
-class MLP(nn.Module):
+class MLP(ResidualProjection):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.fc = GeluLinear(cfg)
-        self.proj = ResidualLinear(cfg, 4 * cfg.n_embd)
+        self.fused_gelu = cfg.fused_bias_gelu
+        self.fc = GeluLinear(cfg) if self.fused_gelu else Linear(cfg.n_embd, 4 * cfg.n_embd, cfg.bias)
+        self.init_projection(cfg, 4 * cfg.n_embd)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + dropout(proj(gelu(fc(x))))"""
-        return self.proj(self.fc(x), residual)
+        h = self.fc(x) if self.fused_gelu else F.gelu(self.fc(x), approximate="tanh")  # (B, T, 4C)
+        return self.project(h, residual)
 
 
 class Block(nn.Module):
@@ -178,6 +205,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.head = LMHead(self.wte.weight, cfg.vocab_size, cfg.triton_loss)
         self.attention_backend = self.blocks[0].attn.attn.backend
+        self.fp8: dict | None = None  # what the FP8 conversion did, where one ran (shared/model/fp8.convert)
         self.register_buffer("pos", torch.arange(cfg.seq_len), persistent=False)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 from shared.model import config as model_config
+from shared.model import fp8
 from shared.model.config import (  # noqa: F401  (ATTENTION_BACKENDS, LAYOUTS: named in field docs, see cli.py)
     ATTENTION_BACKENDS,
     FUSED_FLAGS,
@@ -23,7 +24,10 @@ from shared.model.config import (  # noqa: F401  (ATTENTION_BACKENDS, LAYOUTS: n
     preset,
 )
 
-PRECISIONS = ("bf16", "fp16", "fp32")
+PRECISIONS = ("bf16", "fp16", "fp32", "fp8")
+# fp8 trains a bf16 model whose blocks' linear layers run in FP8 (shared/model/fp8.py): its parameters, activations,
+# attention and DeepSpeed dict are bf16's. What every other part of a run reads as the precision of its tensors.
+TENSOR_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32", "fp8": "bf16"}
 ZERO_PROFILES = ("original", "tuned")
 # The speed profiles, declared in shared/train/profiles.py
 PROFILES = ("fast", "stock", "eager")
@@ -67,7 +71,13 @@ class TrainConfig(FusedSwitches):
     stage: int = 3
     """ZeRO stage 0-3"""
     precision: str = "bf16"
-    """bf16 | fp16 | fp32 (Lightning's bf16-mixed/bf16-true/16-mixed/32-true are accepted and mapped)"""
+    """bf16 | fp16 | fp32 | fp8 (Lightning's bf16-mixed/bf16-true/16-mixed/32-true and float8 are accepted and
+    mapped). fp8: bf16 training whose blocks' linear layers (attention qkv/proj, MLP fc/proj) run their matmuls in FP8
+    through torchao's float8 training (--fp8_recipe; shared/model/fp8.py, docs/fp8.md); needs a GPU of compute
+    capability 8.9+ and `pip install 'zero3-bench[fp8]'`"""
+    fp8_recipe: str = "tensorwise"
+    """with --precision fp8: torchao's scaling recipe, tensorwise (one dynamic scale per tensor, torchao's default) |
+    rowwise (one per row, power-of-two scales)"""
     micro_batch: int = 2
     """sequences per GPU per micro-step (the original study's --batch_size_per_gpu)"""
     grad_accum: int = 1
@@ -248,6 +258,8 @@ class TrainConfig(FusedSwitches):
 
     def __post_init__(self) -> None:
         self.precision = normalize_precision(self.precision)
+        if self.fp8_recipe not in fp8.RECIPES:
+            raise ValueError(f"unknown fp8_recipe {self.fp8_recipe!r}; choose one of {fp8.RECIPES}")
         if self.preset not in PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; choose one of {tuple(PRESETS)}")
         if self.stage not in (0, 1, 2, 3):
@@ -340,7 +352,10 @@ class TrainConfig(FusedSwitches):
         # Built once, here: the model overrides are validated now, not after the process group is up, and every
         # caller reads the same object (dataclasses.replace runs __post_init__ again, so a copy gets its own).
         self._model = self._build_model()
-        if self._model.attention == "blocksparse" and self.precision == "bf16" and not model_config.cuda_available():
+        if self.precision == "fp8":
+            _check_fp8(self)
+        if self._model.attention == "blocksparse" and self.tensor_precision == "bf16" and \
+                not model_config.cuda_available():
             raise ValueError("--attention blocksparse runs its Triton kernel in Triton's interpreter on a machine "
                              "without a CUDA GPU, where bf16 dot products come out wrong: add --precision fp32 "
                              "(or run it on a CUDA GPU)")
@@ -352,6 +367,19 @@ class TrainConfig(FusedSwitches):
                 "leaves parameters ungathered outside its graph (seen on the H200 with a kernel outside the graph: "
                 "\"RuntimeError: 'weight' must be 2-D\" at the token embedding); use --attention sdpa or blocksparse "
                 "with DeepCompile, or --compile blocks (the kernel runs between the compiled blocks)")
+
+    @property
+    def tensor_precision(self) -> str:
+        """The dtype of the run's parameters, activations and DeepSpeed dict: the precision, bf16 for fp8."""
+        return TENSOR_PRECISION[self.precision]
+
+    def resolve_fused(self) -> dict[str, bool]:
+        """FusedSwitches' rule, except under fp8: a switch whose module the FP8 conversion cannot take
+        (fp8.UNCONVERTIBLE) is off unless given, and refused when given (_check_fp8)."""
+        fused = super().resolve_fused()
+        if self.precision == "fp8":
+            fused.update({name: False for name in fp8.UNCONVERTIBLE if getattr(self, name) is None})
+        return fused
 
     def model(self) -> GPTConfig:
         """The GPTConfig this run trains: the preset with this run's overrides (built once, in __post_init__)."""
@@ -400,7 +428,7 @@ assert LEVERS <= {f.name for f in dataclasses.fields(TrainConfig)}, "every lever
 # (shared/train/cli.add_config_args).
 MORE_OPTIONS = frozenset({
     "min_lr", "lr_warmup_steps", "weight_decay", "grad_clip", "layout", "seq_len", "n_layer", "n_head", "n_embd",
-    "vocab_size", "dropout", "activation_checkpointing", "wall_clock_breakdown", "lightning_overheads",
+    "vocab_size", "dropout", "activation_checkpointing", "fp8_recipe", "wall_clock_breakdown", "lightning_overheads",
     "profile_step", "profile_stack", "profile_sync", "sync_check_step", "log_every", "keep_last", "trust_checkpoint",
     "val_batches", "nan_policy", "max_nan_skips", "log_csv"})
 assert MORE_OPTIONS <= {f.name for f in dataclasses.fields(TrainConfig)} and not MORE_OPTIONS & LEVERS
@@ -422,10 +450,26 @@ def _check_deepcompile(train: TrainConfig) -> None:
                          f"that step must not be timed (got --warmup_steps {train.warmup_steps})")
 
 
+def _check_fp8(train: TrainConfig) -> None:
+    """Refuse, before any process starts, what --precision fp8 cannot run: settings first, then the machine, then
+    torchao (shared/model/fp8.py says why each)."""
+    asked = [name for name in fp8.UNCONVERTIBLE if getattr(train._model, name)]
+    if asked:
+        raise ValueError(f"--precision fp8 cannot convert the blocks' linears under --{asked[0]}: "
+                         f"{fp8.UNCONVERTIBLE[asked[0]]}, past the nn.Linear forward that torchao's Float8Linear "
+                         f"replaces; drop {', '.join('--' + a for a in asked)} (fp8 runs the tails unfused by default)")
+    for refusal in (fp8.shape_refusal(train._model), fp8.device_refusal(), fp8.torchao_refusal()):
+        if refusal:
+            raise ValueError(refusal)
+
+
 _PRECISION_ALIASES = {
     "bf16": "bf16", "bf16-mixed": "bf16", "bf16-true": "bf16", "bfloat16": "bf16",
     "fp16": "fp16", "16": "fp16", "16-mixed": "fp16", "16-true": "fp16", "float16": "fp16",
     "fp32": "fp32", "32": "fp32", "32-true": "fp32", "float32": "fp32",
+    # float8: torchao's name (torchao.float8, Float8LinearConfig); Lightning's "transformer-engine" precisions are
+    # another library's FP8 and are not mapped here
+    "fp8": "fp8", "float8": "fp8",
 }
 
 
@@ -442,10 +486,11 @@ def device_norm_check_refusal(stage: int, zero3_step: str, precision: str) -> st
 
 
 def normalize_precision(value: str) -> str:
-    """Map Lightning's and DeepSpeed's spellings to bf16 | fp16 | fp32."""
+    """Map Lightning's, DeepSpeed's and torchao's spellings to bf16 | fp16 | fp32 | fp8."""
     key = str(value).lower()
     if key not in _PRECISION_ALIASES:
-        raise ValueError(f"unknown precision {value!r}; choose one of {PRECISIONS} (or Lightning's bf16-mixed, ...)")
+        raise ValueError(f"unknown precision {value!r}; choose one of {PRECISIONS} (or Lightning's bf16-mixed, ..., "
+                         "or float8)")
     return _PRECISION_ALIASES[key]
 
 

@@ -314,7 +314,7 @@ def check_before_start(train, device: torch.device, world: int, local_world: int
     patches.check_versions(train, lightning=lightning)  # before anything is touched: no half-patched run
     check_build_locks()
     check_outputs(train)
-    check_precision(device, train.precision)
+    check_precision(device, train.tensor_precision)  # fp8's own refusals: TrainConfig (shared/model/fp8.py)
     check_data(train)
     if train.ds_config:
         build_ds_config(train, world)  # reads and checks the user's JSON, its batch sizes against `world`

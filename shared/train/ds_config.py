@@ -72,9 +72,11 @@ def build_ds_config(train: TrainConfig, world: int | None = None) -> dict:
         "steps_per_print": 10**9,  # our own loop prints; DeepSpeed's per-N-step report is not needed
         "wall_clock_breakdown": train.wall_clock_breakdown,
     }
-    if train.precision == "bf16":
+    # fp8 is bf16 training with the blocks' matmuls in FP8 inside the model (shared/model/fp8.py): DeepSpeed holds,
+    # gathers and updates the bf16 parameters as for bf16, so its dict is bf16's
+    if train.tensor_precision == "bf16":
         cfg["bf16"] = {"enabled": True}
-    elif train.precision == "fp16":
+    elif train.tensor_precision == "fp16":
         cfg["fp16"] = dict(FP16_DEFAULTS)
     if train.stage == 3 and train.compile == "blocks":
         # A compiled block must hold no DeepSpeed hook (see shared/train/compile.py): gather its parameters in one
@@ -202,10 +204,9 @@ def load_user_ds_config(source: str | Path, train: TrainConfig, world: int | Non
     check_batch_sizes(cfg, name, train, world)
     bf16 = "bf16" if cfg.get("bf16") is not None else "bfloat16"  # DeepSpeed reads its older name without "bf16"
     cfg_precision = "bf16" if _enabled(cfg, bf16) else "fp16" if _enabled(cfg, "fp16") else "fp32"
-    if cfg_precision != train.precision:
-        raise ValueError(
-            f"DeepSpeed config {name} enables {cfg_precision} but the run asks for {train.precision}"
-        )
+    if cfg_precision != train.tensor_precision:
+        raise ValueError(f"DeepSpeed config {name} enables {cfg_precision} but the run asks for {train.precision}"
+                         + (" (bf16 parameters: enable the bf16 section)" if train.precision == "fp8" else ""))
     if _enabled(cfg, "torch_autocast"):  # the forward would run in the autocast dtype under another label
         raise ValueError(f"DeepSpeed config {name} enables torch_autocast, which runs the forward in another precision "
                          f"than the run's --precision {train.precision} names; remove it and choose the precision with "

@@ -40,7 +40,8 @@ def start_progress(train: TrainConfig, device: torch.device, rank: int, prefix: 
                        sync_check_step=slowed_step_left(train, first_step, "sync_check_step"))
     per_gpu_flops = flops.step_flops(train.model(), train.micro_batch * train.grad_accum, train.flops_factor)
     cuda = device.type == "cuda"
-    peak = flops.peak_flops(torch.cuda.get_device_name(device), train.precision) if cuda else None
+    # fp8 runs: against the bf16 peak, as the run JSON's mfu (shared/train/results.py keeps the FP8 peak's too)
+    peak = flops.peak_flops(torch.cuda.get_device_name(device), train.tensor_precision) if cuda else None
     progress = Progress(train.steps, device, timer, per_gpu_flops, train.log_every, enabled=rank == 0,
                         prefix=prefix, peak_flops=peak, csv_path=train.log_csv, first_step=first_step,
                         stop_on_nan=train.nan_policy == "stop", extras=progress_extras(scheduler, engine, device),

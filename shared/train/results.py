@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from shared import patches
-from shared.model import flops, layouts
+from shared.model import flops, fp8, layouts
 from shared.model.attention import applied_attention_dropout, sdpa_kernel
 from shared.model.config import GPTConfig, fused_paths
 from shared.train.config import TrainConfig
@@ -34,7 +34,7 @@ def versions() -> dict[str, str | None]:
     """Versions of everything that moves the numbers."""
     out: dict[str, str | None] = {"python": platform.python_version(), "torch": torch.__version__,
                                   "cuda": torch.version.cuda}
-    for pkg in ("deepspeed", "pytorch-lightning", "lightning", "triton", "xformers", "numpy"):
+    for pkg in ("deepspeed", "pytorch-lightning", "lightning", "triton", "xformers", "numpy", "torchao"):
         try:
             out[pkg] = importlib.metadata.version(pkg)
         except importlib.metadata.PackageNotFoundError:
@@ -127,6 +127,12 @@ class RunResult:
     # the attention dropout rate that kernel applies (attention.applied_attention_dropout; the model asks for
     # train.model's attn_dropout); null in results written before it was recorded
     attn_dropout_applied: float | None = None
+    # --precision fp8: what the conversion did (shared/model/fp8.convert: recipe, converted modules, what stayed bf16)
+    # and flops_share, the blocks' linears' share of the step's exact causal matmul FLOPs; null for other precisions
+    fp8: dict | None = None
+    # --precision fp8: model FLOPs utilisation against the device's FP8 peak (`mfu` is against its bf16 peak); null for
+    # other precisions, on a CPU and where the FP8 peak is unknown (shared/model/flops.py)
+    mfu_fp8: float | None = None
 
     def to_json(self, path: str | Path) -> None:
         path = Path(path)
@@ -149,8 +155,10 @@ def build_result(*, path: str, train: TrainConfig, model_cfg: GPTConfig, ds_conf
                  device: torch.device, attention: str, losses: list[float], timing: dict,
                  n_params: int, peak_mem_bytes: float | None, ds_breakdown_ms: dict | None = None,
                  extra: dict | None = None, allow_nonfinite: bool = False,
-                 grad_norms: list[float | None] | None = None, param_checksum: dict | None = None) -> RunResult:
-    """Assemble a RunResult from a finished run's raw measurements.
+                 grad_norms: list[float | None] | None = None, param_checksum: dict | None = None,
+                 fp8: dict | None = None) -> RunResult:
+    """Assemble a RunResult from a finished run's raw measurements; `fp8` is the model's FP8 conversion record
+    (shared/model/fp8.convert), which an fp8 run must have and no other may.
 
     Non-finite losses are an error, except for steps nan_policy=skip skipped (allow_nonfinite): JSON has no NaN,
     so those are written as null.
@@ -158,6 +166,9 @@ def build_result(*, path: str, train: TrainConfig, model_cfg: GPTConfig, ds_conf
     if not allow_nonfinite and not all(math.isfinite(x) for x in losses):
         bad = next(i for i, x in enumerate(losses) if not math.isfinite(x))
         raise FloatingPointError(f"loss is not finite at step {bad}: {losses[bad]}")
+    if (train.precision == "fp8") != bool(fp8):  # never label an unconverted model fp8, or the reverse
+        raise ValueError(f"--precision {train.precision} with {'no ' if not fp8 else ''}FP8 conversion record: the "
+                         "model must be built by shared/train/build.build_model")
     losses = [x if math.isfinite(x) else None for x in losses]
     step_time = timing["step_time_s"]["median"]
     global_batch = train.micro_batch * train.grad_accum * world_size
@@ -169,6 +180,7 @@ def build_result(*, path: str, train: TrainConfig, model_cfg: GPTConfig, ds_conf
     tflops = step_flops / step_time / world_size / 1e12
     causal_flops = flops.step_flops_causal(model_cfg, global_batch, k)
     dev = device_info(device)
+    cuda = device.type == "cuda"
     recorded = patches.records()  # what the patches of this process did (DeepCompile's set-up)
     return RunResult(
         path=path,
@@ -194,7 +206,7 @@ def build_result(*, path: str, train: TrainConfig, model_cfg: GPTConfig, ds_conf
         tflops_per_gpu=tflops,
         sparse_tflops_per_gpu=sparse_flops / step_time / world_size / 1e12,
         layout_density=density,
-        mfu=flops.mfu(tflops, dev["name"], train.precision) if device.type == "cuda" else None,
+        mfu=flops.mfu(tflops, dev["name"], train.tensor_precision) if cuda else None,  # fp8: bf16's peak
         peak_mem_gib=peak_mem_bytes / 2**30 if peak_mem_bytes is not None else None,
         peak_rss_gib=_peak_rss_gib(),
         n_params=n_params,
@@ -202,8 +214,11 @@ def build_result(*, path: str, train: TrainConfig, model_cfg: GPTConfig, ds_conf
         tflops_per_gpu_causal=causal_flops / step_time / world_size / 1e12,
         grad_norms=[g if g is None or math.isfinite(g) else None for g in grad_norms] if grad_norms else None,
         param_checksum=param_checksum,
-        sdpa_kernel=(kernel := sdpa_kernel(model_cfg, train.micro_batch, COMPUTE_DTYPES[train.precision], device)),
+        sdpa_kernel=(kernel := sdpa_kernel(model_cfg, train.micro_batch, COMPUTE_DTYPES[train.tensor_precision],
+                                           device)),
         attn_dropout_applied=applied_attention_dropout(model_cfg, kernel),
+        fp8={**fp8, "flops_share": flops.fp8_share(model_cfg, global_batch, k)} if fp8 else None,
+        mfu_fp8=flops.mfu(tflops, dev["name"], "fp8") if fp8 and cuda else None,
         extra={**(extra or {}), "allocator_cache_flushes": allocator_cache_flushes(device),
                "warmup_s": timing.get("warmup_s"), "timed_wall": timing.get("timed_wall"),
                "compile_s": compile_seconds(),
@@ -310,6 +325,9 @@ def format_summary(r: RunResult) -> str:
     """The end-of-run table both paths print."""
     ph = r.phases_s
     mfu = f"{r.mfu:.1%}" if r.mfu is not None else "n/a (unknown peak)"
+    if r.fp8:
+        mfu += f" of the bf16 peak, {r.mfu_fp8:.1%} of the FP8 peak" if r.mfu_fp8 is not None else \
+            " of the bf16 peak, n/a of the FP8 peak (unknown)"
     mem = f"{r.peak_mem_gib:.2f} GiB" if r.peak_mem_gib is not None else f"host RSS {r.peak_rss_gib:.2f} GiB"
     rows = [
         ("path", f"{r.path}  ({r.world_size} x {r.device['name']})"),
@@ -317,6 +335,7 @@ def format_summary(r: RunResult) -> str:
                   + (f" ({r.sdpa_kernel})" if r.sdpa_kernel else "")
                   + (f", attention dropout applied {r.attn_dropout_applied:.6g}" if r.attn_dropout_applied else "")),
         ("ZeRO / precision", f"stage {r.train['stage']}, {r.train['precision']}, micro-batch {r.train['micro_batch']}"),
+        *([("FP8 matmuls", fp8.describe(r.fp8))] if r.fp8 else []),
         ("timed steps", f"{len(r.per_step_s)} (after {r.warmup_steps} warmup)"),
         ("step time", f"{r.step_time_s['median'] * 1e3:.1f} ms median "
                       f"(min {r.step_time_s['min'] * 1e3:.1f}, max {r.step_time_s['max'] * 1e3:.1f})"),
