@@ -234,6 +234,7 @@ def test_an_fp8_linear_is_within_its_rounding_bound_on_the_gpu(recipe):
 
 @pytest.mark.gpu
 @pytest.mark.slow
+@pytest.mark.timeout(1000)  # the compare's own limit, 900 s, and the set-up
 def test_both_paths_train_fp8_alike(tmp_path):
     """A short compare in fp8 (eager, one GPU): both paths record the same conversion and pass loss parity (the
     bounds of harness/report.PARITY_TOLERANCE['fp8']); the losses fall."""
