@@ -257,6 +257,22 @@ def differences(old: dict[str, dict], new: dict[str, dict]) -> list[str]:
     return out
 
 
+# How the JSON record is made, and how each of its tests runs again (on a CUDA machine; benchmarks/README.md,
+# "Recording a GPU test run", says how to record that run).
+COMMAND = "python benchmarks/gpu_record.py update"
+RERUN = "python -m pytest -m gpu -v -rA '<test id>'"
+
+
+def dump(record: dict[str, dict]) -> str:
+    """The JSON record: the command that wrote it, the command that reruns a test, and the tests' rows."""
+    return json.dumps({"command": COMMAND, "rerun": RERUN, "tests": record}, indent=1) + "\n"
+
+
+def load(path: Path) -> dict[str, dict]:
+    """The tests' rows of a JSON record dump() wrote ({} where there is none)."""
+    return json.loads(path.read_text())["tests"] if path.exists() else {}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -268,11 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     as_json = ns.record.with_suffix(".json")
     if not ns.check:
         ns.record.write_text(render(record))
-        as_json.write_text(json.dumps(record, indent=1) + "\n")
+        as_json.write_text(dump(record))
         print(f"{ns.record}: {len(record)} test ids, {sum(r['outcome'] == 'passed' for r in record.values())} "
               f"with a pass")
         return 0
-    old = json.loads(as_json.read_text()) if as_json.exists() else {}
+    old = load(as_json)
     problems = differences(old, record)
     if not problems and (not ns.record.exists() or ns.record.read_text() != render(old)):
         problems = [f"{ns.record} is not what update writes from {as_json.name}"]

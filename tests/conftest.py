@@ -84,6 +84,7 @@ def pytest_sessionfinish(session):
     if not (HAS_CUDA and path and tests) or hasattr(session.config, "workerinput"):  # xdist: the controller writes
         return
     Path(path).write_text(json.dumps({
+        "command": " ".join(["python -m pytest", *session.config.invocation_params.args]),
         "commit": run_commit(), "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(), "tests": tests,
         "versions": {m: importlib.metadata.version(m) for m in ("torch", "deepspeed")}}, indent=1) + "\n")

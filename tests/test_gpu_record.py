@@ -47,7 +47,7 @@ def test_the_committed_record_is_current(committed, capsys):
 def test_every_collected_gpu_test_has_a_row_and_every_row_a_test(gpu_ids):
     assert len(gpu_ids) > 50
     assert "tests/test_zero3_step.py::test_gpu_fused_step_trains_like_the_fast_step[raw]" in gpu_ids
-    record = json.loads(gpu_record.RECORD.with_suffix(".json").read_text())
+    record = gpu_record.load(gpu_record.RECORD.with_suffix(".json"))
     assert sorted(record) == sorted(gpu_ids)
     rows = [line.split(" | ")[0].removeprefix("| `").removesuffix("`")
             for line in gpu_record.RECORD.read_text().splitlines() if line.startswith("| `tests/")]
@@ -56,10 +56,10 @@ def test_every_collected_gpu_test_has_a_row_and_every_row_a_test(gpu_ids):
 
 
 def test_a_record_with_a_test_that_is_gone_or_missing_fails_the_check(committed, capsys):
-    record = json.loads(committed.with_suffix(".json").read_text())
+    record = gpu_record.load(committed.with_suffix(".json"))
     kept = next(iter(record))
     record["tests/test_gone.py::test_renamed_since[a b]"] = record.pop(kept)
-    committed.with_suffix(".json").write_text(json.dumps(record))
+    committed.with_suffix(".json").write_text(gpu_record.dump(record))
     committed.write_text(gpu_record.render(record))  # the .md agrees with the .json: the check reads the evidence
     code, out = check(committed, capsys)
     assert code == 1
@@ -68,9 +68,9 @@ def test_a_record_with_a_test_that_is_gone_or_missing_fails_the_check(committed,
 
 
 def test_a_changed_row_or_a_hand_edited_table_fails_the_check(committed, capsys):
-    record = json.loads(committed.with_suffix(".json").read_text())
+    record = gpu_record.load(committed.with_suffix(".json"))
     test, row = next((t, r) for t, r in record.items() if r["outcome"] == "passed")
-    committed.with_suffix(".json").write_text(json.dumps({**record, test: {**row, "commit": "0000000"}}))
+    committed.with_suffix(".json").write_text(gpu_record.dump({**record, test: {**row, "commit": "0000000"}}))
     code, out = check(committed, capsys)
     assert code == 1 and f"{test}: the record says" in out and "0000000" in out
     shutil.copy(gpu_record.RECORD.with_suffix(".json"), committed.with_suffix(".json"))
@@ -169,8 +169,10 @@ def test_the_conftest_hooks_write_a_run_record_the_script_reads(tmp_path, monkey
 
     conftest.pytest_sessionfinish(SimpleNamespace(config=SimpleNamespace(workerinput={})))  # an xdist worker
     assert not out.exists()
-    conftest.pytest_sessionfinish(SimpleNamespace(config=SimpleNamespace()))
+    args = SimpleNamespace(args=("-m", "gpu", "tests/test_k.py"))
+    conftest.pytest_sessionfinish(SimpleNamespace(config=SimpleNamespace(invocation_params=args)))
     rec = json.loads(out.read_text())
+    assert rec["command"] == "python -m pytest -m gpu tests/test_k.py"  # what reruns it
     assert rec["commit"] == "abc1234" and rec["device"] == "NVIDIA H100 80GB HBM3" and rec["date"].startswith("20")
     assert set(rec["versions"]) == {"torch", "deepspeed"} and all(rec["versions"].values())
     assert {t["id"]: (t["outcome"], t["duration_s"]) for t in rec["tests"]} == {
