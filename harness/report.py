@@ -367,11 +367,10 @@ def format_table(report: dict) -> str:
     row(f"TFLOPs/GPU ({tflops_convention(report['flops_factor'])})", tflops_cell)
     row("TFLOPs/GPU (exact causal count)", lambda p: _fmt(p.get("tflops_per_gpu_causal"), spec))
     fp8_run = any(p.get("fp8") for p in P.values())
-    row("MFU" + (" (bf16 peak)" if fp8_run else ""),
-        lambda p: _fmt(p["mfu"] and 100 * p["mfu"], ".1f") + ("%" if p["mfu"] else ""))
+    percent = lambda v: _fmt(v and 100 * v, ".1f") + ("%" if v else "")
+    row("MFU" + (" (bf16 peak)" if fp8_run else ""), lambda p: percent(p["mfu"]))
     if fp8_run:
-        row("MFU (FP8 peak)", lambda p: _fmt(p.get("mfu_fp8") and 100 * p["mfu_fp8"], ".1f")
-            + ("%" if p.get("mfu_fp8") else ""))
+        row("MFU (FP8 peak)", lambda p: percent(p.get("mfu_fp8")))
     row("tokens/s/GPU", lambda p: f"{p['tokens_per_s_per_gpu']:,.0f}")
     row("step time ms (median)", lambda p: f"{p['step_time_s']['median'] * 1e3:.1f}")
     for ph in PHASES:
