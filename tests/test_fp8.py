@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 import tomllib
 
@@ -213,6 +214,25 @@ def test_the_run_json_records_the_conversion_and_refuses_a_missing_one(hopper):
         make_result(train=train)
     with pytest.raises(ValueError, match="--precision bf16 with FP8 conversion record"):
         make_result(train=TrainConfig(**TINY), fp8=r.fp8)
+
+
+@needs_torchao
+def test_the_compare_table_of_fp8_runs_gives_mfu_against_both_peaks_and_what_ran_in_fp8(hopper):
+    import dataclasses
+    from types import SimpleNamespace
+
+    from harness import report as reports
+    from shared.train.build import build_model
+    from tests.test_results import make_result
+
+    train = TrainConfig(precision="fp8", micro_batch=4, **TINY)
+    conversion = build_model(train).fp8
+    runs = {p: [dataclasses.replace(make_result(p, train=train, fp8=conversion), mfu=0.5, mfu_fp8=0.25)]
+            for p in ("deepspeed", "lightning")}
+    table = reports.format_table(reports.build_report(train, SimpleNamespace(world=1, repeats=1), runs, {}, []))
+    assert re.search(r"^MFU \(bf16 peak\)\s+50\.0%\s+50\.0%", table, re.M), table
+    assert re.search(r"^MFU \(FP8 peak\)\s+25\.0%\s+25\.0%", table, re.M), table
+    assert f"FP8 matmuls (lightning): {fp8.describe(runs['lightning'][0].fp8)}" in table
 
 
 def test_the_fast_profile_turns_the_triton_tails_off_under_fp8_and_says_so():
