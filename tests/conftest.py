@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.gpu_record import RANK  # a session's worst outcome of a test, as the record reads logs
 from shared.train.distributed import with_own_ninja
 
 # DeepSpeed JIT-builds its ops under TORCH_EXTENSIONS_DIR, by default the user's ~/.cache/torch_extensions: a
@@ -53,7 +54,6 @@ ROOT = Path(__file__).resolve().parents[1]
 # file; benchmarks/gpu_record.py reads these into benchmarks/results/GPU_TESTS.md. The device machine gets the tree
 # without .git, so its caller passes the commit in ZERO3_BENCH_COMMIT.
 GPU_TESTS: dict[str, dict] = {}
-RANK = {"skipped": 0, "passed": 1, "failed": 2, "error": 3}
 
 
 def run_commit() -> str | None:
