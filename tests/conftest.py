@@ -68,6 +68,14 @@ def pytest_report_header(config):
     return f"commit: {run_commit() or 'unknown (no .git and no ZERO3_BENCH_COMMIT)'}"
 
 
+def pytest_configure(config):
+    global INVOCATION
+    INVOCATION = " ".join(["python -m pytest", *config.invocation_params.args])
+
+
+INVOCATION = "python -m pytest"
+
+
 def pytest_runtest_logreport(report):
     if "gpu" not in report.keywords:
         return
@@ -77,17 +85,20 @@ def pytest_runtest_logreport(report):
         outcome = "error" if report.failed and report.when != "call" else report.outcome
         if RANK[outcome] > RANK.get(test["outcome"], -1):
             test["outcome"] = outcome
+    if report.when == "teardown":
+        write_gpu_test_record()  # after each test: a session that a time limit kills keeps what it finished
 
 
-def pytest_sessionfinish(session):
+def write_gpu_test_record():
     path, tests = os.environ.get("GPU_TEST_RECORD"), [t for t in GPU_TESTS.values() if t["outcome"]]
-    if not (HAS_CUDA and path and tests) or hasattr(session.config, "workerinput"):  # xdist: the controller writes
+    if not (HAS_CUDA and path and tests) or os.environ.get("PYTEST_XDIST_WORKER"):  # xdist: the controller writes
         return
     Path(path).write_text(json.dumps({
-        "command": " ".join(["python -m pytest", *session.config.invocation_params.args]),
-        "commit": run_commit(), "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "command": INVOCATION, "commit": run_commit(), "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(), "tests": tests,
         "versions": {m: importlib.metadata.version(m) for m in ("torch", "deepspeed")}}, indent=1) + "\n")
+
+
 # The training scripts' default --out (runs/result.json) and compare.py's (reports/latest): a test launches them with
 # an --out under its tmp_path, so that a refusal that regressed into a run cannot write into the checkout.
 DEFAULT_OUTPUTS = ("runs", "reports")

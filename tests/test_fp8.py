@@ -255,16 +255,17 @@ def test_an_fp8_linear_is_within_its_rounding_bound_on_the_gpu(recipe):
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.timeout(1000)  # the compare's own limit, 900 s, and the set-up
-def test_both_paths_train_fp8_alike(tmp_path):
-    """A short compare in fp8 (eager, one GPU): both paths record the same conversion and pass loss parity (the
-    bounds of harness/report.PARITY_TOLERANCE['fp8']); the losses fall."""
+@pytest.mark.parametrize("profile", ["eager", "fast"])
+def test_both_paths_train_fp8_alike(tmp_path, profile):
+    """A short compare in fp8 (one GPU; eager, and the fast profile's ZeRO-3 + DeepCompile): both paths record the
+    same conversion and pass loss parity (the bounds of harness/report.PARITY_TOLERANCE['fp8']); the losses fall."""
     if fp8.device_refusal():
         pytest.skip(fp8.device_refusal())
     kjv = tmp_path / "kjv"
     prepare(ROOT / "data" / "kjv.txt", kjv, "byte")
     out = tmp_path / "report"
     run([sys.executable, ROOT / "compare.py", *GPU_BASE, "--data", kjv, "--steps", "20", "--warmup_steps", "5",
-         "--precision", "fp8", "--profile", "eager", "--gpus", "1", "--out", out], timeout=900)
+         "--precision", "fp8", "--profile", profile, "--gpus", "1", "--out", out], timeout=900)
     report = json.loads((out / "report.json").read_text())
     runs = {p: json.loads((out / "runs" / f"{p}_0.json").read_text()) for p in ("deepspeed", "lightning")}
     assert runs["deepspeed"]["fp8"] == runs["lightning"]["fp8"] and runs["deepspeed"]["fp8"]["n_converted"] == 8

@@ -157,20 +157,24 @@ def test_the_conftest_hooks_write_a_run_record_the_script_reads(tmp_path, monkey
     monkeypatch.setenv("GPU_TEST_RECORD", str(out))
     monkeypatch.setenv("ZERO3_BENCH_COMMIT", "abc1234")
     assert "commit: abc1234" in conftest.pytest_report_header(None)
+    conftest.pytest_configure(SimpleNamespace(invocation_params=SimpleNamespace(args=("-m", "gpu", "tests/test_k.py"))))
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")  # an xdist worker writes nothing: its controller does
+    conftest.pytest_runtest_logreport(fake_report("tests/test_k.py::test_w", "teardown", "passed"))
+    assert not out.exists()
+    monkeypatch.delenv("PYTEST_XDIST_WORKER")
+    monkeypatch.setattr(conftest, "GPU_TESTS", {})
     phases = {"tests/test_k.py::test_ok[a b]": ("passed", "passed", "passed"),
               "tests/test_k.py::test_bad": ("passed", "failed", "passed"),
               "tests/test_k.py::test_setup_error": ("failed",),
               "tests/test_k.py::test_teardown_error": ("passed", "passed", "failed"),
               "tests/test_k.py::test_skipped": ("skipped",)}
-    for nodeid, outcomes in phases.items():
+    for i, (nodeid, outcomes) in enumerate(phases.items()):
         for when, outcome in zip(("setup", "call", "teardown"), outcomes, strict=False):
             conftest.pytest_runtest_logreport(fake_report(nodeid, when, outcome))
+        if i == 0:  # written after each test's teardown: a session killed by a time limit keeps what it finished
+            assert [t["id"] for t in json.loads(out.read_text())["tests"]] == [nodeid]
     conftest.pytest_runtest_logreport(fake_report("tests/test_k.py::test_cpu", "call", "passed", gpu=False))
-
-    conftest.pytest_sessionfinish(SimpleNamespace(config=SimpleNamespace(workerinput={})))  # an xdist worker
-    assert not out.exists()
-    args = SimpleNamespace(args=("-m", "gpu", "tests/test_k.py"))
-    conftest.pytest_sessionfinish(SimpleNamespace(config=SimpleNamespace(invocation_params=args)))
+    conftest.pytest_runtest_logreport(fake_report("tests/test_k.py::test_skipped", "teardown", "passed"))
     rec = json.loads(out.read_text())
     assert rec["command"] == "python -m pytest -m gpu tests/test_k.py"  # what reruns it
     assert rec["commit"] == "abc1234" and rec["device"] == "NVIDIA H100 80GB HBM3" and rec["date"].startswith("20")
@@ -178,7 +182,7 @@ def test_the_conftest_hooks_write_a_run_record_the_script_reads(tmp_path, monkey
     assert {t["id"]: (t["outcome"], t["duration_s"]) for t in rec["tests"]} == {
         "tests/test_k.py::test_ok[a b]": ("passed", 3.0), "tests/test_k.py::test_bad": ("failed", 3.0),
         "tests/test_k.py::test_setup_error": ("error", 1.0), "tests/test_k.py::test_teardown_error": ("error", 3.0),
-        "tests/test_k.py::test_skipped": ("skipped", 1.0)}
+        "tests/test_k.py::test_skipped": ("skipped", 2.0)}
 
     runs = gpu_record.record_runs(tmp_path)
     assert [(r.source, r.commit, r.device) for r in runs] == [
@@ -189,7 +193,7 @@ def test_the_conftest_hooks_write_a_run_record_the_script_reads(tmp_path, monkey
 
     out.unlink()
     monkeypatch.setattr(conftest, "HAS_CUDA", False)  # a CPU run writes no record
-    conftest.pytest_sessionfinish(SimpleNamespace(config=SimpleNamespace()))
+    conftest.pytest_runtest_logreport(fake_report("tests/test_k.py::test_ok[a b]", "teardown", "passed"))
     assert not out.exists()
 
 
