@@ -265,6 +265,16 @@ def test_the_readmes_prose_numbers_are_their_sources():
     for r in scripts + compared:
         assert (r["train"]["profile"], r["train"]["micro_batch"]) == ("fast", 8) and "H100" in r["device"]["name"]
     assert all("--compile" not in s["command"] and "--profile" not in s["command"] for s in scripts)  # no speed flag
+    fp8_runs = RESULTS / "fp8_vs_bf16_1xh100"
+    fp8, bf16 = ([json.loads((fp8_runs / f"{precision}_1xh100" / "runs" / f"{p}_0.json").read_text())
+                  for p in ("deepspeed", "lightning")] for precision in ("fp8", "bf16"))
+    m = re.search(r"`--precision fp8` ran ([0-9.]+) \(raw\) and ([0-9.]+) \(Lightning\) TFLOPs/GPU on one H100, "
+                  r"([0-9.]+)x and ([0-9.]+)x bf16", text)
+    quoted = [r["tflops_per_gpu"] for r in fp8] + [a["tflops_per_gpu"] / b["tflops_per_gpu"] for a, b in zip(fp8, bf16)]
+    assert [_quotes(x, v) for x, v in zip(m.groups(), quoted)] == [True] * 4
+    for r in fp8 + bf16:
+        assert "H100" in r["device"]["name"] and r["train"]["profile"] == "fast" and r["train"]["micro_batch"] == 8
+    assert {r["train"]["precision"] for r in fp8} == {"fp8"} and {r["train"]["precision"] for r in bf16} == {"bf16"}
     parity = json.loads((RESULTS / "deepcompile_2xh200" / "report.json").read_text())["loss_parity"]
     diff, bound = re.search(r"checksums differed by ([0-9.e-]+), over the ([0-9.e-]+) bound", text).groups()
     assert _quotes(diff.split("e")[0], parity["checksum_rel_diff"] * 1e3)
@@ -301,3 +311,24 @@ def test_the_sync_counts_quoted_are_the_runs_records():
         step = next(c for c in runs[p]["syncs"] if c["phase"] == "step")
         assert step["stack"][-1].endswith("deepspeed/runtime/utils.py:233 is_invalid_grad_norm")
     assert runs["ceiling"]["total"] == 0 and "the ceiling's step none" in " ".join(README.split())
+
+
+def test_the_fp8_pages_table_quotes_its_runs():
+    """docs/fp8.md's measured table: each precision's TFLOPs/GPU, the raw run's MFU and the peak memory are the run
+    JSONs' of the folder it links."""
+    text = (ROOT / "docs" / "fp8.md").read_text()
+    assert "](../benchmarks/results/fp8_vs_bf16_1xh100/)" in text
+    rows = _table(text, "## Measured: one H100")
+    assert [r[0].split()[0] for r in rows] == ["fp8", "bf16"]
+    for row in rows:
+        precision = row[0].split()[0]
+        ds, pl = (json.loads((RESULTS / "fp8_vs_bf16_1xh100" / f"{precision}_1xh100" / "runs" / f"{p}_0.json")
+                             .read_text()) for p in ("deepspeed", "lightning"))
+        assert ds["train"]["precision"] == pl["train"]["precision"] == precision
+        assert _quotes(row[1], ds["tflops_per_gpu"]) and _quotes(row[2], pl["tflops_per_gpu"]), row
+        mfus = [m.strip().rstrip("%") for m in row[3].split("/")]
+        assert _quotes(mfus[0], 100 * ds["mfu"]), row
+        assert len(mfus) == (2 if precision == "fp8" else 1)
+        if precision == "fp8":
+            assert _quotes(mfus[1], 100 * ds["mfu_fp8"]), row
+        assert _quotes(row[4], max(ds["peak_mem_gib"], pl["peak_mem_gib"])), row
