@@ -74,6 +74,7 @@ class Command:
     needs_s: int | str = 60
     when: str | None = None
     env: dict = field(default_factory=dict)
+    creates: str | None = None  # a file it writes: where that exists (kept from an earlier call), it is done
 
 
 @dataclass
@@ -123,6 +124,7 @@ def check(stage: Stage) -> None:
         raise StageError(f"{where}: params {sorted(clash)} would hide the driver's own placeholders")
     known = set(stage.params) | set(BUILTINS)
     templates = [c.command for c in stage.commands()] + [stage.keep or ""]
+    templates += [c.creates for c in stage.commands() if c.creates]
     templates += [v for c in stage.commands() for v in c.env.values()] + list(stage.env.values())
     for text in templates:
         if unknown := set(PLACEHOLDER.findall(text)) - known:
@@ -213,6 +215,10 @@ class Call:
         self.record = {"stage": stage.name, "params": params, "budget_s": stage.budget_s, "device": gpu,
                        "commands": []}
 
+    def done(self, c: Command) -> bool:
+        """Whether `c` made its file in an earlier call (`creates`, in the folder --keep continued)."""
+        return bool(c.creates) and Path(fill(c.creates, self.values)).is_file()
+
     def left(self) -> float:
         return self.stage.budget_s - PACK_S - (time.monotonic() - self.t0)
 
@@ -222,7 +228,8 @@ class Call:
         for i, c in enumerate(commands):
             # what is left, less what the commands after it need, but never less than it needs itself: a later
             # command that would not fit shortens this one's time, it does not stop it
-            after = 0.0 if parallel else sum(needs(self.stage, d, self.params) for d in commands[i + 1:])
+            after = 0.0 if parallel else sum(needs(self.stage, d, self.params) for d in commands[i + 1:]
+                                             if not self.done(d))
             left, own = self.left(), needs(self.stage, c, self.params)
             limit = min(left, max(left - after, own))
             values = {**self.values, "time_limit": max(int(limit - TIME_LIMIT_MARGIN_S), 1)}
@@ -230,6 +237,10 @@ class Call:
             entry = {"command": shlex.join(cmd), "log": c.log, **({"env": own_env} if own_env else {})}
             self.record["commands"].append(entry)
             print(f"$ {entry['command']}" + (f"    # env {own_env}" if own_env else ""), flush=True)
+            if self.done(c):
+                entry["done"] = f"{fill(c.creates, self.values)} exists (an earlier call's, continued with --keep)"
+                print(f"  done: {entry['done']}", flush=True)
+                continue
             if self.dry_run:
                 continue
             if left < own:

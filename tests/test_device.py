@@ -53,7 +53,8 @@ def pretend_gpus(monkeypatch):
 
 
 def test_the_table_holds_the_stages_that_are_kept():
-    assert set(STAGES) == {"headline", "lever", "gpu_tests", "explain", "compare", "autotune", "ds_autotuner", "train"}
+    assert set(STAGES) == {"headline", "fp8_curve", "lever", "gpu_tests", "explain", "compare", "autotune",
+                           "ds_autotuner", "train"}
     for name, stage in STAGES.items():
         assert stage.question and 0 < stage.budget_s <= 600, name
         assert all(0 < device.needs(stage, c, stage.params | {"tests_s": "1"}) < stage.budget_s
@@ -100,6 +101,12 @@ def test_what_a_stage_continues_is_the_folder_its_command_writes():
         if stage.keep is None:
             continue
         kept = device.fill(stage.keep, {**stage.params, "device": "1xh200"})
+        if creates := [c.creates for c in stage.run if c.creates]:  # each run done where its file is kept
+            values = {**stage.params, "device": "1xh200", "work": "/tmp/work"}
+            made = [device.fill(c, values) for c in creates]
+            assert all(Path(m).parent == Path("/tmp/work", kept) for m in made), name
+            assert all(m in cmd for m, cmd in zip(made, commands(stage), strict=True)), name  # its own --out
+            continue
         # the command that continues what it finds there (not a setup's)
         first = next(c for c in commands(stage) if {"--keep_runs", "--keep"} & set(c))
         assert first[first.index("--out") + 1] == f"/tmp/work/{kept}", name
@@ -232,3 +239,45 @@ def test_a_compile_cache_save_cut_by_the_calls_end_is_said_and_not_an_error(caps
     assert "compile cache: not saved, its save took longer than the 0 s left" in capsys.readouterr().out
     assert device.save_compile_cache([sys.executable, "-c", "pass"], dict(os.environ), 60)
 
+
+
+CREATES = """
+[runs]
+question = "two runs continued over calls"
+budget_s = {budget}
+min_gpus = 0
+keep = "kept"
+params = {{ second_s = "{second_s}" }}
+
+[[runs.run]]
+command = "python {append} {{work}}/kept/first.json {{work}}/ran.txt first"
+log = "first.log"
+needs_s = 1
+creates = "{{work}}/kept/first.json"
+
+[[runs.run]]
+command = "python {append} {{work}}/kept/second.json {{work}}/ran.txt second"
+log = "second.log"
+needs_s = "second_s"
+creates = "{{work}}/kept/second.json"
+"""
+
+
+def test_a_command_whose_file_the_kept_folder_holds_is_done_and_not_run_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(device, "WARM", tmp_path / "warm")
+    monkeypatch.setattr(device, "COMPILE_CACHE", tmp_path / "none")
+    append = tmp_path / "append.py"  # writes its file and notes that it ran
+    append.write_text("import pathlib, sys\nout, ran, name = map(pathlib.Path, sys.argv[1:])\n"
+                      "out.parent.mkdir(exist_ok=True)\nout.write_text('{}')\n"
+                      "ran.open('a').write(f'{name}\\n')\n")
+    table = tmp_path / "stages.toml"
+    args = ["runs", "--stages", str(table), "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out")]
+    table.write_text(CREATES.format(budget=30, second_s=500, append=append))
+    assert device.main(args) == 3  # the second would not fit
+    table.write_text(CREATES.format(budget=30, second_s=1, append=append))
+    assert device.main([*args, "--keep", "warm"]) == 0
+    assert (tmp_path / "work" / "ran.txt").read_text().split() == ["second"]  # the first was not run again
+    record = json.loads((tmp_path / "out" / "device.json").read_text())
+    assert "first.json exists" in record["commands"][0]["done"] and "exit" not in record["commands"][0]
+    assert record["commands"][1]["exit"] == 0 and sorted(p.name for p in (tmp_path / "work" / "kept").iterdir()) == [
+        "first.json", "second.json"]
