@@ -104,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds this invocation may take (a job's or a session's time limit): a run starts only if "
                         "the time left is at least the longest run made so far in this invocation (the first always "
                         f"starts); else compare stops with exit status {TIME_LIMIT_EXIT}, its finished runs in --out, "
-                        "and the same command with --keep_runs runs the rest. Needs --out; not with --explain/"
+                        "a report of the pairs that finished (marked partial), and the same command with "
+                        "--keep_runs runs the rest. Needs --out; not with --explain/"
                         "--autotune/--cross_check (--budget_s bounds a search)")
     more.add_argument("--parallel", action="store_true",
                    help="run the two paths of each pair at the same time, each on its own GPU (and the reference "
@@ -339,28 +340,37 @@ def main(argv: list[str] | None = None) -> dict:
     clock = TimeLimit(ns.time_limit, t0, to_run, out_dir / "runs", ["python", "compare.py", *argv],
                       ("--keep_runs", "--keep-runs"),
                       kept_s=[r.extra["launch_s"] for r in ns.kept.values() if (r.extra or {}).get("launch_s")])
-    for i, group in plan:
-        for path in [p for p in group if (p, i) in ns.kept]:
-            print(f"  {path} (round {i + 1}): kept from {out_dir / 'runs' / f'{path}_{i}.json'} (--keep_runs)",
-                  flush=True)
-            results[path].append(ns.kept[(path, i)])
-        group = [p for p in group if (p, i) not in ns.kept]
-        if not group:
-            continue
-        clock.before(f"{' and '.join(group)} (round {i + 1})")
+    stopped = None
+    try:
+        for i, group in plan:
+            for path in [p for p in group if (p, i) in ns.kept]:
+                print(f"  {path} (round {i + 1}): kept from {out_dir / 'runs' / f'{path}_{i}.json'} (--keep_runs)",
+                      flush=True)
+                results[path].append(ns.kept[(path, i)])
+            group = [p for p in group if (p, i) not in ns.kept]
+            if not group:
+                continue
+            clock.before(f"{' and '.join(group)} (round {i + 1})")
 
-        def launch_one(slot: int, path: str, i: int = i) -> RunResult:
-            # unsharded and the ceiling are one process on the first GPU whatever the run's world size; with
-            # --parallel every run of a group has a GPU of its own.
-            env = {"CUDA_VISIBLE_DEVICES": visible_gpu(slot)} if ns.parallel or path in ONE_PROCESS else None
-            return launch(path, train, row_world(ns, path), out_dir / "runs" / f"{path}_{i}.json",
-                          out_dir / "logs" / f"{path}_{i}.log", ns.timeout, env=env)
+            def launch_one(slot: int, path: str, i: int = i) -> RunResult:
+                # unsharded and the ceiling are one process on the first GPU whatever the run's world size; with
+                # --parallel every run of a group has a GPU of its own.
+                env = {"CUDA_VISIBLE_DEVICES": visible_gpu(slot)} if ns.parallel or path in ONE_PROCESS else None
+                return launch(path, train, row_world(ns, path), out_dir / "runs" / f"{path}_{i}.json",
+                              out_dir / "logs" / f"{path}_{i}.log", ns.timeout, env=env)
 
-        for path, result in run_group(group, launch_one).items():
-            results[path].append(result)
-        clock.after(len(group))
+            for path, result in run_group(group, launch_one).items():
+                results[path].append(result)
+            clock.after(len(group))
+    except TimeLimitReached as e:
+        # The pairs that finished are reported now, marked partial; the runs stay for --keep_runs to continue.
+        pairs = min(len(results[p]) for p in PATHS)
+        if not pairs:
+            raise
+        stopped = (e, pairs)
+        results = {row: runs[:pairs] if row in PATHS else runs for row, runs in results.items()}
     cross, cross_failed = {}, None
-    if ns.cross_check:  # after every pair: a cross-check run that fails leaves the report of the pairs written
+    if ns.cross_check and stopped is None:  # after every pair: a failed cross-check leaves the pairs' report
         diag = dataclasses.replace(train, wall_clock_breakdown=True)
         for path in PATHS:
             out = out_dir / "runs" / f"{path}_breakdown.json"
@@ -375,6 +385,8 @@ def main(argv: list[str] | None = None) -> dict:
     report["kept_runs"] = sorted(f"{row}_{i}" for row, i in ns.kept)  # --keep_runs: made by an earlier invocation
     if report["smoke_test"]:
         report["smoke_test_note"] = smoke or smoke_test_note(train.preset, {})
+    if stopped is not None:
+        report["partial"] = {"pairs": stopped[1], "repeats": ns.repeats, "stopped": str(stopped[0])}
     replace_text(out_dir / "report.json", json.dumps(report, indent=1))
     plot_phases(report, out_dir / "phases.png")
     write_markdown(report, out_dir / "report.md", "phases.png")
@@ -383,6 +395,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\nwrote {out_dir / 'report.json'}, {out_dir / 'report.md'}, {out_dir / 'phases.png'}")
     if cross_failed is not None:
         raise CompareError(f"the cross-check failed ({cross_failed}); the report above was written without it")
+    if stopped is not None:
+        raise TimeLimitReached(f"{stopped[0]} The report above covers the {stopped[1]} pair(s) that finished.")
     return report
 
 

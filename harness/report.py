@@ -357,6 +357,7 @@ def format_table(report: dict) -> str:
     spec = tflops_spec(report)
     rows = [("", "deepspeed", "lightning")]
     P = report["paths"]
+    partial = report.get("partial")
 
     def row(name, fn):
         rows.append((name, fn(P["deepspeed"]), fn(P["lightning"])))
@@ -444,6 +445,8 @@ def format_table(report: dict) -> str:
                      f"{report['repeat_spread_bound']:.2f}; the machine was not steady (other load?), so the "
                      "medians and the ratio are unreliable: rerun on an idle machine or with more --repeats")
     lines.append(format_parity(lp))
+    if partial:
+        lines.append(f"PARTIAL: {partial['pairs']} of {partial['repeats']} pair(s); {partial['stopped']}")
     lines.append(f"same DeepSpeed config in every run: {report['same_ds_config']}")
     if report.get("kept_runs"):
         lines.append("runs made by an earlier invocation of this command (--keep_runs): "
@@ -540,7 +543,10 @@ def write_markdown(report: dict, path: Path, chart: str) -> None:
         "",
         f"ZeRO stage {report['train']['stage']}, {report['train']['precision']}, micro-batch "
         f"{report['train']['micro_batch']}, {report['train']['steps']} steps ({report['train']['warmup_steps']} "
-        f"warmup excluded), {report['repeats']} interleaved repeats per path"
+        f"warmup excluded), "
+        + (f"{report['partial']['pairs']} of {report['repeats']} interleaved repeats per path (partial: stopped by "
+           "--time_limit; --keep_runs continues it)" if report.get("partial") else
+           f"{report['repeats']} interleaved repeats per path")
         + (" (--parallel: the two paths of each pair, and the reference rows, ran at the same time, one GPU each)."
            if report.get("parallel") else "."),
         "",

@@ -621,28 +621,39 @@ def test_reference_and_parallel_flags_are_checked_before_any_run(tmp_path):
 
 def test_time_limit_stops_between_runs_when_the_longest_would_not_fit(tmp_path, monkeypatch, capsys):
     """--time_limit: a run starts only if the longest run of this invocation still fits in the time left; compare
-    then stops with TIME_LIMIT_EXIT and prints the command that runs the rest (--keep_runs). Runs take 100 s of a
-    fake clock here, so the test does not depend on the machine's speed."""
+    then stops with TIME_LIMIT_EXIT, writes the report of the pairs that finished, marked partial, and prints the
+    command that runs the rest (--keep_runs). Runs take 100 s of a fake clock here, so the test does not depend on
+    the machine's speed."""
+    from tests.test_results import make_result
+
     clock, launched = [1000.0], []
 
     def fake_launch(path, train, world, out, log, timeout, env=None):
         launched.append(out.name)
         clock[0] += 100.0
-        return SimpleNamespace(path=path)
+        return make_result(path, train=dataclasses.replace(train, steps=6, warmup_steps=2))
 
     monkeypatch.setattr(time, "monotonic", lambda: clock[0])
     monkeypatch.setattr(compare, "launch", fake_launch)
-    base = ["--repeats", "2", "--out", str(tmp_path)]
-    assert compare.cli([*base, "--time_limit", "250"]) == compare.TIME_LIMIT_EXIT
-    # 0 -> 100 -> 200 s; 50 s left < the longest run (100 s): the third is not started
-    assert launched == ["deepspeed_0.json", "lightning_0.json"]
-    err = capsys.readouterr().err
-    assert "--time_limit 250: 50 s left, and the longest so far took 100 s; stopped before lightning (round 2), " \
-           "2 run(s) left" in err
-    assert f"to run the rest: python compare.py {' '.join(base)} --time_limit 250 --keep_runs" in err
+    base = ["--repeats", "3", "--out", str(tmp_path)]
+    assert compare.cli([*base, "--time_limit", "350"]) == compare.TIME_LIMIT_EXIT
+    # 0 -> 100 -> 200 -> 300 s; 50 s left < the longest run (100 s): the fourth is not started
+    assert launched == ["deepspeed_0.json", "lightning_0.json", "lightning_1.json"]
+    captured = capsys.readouterr()
+    assert "--time_limit 350: 50 s left, and the longest so far took 100 s; stopped before deepspeed (round 2), " \
+           "3 run(s) left" in captured.err
+    assert f"to run the rest: python compare.py {' '.join(base)} --time_limit 350 --keep_runs" in captured.err
+    assert "The report above covers the 1 pair(s) that finished." in captured.err
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["partial"]["pairs"] == 1 and report["partial"]["repeats"] == 3
+    assert report["paths"]["lightning"]["tflops_spread"]["n"] == 1 and report["ratio_spread"]["n"] == 1  # round 2 out
+    assert "PARTIAL: 1 of 3 pair(s); --time_limit 350" in captured.out
+    assert "1 of 3 interleaved repeats per path (partial" in (tmp_path / "report.md").read_text()
     launched.clear()
     assert compare.cli([*base, "--time_limit", "1"]) == compare.TIME_LIMIT_EXIT
     assert launched == ["deepspeed_0.json"]  # the first run always starts: nothing to estimate from
+    assert not (tmp_path / "report.json").exists()  # no pair finished: no report (the earlier one was replaced)
+    assert "The report above" not in capsys.readouterr().err
 
 
 def test_time_limit_counts_the_runs_an_earlier_invocation_left(monkeypatch):
