@@ -10,6 +10,7 @@ from benchmarks import loss_curves
 from tests.helpers import ROOT
 
 FP8 = ROOT / "benchmarks" / "results" / "fp8_vs_bf16_1xh100"
+RUNS = {precision: FP8 / f"{precision}_1xh100" / "runs" for precision in ("fp8", "bf16")}  # each precision's pair
 
 
 def curve(seed: int, steps: int = 200, shift: float = 0.0, noise: float = 0.01) -> list[float]:
@@ -111,11 +112,9 @@ def test_bad_inputs_are_refused_before_anything_is_written(tmp_path, capsys):
 def test_the_committed_fp8_and_bf16_runs_compare_step_for_step(tmp_path):
     """The device's first fp8 and bf16 runs (20 steps, one pair each) go through the same checks: comparable, and
     judged in windows past the warm-up."""
-    runs = {p: FP8 / f"{precision}_1xh100" / "runs" / f"{p}_0.json" for precision in ("bf16",)
-            for p in ("deepspeed", "lightning")}
-    result = loss_curves.main(["--baseline", str(runs["deepspeed"]), str(runs["lightning"]), "--candidate",
-                               str(FP8 / "fp8_1xh100" / "runs" / "deepspeed_0.json"), "--window", "5",
-                               "--out", str(tmp_path)])
+    result = loss_curves.main(["--baseline", str(RUNS["bf16"] / "deepspeed_0.json"),
+                               str(RUNS["bf16"] / "lightning_0.json"), "--candidate",
+                               str(RUNS["fp8"] / "deepspeed_0.json"), "--window", "5", "--out", str(tmp_path)])
     assert [w["steps"] for w in result["windows"]] == [[10, 15], [15, 20]]
     assert result["runs"]["candidate"]["device"] == "NVIDIA H100 80GB HBM3"
 
