@@ -289,6 +289,32 @@ def clear_previous_report(out_dir: Path) -> list[Path]:
     return gone
 
 
+def run_plan(plan: list, train: TrainConfig, ns: argparse.Namespace, out_dir: Path, clock: TimeLimit,
+             results: dict[str, list[RunResult]]) -> None:
+    """Run the plan's groups round by round into `results`, the kept runs taken as they are; the clock stops it
+    between groups (TimeLimitReached) with what finished in `results`."""
+    for i, group in plan:
+        for path in [p for p in group if (p, i) in ns.kept]:
+            print(f"  {path} (round {i + 1}): kept from {out_dir / 'runs' / f'{path}_{i}.json'} (--keep_runs)",
+                  flush=True)
+            results[path].append(ns.kept[(path, i)])
+        group = [p for p in group if (p, i) not in ns.kept]
+        if not group:
+            continue
+        clock.before(f"{' and '.join(group)} (round {i + 1})")
+
+        def launch_one(slot: int, path: str, i: int = i) -> RunResult:
+            # unsharded and the ceiling are one process on the first GPU whatever the run's world size; with
+            # --parallel every run of a group has a GPU of its own.
+            env = {"CUDA_VISIBLE_DEVICES": visible_gpu(slot)} if ns.parallel or path in ONE_PROCESS else None
+            return launch(path, train, row_world(ns, path), out_dir / "runs" / f"{path}_{i}.json",
+                          out_dir / "logs" / f"{path}_{i}.log", ns.timeout, env=env)
+
+        for path, result in run_group(group, launch_one).items():
+            results[path].append(result)
+        clock.after(len(group))
+
+
 def main(argv: list[str] | None = None) -> dict:
     t0 = time.monotonic()
     argv = sys.argv[1:] if argv is None else argv
@@ -342,26 +368,7 @@ def main(argv: list[str] | None = None) -> dict:
                       kept_s=[r.extra["launch_s"] for r in ns.kept.values() if (r.extra or {}).get("launch_s")])
     stopped = None
     try:
-        for i, group in plan:
-            for path in [p for p in group if (p, i) in ns.kept]:
-                print(f"  {path} (round {i + 1}): kept from {out_dir / 'runs' / f'{path}_{i}.json'} (--keep_runs)",
-                      flush=True)
-                results[path].append(ns.kept[(path, i)])
-            group = [p for p in group if (p, i) not in ns.kept]
-            if not group:
-                continue
-            clock.before(f"{' and '.join(group)} (round {i + 1})")
-
-            def launch_one(slot: int, path: str, i: int = i) -> RunResult:
-                # unsharded and the ceiling are one process on the first GPU whatever the run's world size; with
-                # --parallel every run of a group has a GPU of its own.
-                env = {"CUDA_VISIBLE_DEVICES": visible_gpu(slot)} if ns.parallel or path in ONE_PROCESS else None
-                return launch(path, train, row_world(ns, path), out_dir / "runs" / f"{path}_{i}.json",
-                              out_dir / "logs" / f"{path}_{i}.log", ns.timeout, env=env)
-
-            for path, result in run_group(group, launch_one).items():
-                results[path].append(result)
-            clock.after(len(group))
+        run_plan(plan, train, ns, out_dir, clock, results)
     except TimeLimitReached as e:
         # The pairs that finished are reported now, marked partial; the runs stay for --keep_runs to continue.
         pairs = min(len(results[p]) for p in PATHS)
