@@ -65,9 +65,13 @@ def check_comparable(runs: dict[str, dict], vary: str) -> None:
     """Refuse runs whose losses are not step-for-step comparable, naming the setting and the files."""
     names = list(runs)
     first = runs[names[0]]
+    if not all(vary in r["train"] or vary in (r.get("model") or {}) for r in runs.values()):
+        raise CurveError(f"--vary {vary}: not a setting the runs record (their 'train' or 'model')")
     for name in names[1:]:
         r = runs[name]
         for key in (*SAME_MODEL, *SAME_TRAINING):
+            if key == vary and name == "candidate":  # what the candidate changes
+                continue
             if key == "preset":
                 a, b = first.get("preset"), r.get("preset")
             else:

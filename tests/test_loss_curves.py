@@ -73,6 +73,15 @@ def test_runs_of_another_seed_data_or_schedule_are_refused_by_name(tmp_path, cap
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_the_setting_the_candidate_varies_may_be_one_of_those_checked(tmp_path):
+    a = write_run(tmp_path / "a.json", curve(1))
+    b = write_run(tmp_path / "b.json", curve(2))
+    c = write_run(tmp_path / "c.json", curve(3), seed=7)
+    result = loss_curves.main(["--baseline", str(a), str(b), "--candidate", str(c), "--vary", "seed",
+                               "--out", str(tmp_path / "out")])
+    assert result["ok"] and result["runs"]["candidate"]["seed"] == 7 and result["vary"] == "seed"
+
+
 def test_bad_inputs_are_refused_before_anything_is_written(tmp_path, capsys):
     a = write_run(tmp_path / "a.json", curve(1))
     b = write_run(tmp_path / "b.json", curve(2), precision="fp8")
@@ -102,6 +111,7 @@ def test_bad_inputs_are_refused_before_anything_is_written(tmp_path, capsys):
     assert "40 steps leave 30 past the 10-step LR warm-up, fewer than one window of 50" in capsys.readouterr().err
     (tmp_path / "file").write_text("")
     for flags, message in ((["--window", "0"], "--window must be >= 1"), (["--factor", "-1"], "--factor > 0"),
+                           (["--vary", "precison"], "--vary precison: not a setting the runs record"),
                            (["--out", str(tmp_path / "file")], "is a file")):
         with pytest.raises(SystemExit):
             loss_curves.main(["--baseline", str(a), str(a), "--candidate", str(a), "--out", str(out), *flags])
