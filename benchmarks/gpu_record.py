@@ -139,11 +139,12 @@ def origins(root: Path = ROOT) -> dict[str, tuple[str, str]]:
     return found
 
 
-def log_runs(root: Path = ROOT) -> list[Run]:
-    """Every committed log under results/ that names a test's outcome, with the commit that added it."""
+def log_runs(records: list[Run], root: Path = ROOT) -> list[Run]:
+    """Every committed log under results/ that names a test's outcome, with the commit that added it, less those
+    whose tests the run records (record_runs) beside them name."""
     results = root / RESULTS.relative_to(ROOT)
     recorded: dict[Path, set[str]] = {}  # folder -> the tests its run records name
-    for run in record_runs(root):
+    for run in records:
         recorded.setdefault((results / run.source).parent, set()).update(run.outcomes)
     added = origins(root)
     runs = []
@@ -280,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--check", action="store_true", help="write nothing; exit 1 naming each difference if stale")
     u.add_argument("--record", type=Path, default=RECORD, help=f"the record (.md; .json beside it); default {RECORD}")
     ns = p.parse_args(argv)
-    record = build(collected(), log_runs() + record_runs())
+    records = record_runs()
+    record = build(collected(), log_runs(records) + records)
     as_json = ns.record.with_suffix(".json")
     if not ns.check:
         ns.record.write_text(render(record))

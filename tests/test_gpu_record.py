@@ -223,7 +223,7 @@ def test_a_log_keeps_the_commit_of_its_run_through_a_move_but_not_through_a_copy
          "tests": [{"id": f"tests/t.py::test_{x}", "outcome": "passed", "duration_s": 1.0} for x in "xy"]}))
     git("add", ".")
     git("commit", "-qm", "move, and a second run")
-    runs = {Path(r.source).parent.name: r for r in gpu_record.log_runs(tmp_path)}
+    runs = {Path(r.source).parent.name: r for r in gpu_record.log_runs(gpu_record.record_runs(tmp_path), tmp_path)}
     assert sorted(runs) == [moved.name, second.name]
     assert runs[moved.name].commit == first and runs[moved.name].device == H200
     assert runs[second.name].commit != first and runs[second.name].device == H100
