@@ -58,7 +58,9 @@ def load(path: Path) -> dict:
 
 
 def setting(r: dict, key: str):
-    return r["train"][key] if key in r["train"] else (r.get("model") or {}).get(key, r["train"].get(key))
+    """A run's setting: from its TrainConfig, else its model config, else its top level (the preset)."""
+    model = r.get("model") or {}
+    return r["train"][key] if key in r["train"] else model[key] if key in model else r.get(key)
 
 
 def check_comparable(runs: dict[str, dict], vary: str) -> None:
@@ -72,10 +74,7 @@ def check_comparable(runs: dict[str, dict], vary: str) -> None:
         for key in (*SAME_MODEL, *SAME_TRAINING):
             if key == vary and name == "candidate":  # what the candidate changes
                 continue
-            if key == "preset":
-                a, b = first.get("preset"), r.get("preset")
-            else:
-                a, b = setting(first, key), setting(r, key)
+            a, b = setting(first, key), setting(r, key)
             if a != b:
                 raise CurveError(f"{names[0]} and {name} differ in {key} ({a!r} against {b!r}): their losses are "
                                  "not the same model's on the same batches")

@@ -30,6 +30,7 @@ torch._scaled_mm cannot multiply (a multiple of 16).
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import re
 from typing import TYPE_CHECKING
@@ -146,11 +147,8 @@ def convert(model: nn.Module, recipe: str = "tensorwise") -> dict:
     # what else multiplies: nn.Linear modules the filter passed over (none in this GPT), then the head and attention
     skipped = [name for name, m in model.named_modules()
                if isinstance(m, nn.Linear) and name not in converted] + list(KEPT_BF16)
-    from importlib.metadata import version
-
-    record = {"recipe": recipe, "converted": converted, "n_converted": len(converted), "skipped": skipped,
-              "torchao": version("torchao")}
-    return record
+    return {"recipe": recipe, "converted": converted, "n_converted": len(converted), "skipped": skipped,
+            "torchao": importlib.metadata.version("torchao")}
 
 
 def describe(record: dict | None) -> str:
