@@ -19,7 +19,8 @@ part, its newest folders (a Triton kernel each) are packed, and the manifest say
 DeepSpeed, the GPU's name and compute capability; else it says what differs and does nothing), each folder only
 where it is the same path as where it was made (Triton's cache names its files by absolute path), after checking
 every part's hash, into a scratch folder first, each file written under a temporary name and renamed; files the
-machine already has are left as they are. Lock and temporary files are never packed.
+machine already has are left as they are, and an archive a machine restored once (a marker in inductor's
+folder names it) is not unpacked there again. Lock and temporary files are never packed.
 
 DeepSpeed's JIT-built ops (TORCH_EXTENSIONS_DIR) are not carried: ninja rebuilds an op whose sources were installed
 after the build or at another path, and a fresh machine installs them anew, so a carried build would save nothing.
@@ -55,6 +56,9 @@ PARTS = {"inductor tuning": ("inductor", lambda rel: rel.suffix in TUNING),
          "inductor graphs": ("inductor", lambda rel: rel.suffix not in TUNING)}
 KEYED_BY = ("python", "torch", "cuda", "triton", "deepspeed")  # versions that key the caches' entries
 SKIPPED_NAMES = ("lock",)  # a lock a killed process leaves behind would stall every later one
+# Written into the inductor folder once an archive is restored, named by its parts' hashes: the next call on the same
+# (warm) machine skips unpacking the same archive again (tens of MiB, about 11,000 files), and save never packs it.
+RESTORED = ".restored_"
 
 
 def cache_dirs() -> dict[str, Path]:
@@ -77,7 +81,8 @@ def identity() -> dict:
 
 
 def _skipped(path: Path) -> bool:
-    return path.name in SKIPPED_NAMES or path.name.endswith(".lock") or ".tmp" in path.suffix
+    return (path.name in SKIPPED_NAMES or path.name.endswith(".lock") or ".tmp" in path.suffix
+            or path.name.startswith(RESTORED))
 
 
 def _files(root: Path) -> list[Path]:
@@ -204,6 +209,9 @@ def restore(src: Path, dirs: dict[str, Path], ident: dict) -> dict:
         return {"skipped": "made elsewhere: " + "; ".join(diff)}
     if not parts:
         return {"skipped": "the saved archive is empty"}
+    marker = dirs["inductor"] / (RESTORED + hashlib.sha256("".join(p["sha256"] for p in parts).encode()).hexdigest()[:16])
+    if marker.is_file():
+        return {"skipped": f"this archive was restored on this machine already ({marker})"}
     moved = {r: f"made in {made_in[r]}, this machine's is {dirs[r]}" for r in ROLES
              if r in made_in and Path(made_in[r]) != dirs[r]}
     data = bytearray()
@@ -240,6 +248,8 @@ def restore(src: Path, dirs: dict[str, Path], ident: dict) -> dict:
                 os.replace(part, dest)
                 n += 1
             restored[role] = n
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(json.dumps({"parts": [p["name"] for p in parts], "restored": restored}) + "\n")
     return {"restored": restored, "not_restored": moved, "left_out_when_saved": manifest.get("left_out", [])}
 
 

@@ -15,8 +15,10 @@ them as the device scripts before it did (they are in benchmarks/archive/, with 
     TORCH_CUDA_ARCH_LIST=9.0a, which DeepSpeed 0.19.8's op builder cannot parse, rewritten to 9.0 for every command
     (shared/train/ds_runtime.normalize_cuda_arch_list);
   - a time budget: a command starts only if the time left is at least what it needs (else it is skipped and said so),
-    runs under a timeout of what is left less what the commands after it need, and compare.py and ablation.py get
-    that as --time_limit, so that they stop between runs and a later call continues them;
+    runs under a timeout of what is left less what the commands after it need (those that could still start once
+    it had its own need: a fresh machine's slower run is not cut for one that would not fit anyway), and compare.py
+    and ablation.py get that as --time_limit, so that they stop between runs and a later call continues them; the
+    call's device.json records each command's seconds, and the cache restore's and the op builds';
   - continuation: `--keep warm` continues the stage's folder from the copy the last call left on this machine (calls
     back to back keep the machine, and with it the compile caches), `--keep FOLDER` from a folder in the repo (the
     last call's results, committed or carried);
@@ -226,11 +228,12 @@ class Call:
         """Run `commands` (one after the other, or all at once): the worst exit status (0, 3 or 1)."""
         status, started = 0, []
         for i, c in enumerate(commands):
-            # what is left, less what the commands after it need, but never less than it needs itself: a later
-            # command that would not fit shortens this one's time, it does not stop it
-            after = 0.0 if parallel else sum(needs(self.stage, d, self.params) for d in commands[i + 1:]
-                                             if not self.done(d))
+            # what is left, less what the commands after it need, but never less than it needs itself; a later
+            # command that could not start after this one anyway reserves nothing (a run slower than its need,
+            # a fresh machine's, is not cut to keep time for it)
             left, own = self.left(), needs(self.stage, c, self.params)
+            after = 0.0 if parallel else reserved([needs(self.stage, d, self.params) for d in commands[i + 1:]
+                                                   if not self.done(d)], left - own)
             limit = min(left, max(left - after, own))
             values = {**self.values, "time_limit": max(int(limit - TIME_LIMIT_MARGIN_S), 1)}
             cmd, own_env = argv(c.command, values), {k: fill(v, values) for k, v in c.env.items()}
@@ -288,6 +291,16 @@ def keep_source(stages: dict[str, Stage], stage: Stage, keep: str | None, device
         raise StageError(f"--keep {keep}: no {source} on this machine" + (
             " (a fresh machine: continue from the last call's folder, --keep FOLDER)" if keep == "warm" else ""))
     return source
+
+
+def reserved(later: list[float], spare: float) -> float:
+    """Of the needs of the commands after one, in order, the sum of those that still fit in `spare` (what is left
+    once that one had its need): what that one leaves for them. A command that would not fit reserves nothing."""
+    total = 0.0
+    for need in later:
+        if need <= spare - total:
+            total += need
+    return total
 
 
 def side_by_side(commands: dict[str, list[str]], work: Path, env: dict, timeout: float) -> None:
@@ -393,14 +406,18 @@ def main(argv_: list[str] | None = None) -> int:
     if COMPILE_CACHE.is_dir():
         print(f"$ {shlex.join(restore)}")
         if not ns.dry_run:
+            t = time.monotonic()
             with open(work / "compile_cache.log", "w") as log:
                 subprocess.run(restore, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=120)
+            call.record["restore_s"] = round(time.monotonic() - t, 1)
     if stage.ops and (n_gpus or ns.dry_run):
         builds = {log: [sys.executable, "-c", code] for log, code in OPS.items()}
         for cmd in builds.values():
             print(f"$ {shlex.join(cmd)}  &")
         if not ns.dry_run:
+            t = time.monotonic()
             side_by_side(builds, work, env, min(OPS_S, call.left()))
+            call.record["ops_s"] = round(time.monotonic() - t, 1)
     status = call.run(stage.setup, env, parallel=False)
     if status == 0:
         status = call.run([c for c in stage.run if c.when is None or params[c.when]], env, stage.parallel)

@@ -42,8 +42,10 @@ def fill(dirs: dict[str, Path], size: int = 100) -> dict[str, bytes]:
 
 
 def contents(dirs: dict[str, Path]) -> dict[str, bytes]:
+    """The caches' files, less the marker a restore leaves (its own test below)."""
     return {f"{role}/{p.relative_to(d).as_posix()}": p.read_bytes()
-            for role, d in dirs.items() if d.exists() for p in d.rglob("*") if p.is_file()}
+            for role, d in dirs.items() if d.exists() for p in d.rglob("*")
+            if p.is_file() and not p.name.startswith(cc.RESTORED)}
 
 
 def test_the_caches_travel_in_parts_and_unpack_where_this_machine_keeps_them(tmp_path):
@@ -66,6 +68,22 @@ def test_the_caches_travel_in_parts_and_unpack_where_this_machine_keeps_them(tmp
     assert got.pop("triton/sub/b.json") == b"this machine's own"
     assert got == {k: v for k, v in files.items() if k != "triton/sub/b.json"}  # no lock or cut-off file travelled
     assert so.stat().st_mode & 0o777 == 0o755
+
+
+def test_a_warm_machine_does_not_unpack_the_same_archive_twice_and_never_packs_the_marker(tmp_path):
+    dirs, out = caches(tmp_path / "cache"), tmp_path / "out"
+    fill(dirs)
+    cc.save(out, dirs, max_mib=1, part_mib=1, ident=IDENT)
+    shutil.rmtree(tmp_path / "cache")
+    assert cc.restore(out, dirs, IDENT)["restored"] == {"triton": 3, "inductor": 4}
+    (dirs["triton"] / "sub" / "b.json").unlink()  # gone since: a second unpack would bring it back
+    again = cc.restore(out, dirs, IDENT)
+    assert again["skipped"].startswith("this archive was restored on this machine already")
+    assert not (dirs["triton"] / "sub" / "b.json").exists()
+    m = cc.save(tmp_path / "out2", dirs, max_mib=1, part_mib=1, ident=IDENT)  # the marker stays out of a save
+    assert m["packed"]["inductor graphs"]["files"] == 3
+    cc.save(tmp_path / "out3", dirs, max_mib=1, part_mib=0.002, ident=IDENT)  # other parts: another archive
+    assert "restored" in cc.restore(tmp_path / "out3", dirs, IDENT)
 
 
 def test_a_folder_restores_only_where_it_was_made(tmp_path):
@@ -235,6 +253,7 @@ def test_the_command_reads_each_cache_folder_where_its_library_does(tmp_path, mo
     assert cc.main(["restore", str(tmp_path / "out")]) == 0
     assert "compile cache: restored triton 3 new files" in capsys.readouterr().out
     assert contents(dirs) == files
+    shutil.rmtree(dirs["inductor"])  # another fresh machine (the marker of the restore above goes too)
     (tmp_path / "out" / f"{cc.ARCHIVE}.000").write_bytes(b"broken")
     assert cc.main(["restore", str(tmp_path / "out")]) == 1
     assert "compile cache: not restored:" in capsys.readouterr().err
