@@ -5,7 +5,8 @@
 
 Three runs of one model, seed and data (RunResult JSONs with one loss per step): two baselines that differ only by
 the run-to-run drift of their kernels (two bf16 runs of the same command), and a candidate that changes one thing (an
-fp8 run). Past the learning-rate warm-up, in windows of --window steps:
+fp8 run). Past the learning-rate warm-up, in windows of --window steps (the steps left at the end make a last
+window where they are at least half a window, else they join the one before):
 
   drift    the baselines' mean |loss_a - loss_b| per step: how far two runs of the same setting wander apart
   offset   the candidate's mean |loss_c - (loss_a + loss_b) / 2| per step
@@ -84,21 +85,34 @@ def check_comparable(runs: dict[str, dict], vary: str) -> None:
     if len({len(r["losses"]) for r in runs.values()}) != 1:
         raise CurveError("the runs have different numbers of losses: " +
                          ", ".join(f"{n} {len(r['losses'])}" for n, r in runs.items()))
+    if runs[names[0]]["losses"] == runs[names[1]]["losses"]:
+        raise CurveError("the baselines have the same loss at every step (one run given twice?): two runs of one "
+                         "setting are needed, their drift is the bound")
+
+
+def spans(start: int, end: int, window: int) -> list[tuple[int, int]]:
+    """Windows of `window` steps over [start, end): the steps left at the end make a last window of their own when
+    they are at least half a window, else they join the one before, so that every step past the warm-up is judged."""
+    los = list(range(start, end, window))
+    if len(los) > 1 and end - los[-1] < (window + 1) // 2:
+        los.pop()
+    return list(zip(los, [*los[1:], end]))
 
 
 def windows(a: list[float], b: list[float], c: list[float], start: int, window: int) -> list[dict]:
-    """drift, offset and bias per window of `window` steps from `start` (a last shorter window is dropped)."""
+    """drift, offset and bias per window (spans) of the steps from `start` to the last."""
     out = []
-    for lo in range(start, len(a) - window + 1, window):
-        steps = range(lo, lo + window)
+    for lo, hi in spans(start, len(a), window):
+        steps = range(lo, hi)
+        n = hi - lo
         mean = [(a[i] + b[i]) / 2 for i in steps]
         out.append({
-            "steps": [lo, lo + window],
-            "drift": sum(abs(a[i] - b[i]) for i in steps) / window,
-            "offset": sum(abs(c[i] - m) for i, m in zip(steps, mean)) / window,
-            "bias": sum(c[i] - m for i, m in zip(steps, mean)) / window,
-            "baseline_mean_loss": sum(mean) / window,
-            "candidate_mean_loss": sum(c[i] for i in steps) / window,
+            "steps": [lo, hi],
+            "drift": sum(abs(a[i] - b[i]) for i in steps) / n,
+            "offset": sum(abs(c[i] - m) for i, m in zip(steps, mean)) / n,
+            "bias": sum(c[i] - m for i, m in zip(steps, mean)) / n,
+            "baseline_mean_loss": sum(mean) / n,
+            "candidate_mean_loss": sum(c[i] for i in steps) / n,
         })
     return out
 

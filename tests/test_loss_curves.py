@@ -40,8 +40,8 @@ def judge(tmp_path, candidate_losses, **candidate_train):
 
 def test_a_candidate_like_a_third_baseline_run_is_within_the_bound_and_the_files_say_so(tmp_path):
     result = judge(tmp_path, curve(3))
-    assert result["ok"] and len(result["windows"]) == 3  # steps 10-60, 60-110, 110-160 of 200
-    assert [w["steps"] for w in result["windows"]] == [[10, 60], [60, 110], [110, 160]]
+    assert result["ok"] and len(result["windows"]) == 4  # of 200 steps: the last 40, over half a window, are one
+    assert [w["steps"] for w in result["windows"]] == [[10, 60], [60, 110], [110, 160], [160, 200]]
     # independent noise: offset / drift near sqrt(3)/2, as the module's docstring derives
     assert all(0.5 < w["offset"] / w["drift"] < 1.3 for w in result["windows"])
     written = json.loads((tmp_path / "out" / "loss_curves.json").read_text())
@@ -53,13 +53,23 @@ def test_a_candidate_like_a_third_baseline_run_is_within_the_bound_and_the_files
 def test_a_curve_that_sits_apart_fails_and_names_its_windows(tmp_path, capsys):
     # a shift of three noise sigmas: the drift of two runs is about 0.011, the candidate's offset about 0.03
     result = judge(tmp_path, curve(3, shift=0.03))
-    assert not result["ok"] and result["failed_windows"] == [[10, 60], [60, 110], [110, 160]]
+    assert not result["ok"] and result["failed_windows"] == [[10, 60], [60, 110], [110, 160], [160, 200]]
     assert all(w["bias"] > 0.02 for w in result["windows"])
     assert "outside (windows [[10, 60]" in capsys.readouterr().out
     # a shift that begins late fails only where it is
     late = curve(3)
     late[110:] = [x + 0.05 for x in late[110:]]
-    assert judge(tmp_path, late)["failed_windows"] == [[110, 160]]
+    assert judge(tmp_path, late)["failed_windows"] == [[110, 160], [160, 200]]
+
+
+@pytest.mark.parametrize(("steps", "expected"), [
+    (300, [(10, 60), (60, 110), (110, 160), (160, 210), (210, 260), (260, 300)]),  # 40 left: a window of its own
+    (270, [(10, 60), (60, 110), (110, 160), (160, 210), (210, 270)]),  # 10 left: they join the last
+    (310, [(10, 60), (60, 110), (110, 160), (160, 210), (210, 260), (260, 310)]),
+    (64, [(10, 64)]),
+])
+def test_every_step_past_the_warm_up_is_in_a_window(steps, expected):
+    assert loss_curves.spans(10, steps, 50) == expected
 
 
 @pytest.mark.parametrize(("change", "message"), [
@@ -94,6 +104,7 @@ def test_bad_inputs_are_refused_before_anything_is_written(tmp_path, capsys):
     out = tmp_path / "out"
     cases = [
         ([a, b, a], "the baselines differ in precision ('bf16' against 'fp8')"),
+        ([a, a, b], "the baselines have the same loss at every step (one run given twice?)"),
         ([a, a, short], "baseline_a and candidate differ in steps (200 against 40)"),
         ([a, a, stopped], "different numbers of losses: baseline_a 200, baseline_b 200, candidate 40"),
         ([a, a, resumed], "resumed at step 100"),
