@@ -209,7 +209,8 @@ def restore(src: Path, dirs: dict[str, Path], ident: dict) -> dict:
         return {"skipped": "made elsewhere: " + "; ".join(diff)}
     if not parts:
         return {"skipped": "the saved archive is empty"}
-    marker = dirs["inductor"] / (RESTORED + hashlib.sha256("".join(p["sha256"] for p in parts).encode()).hexdigest()[:16])
+    key = hashlib.sha256("".join(p["sha256"] for p in parts).encode()).hexdigest()[:16]
+    marker = dirs["inductor"] / (RESTORED + key)
     if marker.is_file():
         return {"skipped": f"this archive was restored on this machine already ({marker})"}
     moved = {r: f"made in {made_in[r]}, this machine's is {dirs[r]}" for r in ROLES

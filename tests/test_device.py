@@ -101,7 +101,7 @@ def test_what_a_stage_continues_is_the_folder_its_command_writes():
         if stage.keep is None:
             continue
         kept = device.fill(stage.keep, {**stage.params, "device": "1xh200"})
-        if creates := [c.creates for c in stage.run if c.creates]:  # each run done where its file is kept
+        if any(c.creates for c in stage.run):  # each run done where its file is kept
             values = {**stage.params, "device": "1xh200", "work": "/tmp/work"}
             made = [device.fill(c.creates, values) for c in stage.run if c.creates]
             assert all(Path(m).parent == Path("/tmp/work", kept) for m in made), name
