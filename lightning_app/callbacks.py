@@ -136,7 +136,7 @@ class RunCallback(pl.Callback):
             ds_breakdown_ms=timing.breakdown.summary(self.train.warmup_steps * self.train.grad_accum),
             peak_mem_bytes=peak,
             grad_norms=timing.grad_norms.values(), param_checksum=param_checksum(pl_module.gpt),
-            fp8=pl_module.gpt.fp8,
+            fp8_record=pl_module.gpt.fp8,
             extra={"lightning": effective_settings(trainer, pl_module, self.sigterm), "start_step": timing.start,
                    "resumed_from": str(self.resume_from) if self.resume_from else None,
                    "val": pl_module.val_history, "saves": timing.saves,

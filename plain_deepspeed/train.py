@@ -212,7 +212,7 @@ def main(train: TrainConfig) -> RunResult:
         n_params=count_parameters(model),
         ds_breakdown_ms=breakdown.summary(train.warmup_steps * train.grad_accum),
         peak_mem_bytes=peak_mem,
-        grad_norms=grad_norms.values(), param_checksum=param_checksum(model), fp8=model.fp8,
+        grad_norms=grad_norms.values(), param_checksum=param_checksum(model), fp8_record=model.fp8,
         extra={"start_step": start, "resumed_from": str(resume_from) if resume_from else None,
                "skipped_steps": nan_guard.skipped, "zero3_step_calls": patches.step_calls(engine), **history},
     )

@@ -204,7 +204,7 @@ def test_the_run_json_records_the_conversion_and_refuses_a_missing_one(hopper):
     from tests.test_results import make_result
 
     train = TrainConfig(precision="fp8", micro_batch=4, **TINY)
-    r = make_result(train=train, fp8=build_model(train).fp8)
+    r = make_result(train=train, fp8_record=build_model(train).fp8)
     assert r.fp8["n_converted"] == 8 and r.fp8["flops_share"] == pytest.approx(flops.fp8_share(train.model(), 4, 3))
     assert r.mfu is None and r.mfu_fp8 is None  # a CPU has no peak
     assert r.tflops_per_gpu == make_result(train=TrainConfig(micro_batch=4, **TINY)).tflops_per_gpu  # the same formula
@@ -213,7 +213,7 @@ def test_the_run_json_records_the_conversion_and_refuses_a_missing_one(hopper):
     with pytest.raises(ValueError, match="--precision fp8 with no FP8 conversion record"):
         make_result(train=train)
     with pytest.raises(ValueError, match="--precision bf16 with FP8 conversion record"):
-        make_result(train=TrainConfig(**TINY), fp8=r.fp8)
+        make_result(train=TrainConfig(**TINY), fp8_record=r.fp8)
 
 
 @needs_torchao
@@ -227,7 +227,7 @@ def test_the_compare_table_of_fp8_runs_gives_mfu_against_both_peaks_and_what_ran
 
     train = TrainConfig(precision="fp8", micro_batch=4, **TINY)
     conversion = build_model(train).fp8
-    runs = {p: [dataclasses.replace(make_result(p, train=train, fp8=conversion), mfu=0.5, mfu_fp8=0.25)]
+    runs = {p: [dataclasses.replace(make_result(p, train=train, fp8_record=conversion), mfu=0.5, mfu_fp8=0.25)]
             for p in ("deepspeed", "lightning")}
     table = reports.format_table(reports.build_report(train, SimpleNamespace(world=1, repeats=1), runs, {}, []))
     assert re.search(r"^MFU \(bf16 peak\)\s+50\.0%\s+50\.0%", table, re.M), table

@@ -156,8 +156,8 @@ def build_result(*, path: str, train: TrainConfig, model_cfg: GPTConfig, ds_conf
                  n_params: int, peak_mem_bytes: float | None, ds_breakdown_ms: dict | None = None,
                  extra: dict | None = None, allow_nonfinite: bool = False,
                  grad_norms: list[float | None] | None = None, param_checksum: dict | None = None,
-                 fp8: dict | None = None) -> RunResult:
-    """Assemble a RunResult from a finished run's raw measurements; `fp8` is the model's FP8 conversion record
+                 fp8_record: dict | None = None) -> RunResult:
+    """Assemble a RunResult from a finished run's raw measurements; `fp8_record` is the model's FP8 conversion record
     (shared/model/fp8.convert), which an fp8 run must have and no other may.
 
     Non-finite losses are an error, except for steps nan_policy=skip skipped (allow_nonfinite): JSON has no NaN,
@@ -166,9 +166,9 @@ def build_result(*, path: str, train: TrainConfig, model_cfg: GPTConfig, ds_conf
     if not allow_nonfinite and not all(math.isfinite(x) for x in losses):
         bad = next(i for i, x in enumerate(losses) if not math.isfinite(x))
         raise FloatingPointError(f"loss is not finite at step {bad}: {losses[bad]}")
-    if (train.precision == "fp8") != bool(fp8):  # never label an unconverted model fp8, or the reverse
-        raise ValueError(f"--precision {train.precision} with {'no ' if not fp8 else ''}FP8 conversion record: the "
-                         "model must be built by shared/train/build.build_model")
+    if (train.precision == "fp8") != bool(fp8_record):  # never label an unconverted model fp8, or the reverse
+        raise ValueError(f"--precision {train.precision} with {'no ' if not fp8_record else ''}FP8 conversion record: "
+                         "the model must be built by shared/train/build.build_model")
     losses = [x if math.isfinite(x) else None for x in losses]
     step_time = timing["step_time_s"]["median"]
     global_batch = train.micro_batch * train.grad_accum * world_size
@@ -217,8 +217,8 @@ def build_result(*, path: str, train: TrainConfig, model_cfg: GPTConfig, ds_conf
         sdpa_kernel=(kernel := sdpa_kernel(model_cfg, train.micro_batch, COMPUTE_DTYPES[train.tensor_precision],
                                            device)),
         attn_dropout_applied=applied_attention_dropout(model_cfg, kernel),
-        fp8={**fp8, "flops_share": flops.fp8_share(model_cfg, global_batch, k)} if fp8 else None,
-        mfu_fp8=flops.mfu(tflops, dev["name"], "fp8") if fp8 and cuda else None,
+        fp8={**fp8_record, "flops_share": flops.fp8_share(model_cfg, global_batch, k)} if fp8_record else None,
+        mfu_fp8=flops.mfu(tflops, dev["name"], "fp8") if fp8_record and cuda else None,
         extra={**(extra or {}), "allocator_cache_flushes": allocator_cache_flushes(device),
                "warmup_s": timing.get("warmup_s"), "timed_wall": timing.get("timed_wall"),
                "compile_s": compile_seconds(),
