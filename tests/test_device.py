@@ -53,7 +53,7 @@ def pretend_gpus(monkeypatch):
 
 
 def test_the_table_holds_the_stages_that_are_kept():
-    assert set(STAGES) == {"headline", "fp8_curve", "lever", "gpu_tests", "explain", "compare", "autotune",
+    assert set(STAGES) == {"headline", "fp8_curve", "resume", "lever", "gpu_tests", "explain", "compare", "autotune",
                            "ds_autotuner", "train"}
     for name, stage in STAGES.items():
         assert stage.question and 0 < stage.budget_s <= 600, name
@@ -89,6 +89,8 @@ def test_every_command_of_a_stage_is_one_its_script_accepts(name, pretend_gpus, 
             assert words[2:4] == ["-m", "gpu"], cmd
             paths = [w.split("::")[0] for w in words[4:] if not w.startswith("-") and w != "no:cacheprovider"]
             assert paths and all((ROOT / p).exists() for p in paths), cmd
+        elif words[0] == "-c":  # a line of Python (a stage's clean-up)
+            compile(words[1], "<-c>", "exec")
         elif words[0] == "-m":
             assert importlib.util.find_spec(words[1]) is not None, cmd
             assert all((ROOT / w).exists() for w in words[2:] if w.startswith("data/")), cmd

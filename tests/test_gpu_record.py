@@ -241,4 +241,4 @@ def test_every_gpu_test_command_of_the_device_stages_writes_a_run_record():
                 assert Path(env["GPU_TEST_RECORD"]).match(gpu_record.RUN_RECORDS), (stage.name, c.log)
                 assert Path(env["GPU_TEST_RECORD"]).parent == Path("/tmp/work"), (stage.name, c.log)
                 found.add(stage.name)
-    assert found == {"headline", "lever", "gpu_tests", "fp8_curve"}  # the stages that run GPU tests
+    assert found == {"headline", "lever", "gpu_tests", "fp8_curve", "resume"}  # the stages that run GPU tests
