@@ -23,7 +23,8 @@ machine already has are left as they are, and an archive a machine restored once
 folder names it) is not unpacked there again. Lock and temporary files are never packed.
 
 DeepSpeed's JIT-built ops (TORCH_EXTENSIONS_DIR) are not carried: ninja rebuilds an op whose sources were installed
-after the build or at another path, and a fresh machine installs them anew, so a carried build would save nothing.
+after the build or at another path, and a fresh machine installs them anew, so a carried build would save nothing
+(on one machine, benchmarks/device.py keeps them from call to call: `stable_deepspeed`).
 
 Caches change no timed step: the warm-up steps that compile are excluded from every figure (the run JSON's
 `extra.compile_cache` counts inductor's cache hits and misses, `extra.compile_s` the seconds spent compiling).

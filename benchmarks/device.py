@@ -19,6 +19,8 @@ them as the device scripts before it did (they are in benchmarks/archive/, with 
     it had its own need: a fresh machine's slower run is not cut for one that would not fit anyway), and compare.py
     and ablation.py get that as --time_limit, so that they stop between runs and a later call continues them; the
     call's device.json records each command's seconds, and the cache restore's and the op builds';
+  - DeepSpeed imported through one path on a machine (stable_deepspeed), so that its ops built once serve every
+    later call there;
   - continuation: `--keep warm` continues the stage's folder from the copy the last call left on this machine (calls
     back to back keep the machine, and with it the compile caches), `--keep FOLDER` from a folder in the repo (the
     last call's results, committed or carried);
@@ -54,6 +56,10 @@ WARM = Path("/tmp/zero3bench_keep")  # the folders `--keep warm` continues, one 
 CACHES = {"TORCH_EXTENSIONS_DIR": "/tmp/zero3bench_extensions", "TORCHINDUCTOR_CACHE_DIR": "/tmp/zero3bench_inductor",
           "TRITON_CACHE_DIR": "/tmp/zero3bench_triton"}
 COMPILE_CACHE = ROOT / ".compile_cache"  # an earlier call's saved caches, where they came with the repo
+# Where every call on one machine finds DeepSpeed (a link to the folder this call's wheels were installed in): its
+# JIT ops are rebuilt (about a minute each) whenever their sources sit at another path or are newer than the build
+STABLE_SITE = Path("/tmp/zero3bench_site")
+SOURCES_MTIME = 946684800  # 2000-01-01: the installed sources' time, older than any build of them
 # DeepCompile's op and its variant whose compute stream waits for the backward's end (shared/patches/deepcompile_op.py)
 OPS = {"op_build.log": "from deepspeed.ops.op_builder.dc import DeepCompileBuilder; DeepCompileBuilder().load()",
        "op_build_device_wait.log": "from shared.patches.deepcompile_op import builder; builder().load()"}
@@ -203,6 +209,32 @@ def run_env(stage: Stage, values: dict) -> tuple[dict, str | None]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.update({k: fill(v, values) for k, v in stage.env.items()})
     return env, normalize_cuda_arch_list(env)
+
+
+def stable_deepspeed(env: dict) -> str | None:
+    """Let the next call on this machine reuse DeepSpeed's JIT-built ops. Each device call installs the wheels into a
+    new temporary folder on PYTHONPATH, so the ops' sources move and are newer than their build: torch rebuilds both
+    DeepCompile ops every call. Where DeepSpeed is imported from such a PYTHONPATH folder, its files get one old
+    time and the commands import it through STABLE_SITE, a link to that folder (the same wheel gives the same
+    sources at the same path). What was done, or None where DeepSpeed is installed otherwise (a virtual env)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("deepspeed")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    package = Path(next(iter(spec.submodule_search_locations)))
+    site, paths = package.parent, env.get("PYTHONPATH", "").split(os.pathsep)
+    if str(site) not in paths:
+        return None
+    for f in package.rglob("*"):
+        if f.is_file() and not f.is_symlink():
+            os.utime(f, (SOURCES_MTIME, SOURCES_MTIME))
+    link = STABLE_SITE.with_name(f"{STABLE_SITE.name}.{os.getpid()}")
+    link.unlink(missing_ok=True)
+    link.symlink_to(site, target_is_directory=True)
+    os.replace(link, STABLE_SITE)
+    env["PYTHONPATH"] = os.pathsep.join(str(STABLE_SITE) if p == str(site) else p for p in paths)
+    return f"DeepSpeed imported through {STABLE_SITE} -> {site}"
 
 
 class Call:
@@ -397,6 +429,9 @@ def main(argv_: list[str] | None = None) -> int:
         (work / "gpus.txt").write_text(subprocess.run(
             ["nvidia-smi", "--query-gpu=name,memory.total,clocks.sm", "--format=csv"], capture_output=True,
             text=True).stdout if n_gpus else "no GPU\n")
+        if n_gpus and (site := stable_deepspeed(env)):
+            call.record["deepspeed_site"] = site
+            print(f"# {site}")
     kept = fill(stage.keep, call.values) if stage.keep else None
     if source is not None:
         print(f"# continuing {kept} from {source}")

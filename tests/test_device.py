@@ -318,3 +318,30 @@ needs_s = "later_s"
     # the reservation: the later needs that still fit after this one's, in order
     assert device.reserved([25.0], 21.0) == 0 and device.reserved([5.0, 25.0, 10.0], 21.0) == 15.0
     assert device.reserved([], 10.0) == 0 and device.reserved([10.0, 1.0], 10.0) == 10.0
+
+
+def test_deepspeed_installed_per_call_is_imported_through_one_path_with_old_sources(tmp_path, monkeypatch):
+    """A device call installs the wheels into a new folder: where DeepSpeed comes from such a PYTHONPATH folder, the
+    commands import it through one link (its JIT ops' sources at the same path every call) and its files are older
+    than any build, so torch does not rebuild the ops a call on the same machine built before."""
+    import importlib.machinery
+    import importlib.util
+
+    site = tmp_path / "site_call2"
+    (site / "deepspeed" / "ops" / "csrc").mkdir(parents=True)
+    (site / "deepspeed" / "__init__.py").write_text("")
+    (site / "deepspeed" / "ops" / "csrc" / "op.cpp").write_text("int f();")
+    spec = importlib.machinery.ModuleSpec("deepspeed", None, is_package=True)
+    spec.submodule_search_locations = [str(site / "deepspeed")]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec if name == "deepspeed" else None)
+    monkeypatch.setattr(device, "STABLE_SITE", tmp_path / "stable")
+    (tmp_path / "site_call1").mkdir()
+    (tmp_path / "stable").symlink_to(tmp_path / "site_call1")  # the last call's
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), str(site), "/elsewhere"])}
+    assert device.stable_deepspeed(env) == f"DeepSpeed imported through {tmp_path / 'stable'} -> {site}"
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(ROOT), str(tmp_path / "stable"), "/elsewhere"]
+    assert (tmp_path / "stable").resolve() == site.resolve()
+    assert (tmp_path / "stable" / "deepspeed" / "ops" / "csrc" / "op.cpp").stat().st_mtime == device.SOURCES_MTIME
+    # DeepSpeed from a virtual env (not a PYTHONPATH folder): nothing to do, nothing changed
+    env = {"PYTHONPATH": str(ROOT)}
+    assert device.stable_deepspeed(env) is None and env == {"PYTHONPATH": str(ROOT)}
