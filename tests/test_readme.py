@@ -332,3 +332,26 @@ def test_the_fp8_pages_table_quotes_its_runs():
         if precision == "fp8":
             assert _quotes(mfus[1], 100 * ds["mfu_fp8"]), row
         assert _quotes(row[4], max(ds["peak_mem_gib"], pl["peak_mem_gib"])), row
+
+
+def test_the_fp8_pages_300_step_figures_are_the_curve_runs():
+    """docs/fp8.md's figures from the loss curve's runs (fp8_curve_1xh100): each run's TFLOPs/GPU and their ratio,
+    fp8's distance from bf16 at the end of the warm-up and from step 20 on, and the losses both end at."""
+    text = " ".join((ROOT / "docs" / "fp8.md").read_text().split())
+    runs = {n: json.loads((RESULTS / "fp8_vs_bf16_1xh100" / "fp8_curve_1xh100" / f"{n}.json").read_text())
+            for n in ("fp8", "bf16_a")}
+    fp8, bf16 = runs["fp8"], runs["bf16_a"]
+    assert fp8["train"]["precision"] == "fp8" and bf16["train"]["precision"] == "bf16"
+    assert fp8["train"]["steps"] == bf16["train"]["steps"] == 300 and fp8["train"]["data"] == bf16["train"]["data"]
+    m = re.search(r"over 290 timed steps each: fp8 ([0-9.]+), bf16 ([0-9.]+), ([0-9.]+)x", text)
+    assert m and _quotes(m[1], fp8["tflops_per_gpu"]) and _quotes(m[2], bf16["tflops_per_gpu"])
+    assert _quotes(m[3], fp8["tflops_per_gpu"] / bf16["tflops_per_gpu"])
+    assert fp8["steps"] - fp8["warmup_steps"] == bf16["steps"] - bf16["warmup_steps"] == 290
+    m = re.search(r"fp8 sits ([0-9.]+) above bf16 at step (\d+), the end of the learning-rate warm-up, then within "
+                  r"([0-9.]+) of it from step (\d+) on, and both end at ([0-9.]+)-([0-9.]+) at step (\d+)", text)
+    assert m, "the curve runs' sentence"
+    f, b = fp8["losses"], bf16["losses"]
+    at = int(m[2])
+    assert at == fp8["train"]["lr_warmup_steps"] and _quotes(m[1], f[at] - b[at])
+    assert max(abs(x - y) for x, y in zip(f[int(m[4]):], b[int(m[4]):])) < float(m[3])
+    assert int(m[7]) == len(f) - 1 and [float(m[5]), float(m[6])] == sorted([round(f[-1], 3), round(b[-1], 3)])
