@@ -44,7 +44,9 @@ class CurveError(ValueError):
     """Runs that cannot be compared: the message names the file and what differs."""
 
 
-def load(path: Path) -> dict:
+def load(path: Path, resumed: bool = False) -> dict:
+    """A RunResult JSON with finite losses; one resumed from a checkpoint only where `resumed` (its losses begin at its
+    extra.start_step)."""
     try:
         r = json.loads(path.read_text())
     except (OSError, ValueError) as e:
@@ -53,7 +55,7 @@ def load(path: Path) -> dict:
         raise CurveError(f"{path} is not a RunResult JSON with losses (no 'losses' or 'train')")
     if not all(isinstance(x, int | float) and math.isfinite(x) for x in r["losses"]):
         raise CurveError(f"{path}: a loss is not a finite number")
-    if (r.get("extra") or {}).get("start_step", 0):
+    if not resumed and (r.get("extra") or {}).get("start_step", 0):
         raise CurveError(f"{path} resumed at step {r['extra']['start_step']}: its losses do not start at step 0")
     return r
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 from pathlib import Path
@@ -33,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):  # run by path: Python puts benchmarks/, not the repo root, on sys.path
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.loss_curves import CurveError, load  # noqa: E402
 from harness.report import parity  # noqa: E402
 
 # What the runs must share for their steps to be compared one by one.
@@ -40,20 +40,8 @@ SAME = ("preset", "precision", "seed", "data", "steps", "micro_batch", "grad_acc
         "weight_decay", "grad_clip", "stage", "profile")
 
 
-class ResumeError(ValueError):
+class ResumeError(CurveError):
     """Runs that cannot be compared: the message names the file and what is wrong."""
-
-
-def load(path: Path) -> dict:
-    try:
-        r = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ResumeError(f"{path} is not a readable JSON file ({type(e).__name__}: {e})") from None
-    if not isinstance(r, dict) or not r.get("losses") or "train" not in r:
-        raise ResumeError(f"{path} is not a RunResult JSON with losses (no 'losses' or 'train')")
-    if not all(isinstance(x, int | float) and math.isfinite(x) for x in r["losses"]):
-        raise ResumeError(f"{path}: a loss is not a finite number")
-    return r
 
 
 def start(r: dict) -> int:
@@ -130,9 +118,9 @@ def main(argv: list[str] | None = None) -> dict:
     paths = {"full": ns.full, "resumed": ns.resumed, **({"drift": ns.drift} if ns.drift else {})}
     names = {k: str(v) for k, v in paths.items()}
     try:
-        runs = {k: load(v) for k, v in paths.items()}
+        runs = {k: load(v, resumed=True) for k, v in paths.items()}
         result = judge(runs["full"], runs["resumed"], runs.get("drift"), names)
-    except ResumeError as e:
+    except CurveError as e:
         p.error(str(e))
     result = {"command": " ".join(["python", "benchmarks/resume_check.py",
                                    *(argv if argv is not None else sys.argv[1:])]),

@@ -292,29 +292,15 @@ def test_a_command_that_outlasts_its_need_is_not_cut_for_a_later_one_that_could_
     not fit once this one had its need, nothing is kept for that one, and this one runs to the budget's end."""
     monkeypatch.setattr(device, "WARM", tmp_path / "warm")
     monkeypatch.setattr(device, "COMPILE_CACHE", tmp_path / "none")
+    count = tmp_path / "count.py"
+    count.write_text("import pathlib, sys\npathlib.Path(sys.argv[1]).mkdir(exist_ok=True)\n")
     table = tmp_path / "stages.toml"
-    table.write_text(f"""
-[cold]
-question = "a run slower than its need, then one that cannot fit"
-budget_s = 30
-min_gpus = 0
-params = {{ later_s = "25" }}
-
-[[cold.run]]
-command = "{sys.executable} -c 'import time; time.sleep(3)'"
-log = "first.log"
-needs_s = 1
-
-[[cold.run]]
-command = "{sys.executable} -c 'print(1)'"
-log = "later.log"
-needs_s = "later_s"
-""")
-    args = ["cold", "--stages", str(table), "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out")]
-    assert device.main(args) == 3  # the later one is skipped
-    first, later = json.loads((tmp_path / "out" / "device.json").read_text())["commands"]
-    assert first["exit"] == 0 and not first.get("timed_out") and first["seconds"] >= 3
-    assert "would not fit" in later["skipped"]
+    table.write_text(TABLE.format(budget=14, count=count))  # 6 s after packing's share: the slow one needs 1
+    args = ["probe", "--stages", str(table), "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out")]
+    assert device.main([*args, "--set", "slow=yes", "--set", "big=25"]) == 3  # big would not fit after slow's 1 s
+    first, slow, big = json.loads((tmp_path / "out" / "device.json").read_text())["commands"]
+    assert slow["timed_out"] and slow["seconds"] > 4  # cut by the budget's end, not at its own need
+    assert "would not fit" in big["skipped"]
     # the reservation: the later needs that still fit after this one's, in order
     assert device.reserved([25.0], 21.0) == 0 and device.reserved([5.0, 25.0, 10.0], 21.0) == 15.0
     assert device.reserved([], 10.0) == 0 and device.reserved([10.0, 1.0], 10.0) == 10.0
