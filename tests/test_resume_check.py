@@ -97,11 +97,12 @@ def test_a_real_cpu_run_resumed_from_its_mid_run_checkpoint_continues_exactly(tm
               "--lr_warmup_steps", "3"]
     ck = tmp_path / "ck"
     run([*common, "--save_every", "5", "--val_every", "5", "--keep_last", "0", "--ckpt_dir", ck,
-         "--out", tmp_path / "full.json"])
-    run([*common, "--resume", ck / "step00000005", "--out", tmp_path / "resumed.json"])
-    run([*common, "--out", tmp_path / "plain.json"])
+         "--out", tmp_path / "full.json"], timeout=150)
+    run([*common, "--resume", ck / "step00000005", "--out", tmp_path / "resumed.json"], timeout=150)
+    run([*common, "--out", tmp_path / "plain.json"], timeout=150)
     proc = run([sys.executable, ROOT / "benchmarks" / "resume_check.py", "--full", tmp_path / "full.json",
-                "--resumed", tmp_path / "resumed.json", "--drift", tmp_path / "plain.json", "--out", tmp_path / "out"])
+                "--resumed", tmp_path / "resumed.json", "--drift", tmp_path / "plain.json", "--out", tmp_path / "out"],
+               timeout=60)
     result = json.loads((tmp_path / "out" / "resume_check.json").read_text())
     assert result["ok"] and result["resumed_at"] == 5 and "within the bounds" in proc.stdout
     assert result["parity"]["max_abs_diff"] == 0  # the eager CPU step is deterministic: an exact continuation
