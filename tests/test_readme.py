@@ -338,7 +338,7 @@ def test_the_fp8_pages_300_step_figures_are_the_curve_runs():
     """docs/fp8.md's figures from the loss curve's runs (fp8_curve_1xh100): each run's TFLOPs/GPU and their ratio,
     fp8's distance from bf16 at the end of the warm-up and from step 20 on, and the losses both end at."""
     text = " ".join((ROOT / "docs" / "fp8.md").read_text().split())
-    runs = {n: json.loads((RESULTS / "fp8_vs_bf16_1xh100" / "fp8_curve_1xh100" / f"{n}.json").read_text())
+    runs = {n: json.loads((RESULTS / "fp8_vs_bf16_1xh100/fp8_curve_1xh100" / f"{n}.json").read_text())
             for n in ("fp8", "bf16_a")}
     fp8, bf16 = runs["fp8"], runs["bf16_a"]
     assert fp8["train"]["precision"] == "fp8" and bf16["train"]["precision"] == "bf16"
