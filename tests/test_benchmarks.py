@@ -897,7 +897,10 @@ def test_a_signal_to_the_ablation_stops_its_run_and_keeps_the_configurations_fin
     fake.write_text(FAKE_TRAIN.format(template=str(template), started=str(started)))
     argv = ["benchmarks/ablation.py", "--configs", "naive,+bias_gelu", "--paths", "deepspeed", "--mb_sweep", "",
             "--out", str(out)]
-    code = (f"import runpy, sys\nfrom harness import launch\nlaunch.SCRIPTS['deepspeed'] = {str(fake)!r}\n"
+    # Ctrl-C's handler as a terminal's process has it, also where pytest was started without job control (`cmd &`
+    # in a script), which starts every process under it with SIGINT ignored
+    code = (f"import runpy, signal, sys\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+            f"from harness import launch\nlaunch.SCRIPTS['deepspeed'] = {str(fake)!r}\n"
             f"sys.argv = {argv!r}\nrunpy.run_path({str(ABLATION)!r}, run_name='__main__')\n")
     log_path = tmp_path / "ablation.txt"
     with open(log_path, "w") as log:
@@ -950,8 +953,12 @@ def test_spread_stops_every_gpus_run_on_ctrl_c_and_starts_no_other(tmp_path):
             time.sleep(0.05)
         os.kill(os.getpid(), signal.SIGINT)
 
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as above: also under `pytest &`
     threading.Thread(target=interrupt, daemon=True).start()
     t0 = time.time()
-    with pytest.raises(KeyboardInterrupt):
-        ablation.spread(lambda gpu: [f"ref{gpu}"], ["l1", "l2", "l3"], lambda gpu: [], 2, run, lambda: True)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ablation.spread(lambda gpu: [f"ref{gpu}"], ["l1", "l2", "l3"], lambda gpu: [], 2, run, lambda: True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert sorted(ran) == ["ref0", "ref1"] and not launch.RUNNING and time.time() - t0 < 30
