@@ -32,12 +32,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):  # run by path: Python puts benchmarks/, not the repo root, on sys.path
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.loss_curves import CurveError, load  # noqa: E402
+from benchmarks.loss_curves import SAME_MODEL, SAME_TRAINING, CurveError, load, setting  # noqa: E402
 from harness.report import parity  # noqa: E402
 
-# What the runs must share for their steps to be compared one by one.
-SAME = ("preset", "precision", "seed", "data", "steps", "micro_batch", "grad_accum", "lr", "min_lr", "lr_warmup_steps",
-        "weight_decay", "grad_clip", "stage", "profile")
+# What the runs must share for their steps to be compared one by one: loss_curves' model and training, and here also
+# the precision and the speed profile.
+SAME = (*SAME_MODEL, *SAME_TRAINING, "precision", "profile")
 
 
 class ResumeError(CurveError):
@@ -48,12 +48,13 @@ def start(r: dict) -> int:
     return int((r.get("extra") or {}).get("start_step") or 0)
 
 
-def series(r: dict, first: int, last: int, checksum: bool = True) -> dict:
-    """A run's losses and gradient norms over steps [first, last) of the run (its lists begin at its start step)."""
+def series(r: dict, first: int, last: int) -> dict:
+    """A run's losses and gradient norms over steps [first, last) of the run (its lists begin at its start step), and
+    its final parameter checksum."""
     s = start(r)
     norms = r.get("grad_norms")
     return {"losses": r["losses"][first - s:last - s], "grad_norms": norms[first - s:last - s] if norms else None,
-            "param_checksum": r.get("param_checksum") if checksum else None}
+            "param_checksum": r.get("param_checksum")}
 
 
 def check(full: dict, resumed: dict, drift: dict | None, names: dict[str, str]) -> int:
@@ -66,7 +67,7 @@ def check(full: dict, resumed: dict, drift: dict | None, names: dict[str, str]) 
     runs = {"resumed": resumed, **({"drift": drift} if drift else {})}
     for name, r in runs.items():
         for key in SAME:
-            a, b = full["train"].get(key), r["train"].get(key)
+            a, b = setting(full, key), setting(r, key)
             if a != b:
                 raise ResumeError(f"{names['full']} and {names[name]} differ in {key} ({a!r} against {b!r}): not one "
                                   "setting's runs")
@@ -101,8 +102,9 @@ def costs(full: dict) -> dict:
 def judge(full: dict, resumed: dict, drift: dict | None, names: dict[str, str]) -> dict:
     at = check(full, resumed, drift, names)
     last = full["train"]["steps"]
-    same_path = [(series(full, at, last), series(drift, at, last))] if drift else []
-    report = parity([(series(full, at, last), series(resumed, at, last))], full["train"]["precision"], 0, same_path)
+    uninterrupted = series(full, at, last)
+    same_path = [(uninterrupted, series(drift, at, last))] if drift else []
+    report = parity([(uninterrupted, series(resumed, at, last))], full["train"]["precision"], 0, same_path)
     return {"resumed_at": at, "steps": [at, last], "parity": report, "ok": report["ok"], "costs": costs(full)}
 
 
