@@ -102,8 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "is refused by name. With --autotune: continue a cut search from --out's autotune.json")
     p.add_argument("--time_limit", "--time-limit", type=float, default=None,
                    help="seconds this invocation may take (a job's or a session's time limit): a run starts only if "
-                        "the time left is at least the longest run made so far in this invocation (the first always "
-                        f"starts); else compare stops with exit status {TIME_LIMIT_EXIT}, its finished runs in --out, "
+                        "the time left is at least its row's longest run so far, kept runs included (a new row: any "
+                        f"row's; the first always starts); else compare stops with exit status {TIME_LIMIT_EXIT}, "
+                        "its finished runs in --out, "
                         "a report of the pairs that finished (marked partial), and the same command with "
                         "--keep_runs runs the rest. Needs --out; not with --explain/"
                         "--autotune/--cross_check (--budget_s bounds a search)")
@@ -301,7 +302,7 @@ def run_plan(plan: list, train: TrainConfig, ns: argparse.Namespace, out_dir: Pa
         group = [p for p in group if (p, i) not in ns.kept]
         if not group:
             continue
-        clock.before(f"{' and '.join(group)} (round {i + 1})")
+        clock.before(f"{' and '.join(group)} (round {i + 1})", rows=tuple(group))
 
         def launch_one(slot: int, path: str, i: int = i) -> RunResult:
             # unsharded and the ceiling are one process on the first GPU whatever the run's world size; with
@@ -365,7 +366,8 @@ def main(argv: list[str] | None = None) -> dict:
     to_run = sum((p, i) not in ns.kept for i, group in plan for p in group)
     clock = TimeLimit(ns.time_limit, t0, to_run, out_dir / "runs", ["python", "compare.py", *argv],
                       ("--keep_runs", "--keep-runs"),
-                      kept_s=[r.extra["launch_s"] for r in ns.kept.values() if (r.extra or {}).get("launch_s")])
+                      kept_s=[(row, r.extra["launch_s"]) for (row, _), r in ns.kept.items()
+                              if (r.extra or {}).get("launch_s")])
     stopped = None
     try:
         run_plan(plan, train, ns, out_dir, clock, results)

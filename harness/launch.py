@@ -87,37 +87,51 @@ class TimeLimitReached(Exception):
 
 
 class TimeLimit:
-    """--time_limit: before each run (or group of runs side by side), whether the longest run made so far still fits
-    in the time left. "So far" counts the runs an earlier invocation left (`kept_s`: their launch_s, start-up and
-    compilation included): a continued compare whose first call compiled cold must not start a run the second call
-    cannot finish because that call's own runs were warm. With nothing to estimate from, the first run starts. A stop
+    """--time_limit: before each run (or group of runs side by side), whether it still fits in the time left, planned
+    at the longest run so far of each of its rows (compare's paths and references), or of any row for a row that has
+    none yet. "So far" counts the runs an earlier invocation left (`kept_s`: (row, launch_s) pairs, start-up and
+    compilation included): a continued compare whose first call compiled cold must not start a row the second call
+    cannot finish because that call's own runs were warm; and a row that ran warm is not planned at another row's
+    cold compile, which would leave a call's time unused. With nothing to estimate from, the first run starts. A stop
     names the command that runs the rest: `command` with a keep flag (the first of `keep_flags`) added if it has
     none."""
 
     def __init__(self, limit_s: float | None, t0: float, runs: int, where: Path, command: list,
-                 keep_flags: tuple[str, ...], kept_s: list[float] = ()):
+                 keep_flags: tuple[str, ...], kept_s: list[tuple[str, float]] = ()):
         self.limit_s, self.t0, self.left, self.where = limit_s, t0, runs, where
         self.command = [str(a) for a in command]
         if not set(keep_flags) & set(self.command):
             self.command.append(keep_flags[0])
-        self.started, self.longest = t0, max(kept_s, default=0.0)
+        self.row_s: dict[str, float] = {}
+        for row, s in kept_s:
+            self.row_s[row] = max(self.row_s.get(row, 0.0), s)
+        self.started, self.longest, self.rows = t0, max(self.row_s.values(), default=0.0), ()
 
-    def fits(self, runs: int = 1) -> bool:
-        """Whether `runs` runs as long as the longest so far still fit in the time left (always before the first)."""
+    def planned_s(self, rows: tuple[str, ...] = ()) -> float:
+        """The seconds a run of these rows is planned at: each row's own longest run, else the longest of any row."""
+        return max((self.row_s.get(r, self.longest) for r in rows), default=self.longest)
+
+    def fits(self, runs: int = 1, rows: tuple[str, ...] = ()) -> bool:
+        """Whether `runs` runs of `rows` still fit in the time left (always before the first run)."""
         left_s = (self.limit_s or 0) - (time.monotonic() - self.t0)
-        return self.limit_s is None or not self.longest or left_s >= self.longest * runs
+        return self.limit_s is None or not self.longest or left_s >= self.planned_s(rows) * runs
 
-    def before(self, what: str) -> None:
-        self.started = time.monotonic()
+    def before(self, what: str, rows: tuple[str, ...] = ()) -> None:
+        self.started, self.rows = time.monotonic(), tuple(rows)
         left_s = (self.limit_s or 0) - (self.started - self.t0)
-        if not self.fits():
+        if not self.fits(rows=self.rows):
+            own = all(r in self.row_s for r in self.rows) and self.rows
             raise TimeLimitReached(
-                f"--time_limit {self.limit_s:g}: {max(left_s, 0):.0f} s left, and the longest so far took "
-                f"{self.longest:.0f} s; stopped before {what}, {self.left} run(s) left. The finished runs are in "
-                f"{self.where}; to run the rest: {' '.join(self.command)}")
+                f"--time_limit {self.limit_s:g}: {max(left_s, 0):.0f} s left, and the longest so far "
+                f"{'of ' + ' and '.join(self.rows) + ' ' if own else ''}took {self.planned_s(self.rows):.0f} s; "
+                f"stopped before {what}, {self.left} run(s) left. The finished runs are in {self.where}; to run the "
+                f"rest: {' '.join(self.command)}")
 
     def after(self, n_runs: int) -> None:
-        self.longest = max(self.longest, time.monotonic() - self.started)
+        took = time.monotonic() - self.started
+        self.longest = max(self.longest, took)
+        for r in self.rows:
+            self.row_s[r] = max(self.row_s.get(r, 0.0), took)
         self.left -= n_runs
 
 
