@@ -431,22 +431,32 @@ GPU_FAULT_RUN = [*GPU_BASE, "--steps", "8", "--warmup_steps", "2", "--lr_warmup_
 FAULTS = ("noclip", "double_scale", "lr2x", "skip_update@4", "dropout_rate")
 
 
-def faults_caught(tmp_path, args: list) -> dict[str, list[str]]:
+def faults_caught(tmp_path, args: list, deterministic: bool = True) -> dict[str, list[str]]:
     """The Lightning path with each fault of FAULTS planted against the raw path, on the shipped text (byte tokens):
-    the measures each pair fails, after checking that the raw path against itself passes."""
+    the measures each pair fails, judged as compare judges a pair: against the bf16 bounds, or against
+    RUN_TO_RUN_FACTOR x the drift between two runs of the raw path where that is larger. On a CPU those two runs
+    must agree within the fixed bounds (`deterministic`); on a GPU they need not (cuDNN attention's backward and
+    atomic adds), and their drift is the bound, as in a compare with repeats."""
     prepare(ROOT / "data" / "kjv.txt", tmp_path / "kjv", "byte")
     args = [*args, "--data", tmp_path / "kjv"]
     run([sys.executable, RAW, *args, "--out", tmp_path / "raw.json"])
     raw = RunResult.from_json(tmp_path / "raw.json")
     assert raw.grad_norms[0] > 0.5 and len(raw.grad_norms) == 8 and raw.param_checksum["numel"] == raw.n_params
     run([sys.executable, RAW, *args, "--out", tmp_path / "raw_again.json"])
-    assert reports.loss_parity([raw], [RunResult.from_json(tmp_path / "raw_again.json")], "bf16", 3)["ok"]
+    again = RunResult.from_json(tmp_path / "raw_again.json")
+    series = lambda r: {"losses": r.losses, "grad_norms": r.grad_norms, "param_checksum": r.param_checksum}
+    if deterministic:
+        assert reports.loss_parity([raw], [again], "bf16", 3)["ok"]
+    same = [(series(raw), series(again))]
+    print("raw against itself:", reports.format_parity(reports.parity(same, "bf16", 3)))
     caught = {}
     for fault in FAULTS:
         run([sys.executable, ROOT / "tests" / "inject.py", "lightning", fault, "--", *args,
              "--out", tmp_path / f"{fault}.json"])
-        report = reports.loss_parity([raw], [RunResult.from_json(tmp_path / f"{fault}.json")], "bf16", 3)
+        report = reports.parity([(series(raw), series(RunResult.from_json(tmp_path / f"{fault}.json")))], "bf16", 3,
+                                same)
         assert report["past_warmup"] and report["pairs"][0]["steps"] == [3, 8]
+        print(f"{fault}:", reports.format_parity(report))
         caught[fault] = report["failed"]
     print("caught:", caught)
     return caught
@@ -469,9 +479,10 @@ def test_parity_catches_each_fault_that_trains_another_model_on_real_text(tmp_pa
 @pytest.mark.gpu
 @pytest.mark.timeout(900)
 def test_parity_catches_each_fault_on_the_gpu(tmp_path):
-    """The same five faults on a GPU (bf16, cuDNN attention and its dropout, torch's fused AdamW): each fails parity,
-    and the raw path against itself passes."""
-    caught = faults_caught(tmp_path, GPU_FAULT_RUN)
+    """The same five faults on a GPU (bf16, cuDNN attention and its dropout, torch's fused AdamW): each fails parity
+    with its bounds widened to 1.5x the raw path's own run-to-run drift, as a compare with repeats judges. (With the
+    fixed bounds alone, two runs of the raw path failed them on an H100.)"""
+    caught = faults_caught(tmp_path, GPU_FAULT_RUN, deterministic=False)
     assert all(caught[f] for f in FAULTS), caught
 
 
