@@ -2,6 +2,7 @@
 
 import json
 import re
+import statistics
 
 import pytest
 
@@ -266,15 +267,24 @@ def test_the_readmes_prose_numbers_are_their_sources():
         assert (r["train"]["profile"], r["train"]["micro_batch"]) == ("fast", 8) and "H100" in r["device"]["name"]
     assert all("--compile" not in s["command"] and "--profile" not in s["command"] for s in scripts)  # no speed flag
     fp8_runs = RESULTS / "fp8_vs_bf16_1xh100"
-    fp8, bf16 = ([json.loads((fp8_runs / f"{precision}_1xh100" / "runs" / f"{p}_0.json").read_text())
-                  for p in ("deepspeed", "lightning")] for precision in ("fp8", "bf16"))
-    m = re.search(r"`--precision fp8` ran ([0-9.]+) \(raw\) and ([0-9.]+) \(Lightning\) TFLOPs/GPU on one H100, "
-                  r"([0-9.]+)x and ([0-9.]+)x bf16", text)
-    quoted = [r["tflops_per_gpu"] for r in fp8] + [a["tflops_per_gpu"] / b["tflops_per_gpu"] for a, b in zip(fp8, bf16)]
+    fp8 = json.loads((RESULTS / "fp8_vs_bf16_1xh100/fp8_1xh100/report.json").read_text())
+    curve_runs = sorted((RESULTS / "fp8_vs_bf16_1xh100/fp8_curve_1xh100").glob("bf16_*.json"))
+    bf16 = [json.loads(f.read_text())
+            for f in [RESULTS / "fp8_vs_bf16_1xh100/bf16_1xh100/runs/deepspeed_0.json", *curve_runs]]
+    m = re.search(r"`--precision fp8` ran ([0-9.]+) \(raw\) and ([0-9.]+) \(Lightning\) TFLOPs/GPU on one H100 "
+                  r"\((\d) pairs\), ([0-9.]+)x bf16", text)
+    raw = fp8["paths"]["deepspeed"]["tflops_spread"]["median"]
+    quoted = [raw, fp8["paths"]["lightning"]["tflops_spread"]["median"], fp8["repeats"],
+              raw / statistics.median(r["tflops_per_gpu"] for r in bf16)]
     assert [_quotes(x, v) for x, v in zip(m.groups(), quoted)] == [True] * 4
-    for r in fp8 + bf16:
+    assert "partial" not in fp8 and fp8["ratio_spread"]["n"] == fp8["repeats"] and fp8["loss_parity"]["ok"]
+    assert "H100" in fp8["device"]["name"] and fp8["train"]["precision"] == "fp8"
+    for r in bf16:
         assert "H100" in r["device"]["name"] and r["train"]["profile"] == "fast" and r["train"]["micro_batch"] == 8
-    assert {r["train"]["precision"] for r in fp8} == {"fp8"} and {r["train"]["precision"] for r in bf16} == {"bf16"}
+        assert r["train"]["precision"] == "bf16" and r["path"] == "deepspeed"
+    curve = json.loads((fp8_runs / "loss_curves_300_steps" / "loss_curves.json").read_text())
+    m = re.search(r"its loss lags bf16's for (\d+) steps, then matches", text)
+    assert m and [w["steps"] for w in curve["windows"] if not w["ok"]] == [[10, 10 + int(m[1])]]
     parity = json.loads((RESULTS / "deepcompile_2xh200" / "report.json").read_text())["loss_parity"]
     diff, bound = re.search(r"checksums differed by ([0-9.e-]+), over the ([0-9.e-]+) bound", text).groups()
     assert _quotes(diff.split("e")[0], parity["checksum_rel_diff"] * 1e3)
@@ -355,3 +365,30 @@ def test_the_fp8_pages_300_step_figures_are_the_curve_runs():
     assert at == fp8["train"]["lr_warmup_steps"] and _quotes(m[1], f[at] - b[at])
     assert max(abs(x - y) for x, y in zip(f[int(m[4]):], b[int(m[4]):])) < float(m[3])
     assert int(m[7]) == len(f) - 1 and [float(m[5]), float(m[6])] == sorted([round(f[-1], 3), round(b[-1], 3)])
+
+
+def test_the_fp8_pages_loss_curve_and_pairs_are_their_sources():
+    """docs/fp8.md's loss-curve table is loss_curves.py's judgement row by row (steps, drift, offset, bound, bias,
+    verdict), it shows the plot that judgement wrote, and its two-pair figures are the fp8 compare's report."""
+    text = (ROOT / "docs" / "fp8.md").read_text()
+    folder = RESULTS / "fp8_vs_bf16_1xh100"
+    curve = json.loads((folder / "loss_curves_300_steps" / "loss_curves.json").read_text())
+    assert "](../benchmarks/results/fp8_vs_bf16_1xh100/loss_curves_300_steps/loss_curves.png)" in text
+    assert curve["vary"] == "precision" and curve["window"] == 50 and curve["factor"] == 2.0
+    rows = _table(text, "![fp8 against two bf16 runs")
+    assert len(rows) == len(curve["windows"])
+    for row, w in zip(rows, curve["windows"]):
+        assert row[0] == f"{w['steps'][0]}-{w['steps'][1]}", row
+        for cell, key in zip(row[1:5], ("drift", "offset", "bound", "bias")):
+            assert float(cell) == float(f"{w[key]:.2e}"), (row, key)
+        assert row[5] == ("yes" if w["ok"] else "no"), row
+    report = json.loads((RESULTS / "fp8_vs_bf16_1xh100/fp8_1xh100/report.json").read_text())
+    flat = " ".join(text.split())
+    for path, name in (("deepspeed", "raw"), ("lightning", "Lightning")):
+        s = report["paths"][path]["tflops_spread"]
+        m = re.search(rf"{name} ([0-9.]+) \[([0-9.]+)-([0-9.]+)\]", flat)
+        assert m and [_quotes(x, v) for x, v in zip(m.groups(), (s["median"], s["min"], s["max"]))] == [True] * 3
+    r = report["ratio_spread"]
+    m = re.search(r"Lightning / raw is ([0-9.]+) in fp8, per pair ([0-9.]+) and ([0-9.]+)", flat)
+    assert m and [_quotes(x, v) for x, v in zip(m.groups(), (r["median"], r["min"], r["max"]))] == [True] * 3
+    assert r["n"] == report["repeats"] == 2 and "partial" not in report
