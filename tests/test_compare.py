@@ -631,7 +631,7 @@ def test_reference_and_parallel_flags_are_checked_before_any_run(tmp_path):
 
 
 def test_time_limit_stops_between_runs_when_the_longest_would_not_fit(tmp_path, monkeypatch, capsys):
-    """--time_limit: a run starts only if its row's longest run so far still fits in the time left; compare
+    """--time_limit: a run starts only if its row's latest run still fits in the time left; compare
     then stops with TIME_LIMIT_EXIT, writes the report of the pairs that finished, marked partial, and prints the
     command that runs the rest (--keep_runs). Runs take 100 s of a fake clock here, so the test does not depend on
     the machine's speed."""
@@ -651,7 +651,7 @@ def test_time_limit_stops_between_runs_when_the_longest_would_not_fit(tmp_path, 
     # 0 -> 100 -> 200 -> 300 s; 50 s left < the longest run (100 s): the fourth is not started
     assert launched == ["deepspeed_0.json", "lightning_0.json", "lightning_1.json"]
     captured = capsys.readouterr()
-    assert "--time_limit 350: 50 s left, and the longest so far of deepspeed took 100 s; stopped before deepspeed " \
+    assert "--time_limit 350: 50 s left, and the latest run of deepspeed took 100 s; stopped before deepspeed " \
            "(round 2), " \
            "3 run(s) left" in captured.err
     assert f"to run the rest: python compare.py {' '.join(base)} --time_limit 350 --keep_runs" in captured.err
@@ -684,34 +684,38 @@ def test_time_limit_counts_the_runs_an_earlier_invocation_left(monkeypatch):
         limit.after(1)
         limit.before("unsharded (round 1)", rows=("unsharded",))
 
-    with pytest.raises(TimeLimitReached, match="269 s left, and the longest so far took 280 s; stopped before "
+    with pytest.raises(TimeLimitReached, match="269 s left, and the longest run so far took 280 s; stopped before "
                                                "unsharded"):
         second_call([("deepspeed", 280.0)])
     second_call([])  # nothing kept to plan with: only this invocation's 207 s
 
 
-def test_time_limit_plans_a_row_at_its_own_longest_run(monkeypatch):
-    """A row that has run is planned at its own longest run, not at another row's cold compile. As in the fp8
-    compare on one H100: the raw run compiled cold (350 s with start-up), the Lightning run took 247 s warm. In the
-    next call (a 540 s limit) the raw run of round 2 takes 230 s; planned at 350 s, the Lightning run would not start
-    with 310 s left, and every call would measure one run; at its own 247 s it does. The raw run of round 3 is still
-    planned at raw's 350 s."""
+def test_time_limit_plans_a_row_at_its_latest_run(monkeypatch):
+    """A row that has run is planned at its latest run, made with the caches the machine has now, not at a cold
+    compile. As in the fp8 compare on one H100: the raw run compiled cold (350 s with start-up), the Lightning run took
+    247 s warm. In the next call (a 540 s limit) the raw run of round 2 takes 230 s; planned at 350 s, the Lightning run
+    would not start with 310 s left, and every call would measure one run; at its own 247 s it does. A row not run
+    yet is planned at the longest run of any row."""
     clock = [0.0]
     monkeypatch.setattr(time, "monotonic", lambda: clock[0])
-    limit = TimeLimit(540, 0.0, 4, ROOT / "runs", ["python", "compare.py"], ("--keep_runs",),
+    limit = TimeLimit(540, 0.0, 5, ROOT / "runs", ["python", "compare.py"], ("--keep_runs",),
                       kept_s=[("deepspeed", 350.0), ("lightning", 247.0)])
     assert limit.planned_s(("lightning",)) == 247.0 and limit.planned_s(("unsharded",)) == 350.0
     assert limit.planned_s(("deepspeed", "lightning")) == 350.0  # a group side by side: its longest row
     limit.before("deepspeed (round 2)", rows=("deepspeed",))
     clock[0] = 230.0
     limit.after(1)
+    assert limit.planned_s(("deepspeed",)) == 230.0  # warm now
     limit.before("lightning (round 2)", rows=("lightning",))  # 310 s left >= 247 s
     clock[0] = 480.0
     limit.after(1)
-    assert limit.row_s == {"deepspeed": 350.0, "lightning": 250.0}
-    with pytest.raises(TimeLimitReached, match="60 s left, and the longest so far of deepspeed took 350 s; stopped "
-                                               "before deepspeed \\(round 3\\), 2 run\\(s\\) left"):
+    assert limit.row_s == {"deepspeed": 230.0, "lightning": 250.0} and limit.planned_s(("unsharded",)) == 350.0
+    with pytest.raises(TimeLimitReached, match="60 s left, and the latest run of deepspeed took 230 s; stopped "
+                                               "before deepspeed \\(round 3\\), 3 run\\(s\\) left"):
         limit.before("deepspeed (round 3)", rows=("deepspeed",))
+    with pytest.raises(TimeLimitReached, match="60 s left, and the longest run so far took 350 s; stopped before "
+                                               "unsharded"):
+        limit.before("unsharded (round 2)", rows=("unsharded",))
 
 
 @pytest.mark.parametrize("args, match", [(["--time_limit", "0", "--out", "r"], "--time_limit must be positive"),
