@@ -331,3 +331,29 @@ def test_deepspeed_installed_per_call_is_imported_through_one_path_with_old_sour
     # DeepSpeed from a virtual env (not a PYTHONPATH folder): nothing to do, nothing changed
     env = {"PYTHONPATH": str(ROOT)}
     assert device.stable_deepspeed(env) is None and env == {"PYTHONPATH": str(ROOT)}
+
+
+def test_the_headlines_script_runs_can_stand_for_the_resume_stages_drift_runs():
+    """Each path's resume runs train with the headline's training-script run's settings (resume_check compares the
+    runs' data, steps, seed and the rest): they differ only in the mid-run passes, the timing warm-up and the output,
+    so the headline's scripts=1 runs are the drift runs and `--set plain=` leaves the stage's own out."""
+    def runs(stage: device.Stage, sets: list[str]) -> dict[str, list[str]]:
+        params = device.settings(stage, sets)
+        call = device.Call(stage, params, Path("/tmp/work"), None, "h100", dry_run=True)
+        return {c.log: device.argv(c.command, {**call.values, "time_limit": 500}) for c in stage.commands()
+                if not c.when or params[c.when]}
+
+    def training(cmd: list[str]) -> dict[str, str]:
+        words = cmd[next(i for i, w in enumerate(cmd) if w.endswith("train.py")):]
+        flags = dict(zip(words[1::2], words[2::2]))
+        return {k: v for k, v in flags.items() if k not in ("--out", "--warmup_steps")}
+
+    headline = runs(STAGES["headline"], ["scripts=1"])
+    resume, without = runs(STAGES["resume"], []), runs(STAGES["resume"], ["plain="])
+    for path in ("raw", "lightning"):
+        assert training(resume[f"{path}_plain.log"]) == training(headline[f"{path}_script.log"]), path
+        full = training(resume[f"{path}_full.log"])
+        assert {k: v for k, v in full.items() if k not in ("--save_every", "--val_every", "--keep_last",
+                                                            "--ckpt_dir")} == training(headline[f"{path}_script.log"])
+        assert f"{path}_plain.log" not in without and f"{path}_full.log" in without
+    assert any("--out /tmp/zero3bench_kjv" in " ".join(c) for c in resume.values())  # the stage prepares the text
