@@ -140,6 +140,12 @@ def test_the_committed_fp8_and_bf16_runs_compare_step_for_step(tmp_path):
     assert result["runs"]["candidate"]["device"] == "NVIDIA H100 80GB HBM3"
 
 
+def test_the_300_step_judgement_recomputes_from_the_committed_runs(tmp_path):
+    committed = json.loads((FP8 / "loss_curves_300_steps" / "loss_curves.json").read_text())
+    again = loss_curves.main(committed["command"].split()[2:-2] + ["--out", str(tmp_path)])
+    assert again["windows"] == committed["windows"] and again["failed_windows"] == committed["failed_windows"]
+
+
 def test_the_fp8_page_quotes_the_committed_judgement_and_it_recomputes(tmp_path):
     committed = json.loads((FP8 / "loss_curves_20_steps" / "loss_curves.json").read_text())
     again = loss_curves.main(committed["command"].split()[2:-2] + ["--out", str(tmp_path)])
