@@ -30,6 +30,13 @@ TINY = dict(preset="tiny", steps=4, warmup_steps=1)
 
 
 @pytest.fixture
+def fp8_gpu():
+    """A GPU test's FP8 device: skipped, with the refusal's words, where this machine has none."""
+    if fp8.device_refusal():
+        pytest.skip(fp8.device_refusal())
+
+
+@pytest.fixture
 def hopper(monkeypatch):
     """This machine as one with an H100: compute capability 9.0."""
     monkeypatch.setattr(fp8, "device_capability", lambda: (9, 0))
@@ -294,17 +301,13 @@ def test_the_fast_profile_turns_the_triton_tails_off_under_fp8_and_says_so():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", fp8.RECIPES)
-def test_an_fp8_linear_is_within_its_rounding_bound_on_the_gpu(recipe):
-    if fp8.device_refusal():
-        pytest.skip(fp8.device_refusal())
+def test_an_fp8_linear_is_within_its_rounding_bound_on_the_gpu(recipe, fp8_gpu):
     assert_within_fp8_bounds(fp8_linear_errors(recipe, "cuda"), recipe)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", fp8.RECIPES)
-def test_an_fp8_model_computes_its_loss_and_gradients_as_bf16_does_on_the_gpu(recipe):
-    if fp8.device_refusal():
-        pytest.skip(fp8.device_refusal())
+def test_an_fp8_model_computes_its_loss_and_gradients_as_bf16_does_on_the_gpu(recipe, fp8_gpu):
     assert_fp8_trains_like_bf16(fp8_model_errors(recipe, "cuda"), recipe)
 
 
@@ -312,11 +315,9 @@ def test_an_fp8_model_computes_its_loss_and_gradients_as_bf16_does_on_the_gpu(re
 @pytest.mark.slow
 @pytest.mark.timeout(1000)  # the compare's own limit, 900 s, and the set-up
 @pytest.mark.parametrize("profile", ["eager", "fast"])
-def test_both_paths_train_fp8_alike(tmp_path, profile):
+def test_both_paths_train_fp8_alike(tmp_path, profile, fp8_gpu):
     """A short compare in fp8 (one GPU; eager, and the fast profile's ZeRO-3 + DeepCompile): both paths record the
     same conversion and pass loss parity (the bounds of harness/report.PARITY_TOLERANCE['fp8']); the losses fall."""
-    if fp8.device_refusal():
-        pytest.skip(fp8.device_refusal())
     kjv = tmp_path / "kjv"
     prepare(ROOT / "data" / "kjv.txt", kjv, "byte")
     out = tmp_path / "report"
