@@ -102,9 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "is refused by name. With --autotune: continue a cut search from --out's autotune.json")
     p.add_argument("--time_limit", "--time-limit", type=float, default=None,
                    help="seconds this invocation may take (a job's or a session's time limit): a run starts only if "
-                        "the time left is at least its row's latest run, kept runs included (a new row: the longest "
-                        f"of any row; the first always starts); else compare stops with exit status {TIME_LIMIT_EXIT}, "
-                        "its finished runs in --out, "
+                        "the time left is at least its row's longest run so far, kept runs included (a new row: the "
+                        "longest of any row; with nothing run or kept, the first starts); else compare stops with "
+                        f"exit status {TIME_LIMIT_EXIT}, its finished runs in --out, "
                         "a report of the pairs that finished (marked partial), and the same command with "
                         "--keep_runs runs the rest. Needs --out; not with --explain/"
                         "--autotune/--cross_check (--budget_s bounds a search)")

@@ -88,13 +88,13 @@ class TimeLimitReached(Exception):
 
 class TimeLimit:
     """--time_limit: before each run (or group of runs side by side), whether it still fits in the time left, planned
-    at the latest run of each of its rows (compare's paths and references), or at the longest run of any row for a
-    row that has none yet. The runs an earlier invocation left count (`kept_s`: (row, launch_s) pairs in the order
-    they ran, start-up and compilation included): a continued compare whose first call compiled cold must not start a
-    row the second call cannot finish because that call's own runs were warm. A row's latest run is the one made with
-    the caches the machine has now: a row that ran warm is not planned at its own or another row's cold compile,
-    which would leave a call's time unused. With nothing to estimate from, the first run starts. A stop names the
-    command that runs the rest: `command` with a keep flag (the first of `keep_flags`) added if it has none."""
+    at the longest run so far of each of its rows (compare's paths and references), or at the longest run of any row
+    for a row that has none yet. "So far" counts the runs an earlier invocation left (`kept_s`: (row, launch_s)
+    pairs, start-up and compilation included): a continued compare whose first call compiled cold must not start a
+    row the second call cannot finish because that call's own runs were warm. Each row keeps its own longest run, so
+    a row that runs shorter is not planned at another row's cold compile, which would leave a call's time unused. With
+    nothing run or kept yet, the first run starts. A stop names the command that runs the rest: `command` with a keep
+    flag (the first of `keep_flags`) added if it has none."""
 
     def __init__(self, limit_s: float | None, t0: float, runs: int, where: Path, command: list,
                  keep_flags: tuple[str, ...], kept_s: list[tuple[str, float]] = ()):
@@ -102,11 +102,13 @@ class TimeLimit:
         self.command = [str(a) for a in command]
         if not set(keep_flags) & set(self.command):
             self.command.append(keep_flags[0])
-        self.row_s = dict(kept_s)  # each row's latest run
-        self.started, self.longest, self.rows = t0, max((s for _, s in kept_s), default=0.0), ()
+        self.row_s: dict[str, float] = {}  # each row's longest run
+        for row, s in kept_s:
+            self.row_s[row] = max(self.row_s.get(row, 0.0), s)
+        self.started, self.longest, self.rows = t0, max(self.row_s.values(), default=0.0), ()
 
     def planned_s(self, rows: tuple[str, ...] = ()) -> float:
-        """The seconds a run of these rows is planned at: each row's latest run, else the longest run of any row."""
+        """The seconds a run of these rows is planned at: each row's longest run, else the longest run of any row."""
         return max((self.row_s.get(r, self.longest) for r in rows), default=self.longest)
 
     def fits(self, runs: int = 1, rows: tuple[str, ...] = ()) -> bool:
@@ -121,7 +123,7 @@ class TimeLimit:
             own = all(r in self.row_s for r in self.rows) and self.rows
             raise TimeLimitReached(
                 f"--time_limit {self.limit_s:g}: {max(left_s, 0):.0f} s left, and "
-                f"{'the latest run of ' + ' and '.join(self.rows) if own else 'the longest run so far'} took "
+                f"{'the longest run of ' + ' and '.join(self.rows) if own else 'the longest run so far'} took "
                 f"{self.planned_s(self.rows):.0f} s; "
                 f"stopped before {what}, {self.left} run(s) left. The finished runs are in {self.where}; to run the "
                 f"rest: {' '.join(self.command)}")
@@ -129,7 +131,7 @@ class TimeLimit:
     def after(self, n_runs: int) -> None:
         took = time.monotonic() - self.started
         self.longest = max(self.longest, took)
-        self.row_s.update({r: took for r in self.rows})
+        self.row_s.update({r: max(self.row_s.get(r, 0.0), took) for r in self.rows})
         self.left -= n_runs
 
 

@@ -20,7 +20,7 @@ from shared.model.config import preset
 from shared.tools.prepare_data import prepare
 from shared.train.config import TrainConfig
 from shared.train.results import RunResult
-from tests.helpers import GPU_BASE, RAW, ROOT, env, run
+from tests.helpers import GPU_BASE, LIGHTNING, RAW, ROOT, env, run
 
 COMPARE = ROOT / "compare.py"
 
@@ -436,7 +436,8 @@ def faults_caught(tmp_path, args: list, deterministic: bool = True) -> dict[str,
     the measures each pair fails, judged as compare judges a pair: against the bf16 bounds, or against
     RUN_TO_RUN_FACTOR x the drift between two runs of the raw path where that is larger. On a CPU those two runs
     must agree within the fixed bounds (`deterministic`); on a GPU they need not (cuDNN attention's backward and
-    atomic adds), and their drift is the bound, as in a compare with repeats."""
+    atomic adds), and their drift is the bound, as in a compare with repeats. The Lightning path without a fault
+    must pass those bounds first."""
     prepare(ROOT / "data" / "kjv.txt", tmp_path / "kjv", "byte")
     args = [*args, "--data", tmp_path / "kjv"]
     run([sys.executable, RAW, *args, "--out", tmp_path / "raw.json"])
@@ -449,6 +450,11 @@ def faults_caught(tmp_path, args: list, deterministic: bool = True) -> dict[str,
         assert reports.loss_parity([raw], [again], "bf16", 3)["ok"]
     same = [(series(raw), series(again))]
     print("raw against itself:", reports.format_parity(reports.parity(same, "bf16", 3)))
+    # the control: the Lightning path without a fault passes the same bounds, so that a fault's failure is the fault's
+    run([sys.executable, LIGHTNING, *args, "--out", tmp_path / "clean.json"])
+    clean = reports.parity([(series(raw), series(RunResult.from_json(tmp_path / "clean.json")))], "bf16", 3, same)
+    print("clean:", reports.format_parity(clean))
+    assert clean["ok"] and clean["past_warmup"], reports.format_parity(clean)
     caught = {}
     for fault in FAULTS:
         run([sys.executable, ROOT / "tests" / "inject.py", "lightning", fault, "--", *args,
@@ -463,7 +469,7 @@ def faults_caught(tmp_path, args: list, deterministic: bool = True) -> dict[str,
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1800)  # seven runs of the tiny model, each with its own subprocess timeout
+@pytest.mark.timeout(1800)  # eight runs of the tiny model, each with its own subprocess timeout
 def test_parity_catches_each_fault_that_trains_another_model_on_real_text(tmp_path):
     """At the bf16 bounds GPU runs are judged by: a missing clip, the gradients scaled twice, a doubled learning
     rate, one skipped update and attention dropout at another rate each fail parity."""
@@ -631,7 +637,7 @@ def test_reference_and_parallel_flags_are_checked_before_any_run(tmp_path):
 
 
 def test_time_limit_stops_between_runs_when_the_longest_would_not_fit(tmp_path, monkeypatch, capsys):
-    """--time_limit: a run starts only if its row's latest run still fits in the time left; compare
+    """--time_limit: a run starts only if its row's longest run so far still fits in the time left; compare
     then stops with TIME_LIMIT_EXIT, writes the report of the pairs that finished, marked partial, and prints the
     command that runs the rest (--keep_runs). Runs take 100 s of a fake clock here, so the test does not depend on
     the machine's speed."""
@@ -651,7 +657,7 @@ def test_time_limit_stops_between_runs_when_the_longest_would_not_fit(tmp_path, 
     # 0 -> 100 -> 200 -> 300 s; 50 s left < the longest run (100 s): the fourth is not started
     assert launched == ["deepspeed_0.json", "lightning_0.json", "lightning_1.json"]
     captured = capsys.readouterr()
-    assert "--time_limit 350: 50 s left, and the latest run of deepspeed took 100 s; stopped before deepspeed " \
+    assert "--time_limit 350: 50 s left, and the longest run of deepspeed took 100 s; stopped before deepspeed " \
            "(round 2), " \
            "3 run(s) left" in captured.err
     assert f"to run the rest: python compare.py {' '.join(base)} --time_limit 350 --keep_runs" in captured.err
@@ -690,12 +696,13 @@ def test_time_limit_counts_the_runs_an_earlier_invocation_left(monkeypatch):
     second_call([])  # nothing kept to plan with: only this invocation's 207 s
 
 
-def test_time_limit_plans_a_row_at_its_latest_run(monkeypatch):
-    """A row that has run is planned at its latest run, made with the caches the machine has now, not at a cold
-    compile. As in the fp8 compare on one H100: the raw run compiled cold (350 s with start-up), the Lightning run took
-    247 s warm. In the next call (a 540 s limit) the raw run of round 2 takes 230 s; planned at 350 s, the Lightning run
-    would not start with 310 s left, and every call would measure one run; at its own 247 s it does. A row not run
-    yet is planned at the longest run of any row."""
+def test_time_limit_plans_a_row_at_its_own_longest_run(monkeypatch):
+    """A row that has run is planned at its own longest run, not at another row's. As in the fp8 compare on one H100:
+    the raw run compiled cold (350 s with start-up), the Lightning run took 247 s. In the next call (here a 540 s
+    limit, and a raw run of 230 s) the Lightning run, planned at the raw row's 350 s, would not start with 310 s left,
+    and every call would measure one run; at its own 247 s it does. A row is never planned below its longest run (the
+    committed runs of a row grew from call to call: 350 -> 361 s raw, 247 -> 287 s Lightning), and a row not run yet
+    is planned at the longest run of any row."""
     clock = [0.0]
     monkeypatch.setattr(time, "monotonic", lambda: clock[0])
     limit = TimeLimit(540, 0.0, 5, ROOT / "runs", ["python", "compare.py"], ("--keep_runs",),
@@ -705,15 +712,15 @@ def test_time_limit_plans_a_row_at_its_latest_run(monkeypatch):
     limit.before("deepspeed (round 2)", rows=("deepspeed",))
     clock[0] = 230.0
     limit.after(1)
-    assert limit.planned_s(("deepspeed",)) == 230.0  # warm now
+    assert limit.planned_s(("deepspeed",)) == 350.0  # a shorter run does not lower the row's plan
     limit.before("lightning (round 2)", rows=("lightning",))  # 310 s left >= 247 s
-    clock[0] = 480.0
+    clock[0] = 520.0
     limit.after(1)
-    assert limit.row_s == {"deepspeed": 230.0, "lightning": 250.0} and limit.planned_s(("unsharded",)) == 350.0
-    with pytest.raises(TimeLimitReached, match="60 s left, and the latest run of deepspeed took 230 s; stopped "
+    assert limit.row_s == {"deepspeed": 350.0, "lightning": 290.0}  # a longer one raises it
+    with pytest.raises(TimeLimitReached, match="20 s left, and the longest run of deepspeed took 350 s; stopped "
                                                "before deepspeed \\(round 3\\), 3 run\\(s\\) left"):
         limit.before("deepspeed (round 3)", rows=("deepspeed",))
-    with pytest.raises(TimeLimitReached, match="60 s left, and the longest run so far took 350 s; stopped before "
+    with pytest.raises(TimeLimitReached, match="20 s left, and the longest run so far took 350 s; stopped before "
                                                "unsharded"):
         limit.before("unsharded (round 2)", rows=("unsharded",))
 
