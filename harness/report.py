@@ -187,14 +187,16 @@ def parity(pairs: list[tuple[dict, dict]], precision: str, lr_warmup_steps: int,
     return report
 
 
+def parity_series(r: RunResult) -> dict:
+    """What parity() compares of a run: its losses, gradient norms and final parameter checksum."""
+    return {"losses": r.losses, "grad_norms": r.grad_norms, "param_checksum": r.param_checksum}
+
+
 def loss_parity(ds: list[RunResult], pl: list[RunResult], precision: str, lr_warmup_steps: int) -> dict:
     """parity() of the runs of both paths, pair by pair."""
-    def series(r: RunResult) -> dict:
-        return {"losses": r.losses, "grad_norms": r.grad_norms, "param_checksum": r.param_checksum}
-
-    same = [(series(runs[i]), series(runs[j])) for runs in (ds, pl)
+    same = [(parity_series(runs[i]), parity_series(runs[j])) for runs in (ds, pl)
             for i in range(len(runs)) for j in range(i + 1, len(runs))]
-    return parity([(series(a), series(b)) for a, b in zip(ds, pl)], precision, lr_warmup_steps, same)
+    return parity([(parity_series(a), parity_series(b)) for a, b in zip(ds, pl)], precision, lr_warmup_steps, same)
 
 
 def _first_runs(results: dict[str, list[RunResult]], key: str) -> dict:

@@ -445,22 +445,22 @@ def faults_caught(tmp_path, args: list, deterministic: bool = True) -> dict[str,
     assert raw.grad_norms[0] > 0.5 and len(raw.grad_norms) == 8 and raw.param_checksum["numel"] == raw.n_params
     run([sys.executable, RAW, *args, "--out", tmp_path / "raw_again.json"])
     again = RunResult.from_json(tmp_path / "raw_again.json")
-    series = lambda r: {"losses": r.losses, "grad_norms": r.grad_norms, "param_checksum": r.param_checksum}
     if deterministic:
         assert reports.loss_parity([raw], [again], "bf16", 3)["ok"]
-    same = [(series(raw), series(again))]
+    raw_s = reports.parity_series(raw)
+    same = [(raw_s, reports.parity_series(again))]
     print("raw against itself:", reports.format_parity(reports.parity(same, "bf16", 3)))
+    judge = lambda out: reports.parity([(raw_s, reports.parity_series(RunResult.from_json(out)))], "bf16", 3, same)
     # the control: the Lightning path without a fault passes the same bounds, so that a fault's failure is the fault's
     run([sys.executable, LIGHTNING, *args, "--out", tmp_path / "clean.json"])
-    clean = reports.parity([(series(raw), series(RunResult.from_json(tmp_path / "clean.json")))], "bf16", 3, same)
+    clean = judge(tmp_path / "clean.json")
     print("clean:", reports.format_parity(clean))
     assert clean["ok"] and clean["past_warmup"], reports.format_parity(clean)
     caught = {}
     for fault in FAULTS:
         run([sys.executable, ROOT / "tests" / "inject.py", "lightning", fault, "--", *args,
              "--out", tmp_path / f"{fault}.json"])
-        report = reports.parity([(series(raw), series(RunResult.from_json(tmp_path / f"{fault}.json")))], "bf16", 3,
-                                same)
+        report = judge(tmp_path / f"{fault}.json")
         assert report["past_warmup"] and report["pairs"][0]["steps"] == [3, 8]
         print(f"{fault}:", reports.format_parity(report))
         caught[fault] = report["failed"]
