@@ -221,9 +221,8 @@ def fp8_model_errors(recipe: str, device: str, seed: int = 0) -> dict[str, dict[
         loss[name] = out.item()
         grads[name] = torch.cat([p.grad.float().flatten() for _, p in sorted(m.named_parameters())])
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()
-    errors = {name: {"loss": abs(loss[name] - loss["fp32"]) / loss["fp32"], "grad": rel(grads[name], grads["fp32"])}
-              for name in ("bf16", "fp8")}
-    return errors
+    return {name: {"loss": abs(loss[name] - loss["fp32"]) / loss["fp32"], "grad": rel(grads[name], grads["fp32"])}
+            for name in ("bf16", "fp8")}
 
 
 def assert_fp8_trains_like_bf16(errors: dict, recipe: str) -> None:
