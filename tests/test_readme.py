@@ -279,6 +279,12 @@ def test_the_readmes_prose_numbers_are_their_sources():
     assert [_quotes(x, v) for x, v in zip(m.groups(), quoted)] == [True] * 4
     assert "partial" not in fp8 and fp8["ratio_spread"]["n"] == fp8["repeats"] and fp8["loss_parity"]["ok"]
     assert "H100" in fp8["device"]["name"] and fp8["train"]["precision"] == "fp8"
+    h200 = json.loads((RESULTS / "fp8_vs_bf16_1xh200/fp8_1xh200/report.json").read_text())
+    m = re.search(r"and ([0-9.]+) and ([0-9.]+) on one H200 \((\d) pairs\)", text)
+    quoted = [h200["paths"][p]["tflops_spread"]["median"] for p in ("deepspeed", "lightning")] + [h200["repeats"]]
+    assert m and [_quotes(x, v) for x, v in zip(m.groups(), quoted)] == [True] * 3
+    assert "partial" not in h200 and h200["ratio_spread"]["n"] == h200["repeats"] and h200["loss_parity"]["ok"]
+    assert "H200" in h200["device"]["name"] and h200["train"]["precision"] == "fp8"
     for r in bf16:
         assert "H100" in r["device"]["name"] and r["train"]["profile"] == "fast" and r["train"]["micro_batch"] == 8
         assert r["train"]["precision"] == "bf16" and r["path"] == "deepspeed"
@@ -342,6 +348,46 @@ def test_the_fp8_pages_table_quotes_its_runs():
         if precision == "fp8":
             assert _quotes(mfus[1], 100 * ds["mfu_fp8"]), row
         assert _quotes(row[4], max(ds["peak_mem_gib"], pl["peak_mem_gib"])), row
+
+
+def test_the_fp8_pages_h200_figures_are_its_compare_and_step_budget():
+    """docs/fp8.md's H200 paragraph: the two-pair compare's medians, spreads and ratios, the gap to 620, the ratio
+    over the bf16 compare it names, and the profiled step's kernel times from step_budget.json."""
+    text = " ".join((ROOT / "docs" / "fp8.md").read_text().split())
+    folder = RESULTS / "fp8_vs_bf16_1xh200"
+    assert "](../benchmarks/results/fp8_vs_bf16_1xh200/)" in text
+    report = json.loads((folder / "fp8_1xh200" / "report.json").read_text())
+    ds, pl = (report["paths"][p]["tflops_spread"] for p in ("deepspeed", "lightning"))
+    m = re.search(r"Raw ([0-9.]+) \[([0-9.]+)-([0-9.]+)\], Lightning ([0-9.]+) \[([0-9.]+)-([0-9.]+)\] TFLOPs/GPU; "
+                  r"Lightning / raw ([0-9.]+), per pair ([0-9.]+) and ([0-9.]+); MFU ([0-9.]+)% of the bf16 peak "
+                  r"\(([0-9.]+)% of FP8's\)", text)
+    ratio = report["ratio_spread"]
+    quoted = [ds["median"], ds["min"], ds["max"], pl["median"], pl["min"], pl["max"],
+              report["ratio_lightning_over_deepspeed"], ratio["min"], ratio["max"],
+              100 * report["paths"]["deepspeed"]["mfu"], 100 * report["paths"]["deepspeed"]["mfu_fp8"]]
+    assert m and [_quotes(x, v) for x, v in zip(m.groups(), quoted)] == [True] * len(quoted)
+    assert report["repeats"] == 2 and report["loss_parity"]["ok"] and "H200" in report["device"]["name"]
+    budget = json.loads((folder / "step_budget.json").read_text())["runs"]
+    fp8, bf16 = budget[0], budget[2]
+    assert fp8["precision"] == "fp8" and bf16["precision"] == "bf16" and fp8["target_tflops_per_gpu"] == 620
+    m = re.search(r"the step \(([0-9.]+) ms, raw\) needs to be ([0-9.]+) ms \(([0-9.]+)%\) shorter", text)
+    assert m and [_quotes(x, v) for x, v in zip(m.groups(), [fp8["median_step_ms"], fp8["gap_ms"],
+                                                           100 * fp8["gap_ms"] / fp8["median_step_ms"]])] == [True] * 3
+    baseline = {p: json.loads((RESULTS / "together_1xh200/compare/runs" / f"{p}_0.json").read_text())["tflops_per_gpu"]
+                for p in ("deepspeed", "lightning")}
+    m = re.search(r"\(([0-9.]+) raw, ([0-9.]+) Lightning: one pair[^)]*\) fp8 is ([0-9.]+)x \(raw\) and "
+                  r"([0-9.]+)x", text)
+    quoted = [baseline["deepspeed"], baseline["lightning"], ds["median"] / baseline["deepspeed"],
+              pl["median"] / baseline["lightning"]]
+    assert m and [_quotes(x, v) for x, v in zip(m.groups(), quoted)] == [True] * 4
+    delta, kinds = fp8["vs_baseline_ms"], fp8["by_kind_ms"]
+    m = re.search(r"the FP8 matmuls save ([0-9.]+) ms \(([0-9.]+) against ([0-9.]+)\), inductor's kernels add "
+                  r"([0-9.]+) \(([0-9.]+) against ([0-9.]+)\): the casts take back (\d+)% of the savings, and the bf16 "
+                  r"attention \(([0-9.]+) ms\)", text)
+    quoted = [-delta["matmul"], kinds["matmul"], bf16["by_kind_ms"]["matmul"], delta["compiled (triton)"],
+              kinds["compiled (triton)"], bf16["by_kind_ms"]["compiled (triton)"],
+              100 * delta["compiled (triton)"] / -delta["matmul"], kinds["attention"]]
+    assert m and [_quotes(x, v) for x, v in zip(m.groups(), quoted)] == [True] * len(quoted)
 
 
 def test_the_fp8_pages_300_step_figures_are_the_curve_runs():
