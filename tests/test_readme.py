@@ -356,7 +356,7 @@ def test_the_fp8_pages_h200_figures_are_its_compare_and_step_budget():
     text = " ".join((ROOT / "docs" / "fp8.md").read_text().split())
     folder = RESULTS / "fp8_vs_bf16_1xh200"
     assert "](../benchmarks/results/fp8_vs_bf16_1xh200/)" in text
-    report = json.loads((folder / "fp8_1xh200" / "report.json").read_text())
+    report = json.loads((RESULTS / "fp8_vs_bf16_1xh200/fp8_1xh200/report.json").read_text())
     ds, pl = (report["paths"][p]["tflops_spread"] for p in ("deepspeed", "lightning"))
     m = re.search(r"Raw ([0-9.]+) \[([0-9.]+)-([0-9.]+)\], Lightning ([0-9.]+) \[([0-9.]+)-([0-9.]+)\] TFLOPs/GPU; "
                   r"Lightning / raw ([0-9.]+), per pair ([0-9.]+) and ([0-9.]+); MFU ([0-9.]+)% of the bf16 peak "
