@@ -551,9 +551,9 @@ def test_the_triton_loss_trains_like_the_models_loss_under_deepcompile(tmp_path,
 @pytest.mark.parametrize("script, step", [(RAW, "fast"), (RAW, "fused"), (LIGHTNING, "fused")],
                          ids=["raw", "raw_fused_step", "lightning_fused_step"])
 def test_deepcompile_validates_saves_exports_and_resumes_at_the_end(tmp_path, kjv, script, step):
-    """Validation and checkpoints between training steps are refused with DeepCompile (TrainConfig); at the end of
-    a run they work, and a later run resumes from that checkpoint with DeepCompile. `fused`: the AdamW kernel's
-    state, as compare.py's GPU default runs it."""
+    """With DeepCompile, validation, a checkpoint and an export at the end of a run work, and a later run resumes
+    from that checkpoint with DeepCompile (the mid-run passes: the fast-profile test below). `fused`: the AdamW
+    kernel's state, as compare.py's GPU default runs it."""
     ck = tmp_path / "ck"
     common = ["--compile", "deepcompile", "--ckpt_dir", ck, "--val_every", "20", "--zero3_step", step]
     full = _train(script, tmp_path, "full", kjv, *common, "--export", tmp_path / "w.st", steps=20)
