@@ -116,6 +116,20 @@ def test_what_a_stage_continues_is_the_folder_its_command_writes():
         assert first[first.index("--out") + 1] == f"/tmp/work/{kept}", name
 
 
+def test_a_rowwise_curve_run_lands_beside_the_kept_tensorwise_one():
+    """fp8_curve with `--set recipe=rowwise --set candidate=fp8_rowwise`: the fp8 run trains rowwise and writes its own
+    JSON, so a kept folder's tensorwise fp8.json (and both bf16 runs) stay done and untouched."""
+    stage = STAGES["fp8_curve"]
+    params = device.settings(stage, ["recipe=rowwise", "candidate=fp8_rowwise"])
+    call = device.Call(stage, params, Path("/tmp/work"), None, "h100", dry_run=True)
+    fp8 = device.argv(stage.run[0].command, call.values)
+    assert fp8[fp8.index("--fp8_recipe") + 1] == "rowwise"
+    assert fp8[fp8.index("--out") + 1] == "/tmp/work/fp8_curve_1xh100/fp8_rowwise.json"
+    assert device.fill(stage.run[0].creates, call.values) == "/tmp/work/fp8_curve_1xh100/fp8_rowwise.json"
+    assert [device.fill(c.creates, call.values) for c in stage.run[1:3]] == [
+        "/tmp/work/fp8_curve_1xh100/bf16_a.json", "/tmp/work/fp8_curve_1xh100/bf16_b.json"]
+
+
 def test_an_unknown_stage_or_setting_is_refused_by_name(capsys, monkeypatch):
     monkeypatch.delenv("OUT", raising=False)
     for args, message in ((["nope", "--dry_run"], "unknown stage 'nope'; stages: headline, lever"),
