@@ -224,6 +224,36 @@ def over_rounds(runs: list[RunResult], base: list[RunResult]) -> dict:
     return {"ratio": ratio, "min": min(per_round), "max": max(per_round), "n": len(per_round)}
 
 
+def cards(results: dict[str, list[RunResult]]) -> dict | None:
+    """Which GPU each round's runs ran on (the first 12 characters of its uuid, as the runs record it): a compare
+    continued over several calls (--keep_runs) may have made its rounds on different machines. Each per-round ratio
+    (Lightning over DeepSpeed, a path over a reference row) compares runs of one machine only where that round's runs
+    share one card; the spread across rounds then holds machine-to-machine variation too. None where no run
+    recorded its card (CPU runs, older runs)."""
+    rounds = []
+    for i in range(max(len(runs) for runs in results.values() if runs)):
+        row_cards = {row: (runs[i].device.get("uuid") or "")[:12] or None for row, runs in results.items()
+                     if i < len(runs)}
+        rounds.append(row_cards)
+    named = {c for r in rounds for c in r.values() if c}
+    if not named:
+        return None
+    return {"rounds": rounds, "distinct": len(named),
+            "each_round_on_one_card": all(len(set(r.values())) == 1 and None not in r.values() for r in rounds)}
+
+
+def format_cards(c: dict) -> str:
+    """One line: the cards the rounds ran on, and whether each round stayed on one."""
+    if c["distinct"] == 1:
+        return f"every run on one GPU ({next(v for r in c['rounds'] for v in r.values() if v)})"
+    per_round = "; ".join(f"round {i + 1}: " + ", ".join(sorted({v or 'not recorded' for v in r.values()}))
+                          for i, r in enumerate(c["rounds"]))
+    return (f"runs on {c['distinct']} GPUs ({per_round}); "
+            + ("each round on one GPU, so each per-round ratio compares runs of one machine and the spread across "
+               "rounds holds machine-to-machine variation too" if c["each_round_on_one_card"]
+               else "WARNING: a round's runs span GPUs, so its per-round ratios compare different machines"))
+
+
 def baseline_difference(train: TrainConfig, cuda: bool) -> str:
     """What the unsharded row does differently from the PyTorch user's baseline (the ceiling row) in this run: the
     weights' precision and the optimizer step; both run unsharded on one process, with the same model and batches."""
@@ -274,6 +304,8 @@ def build_report(train: TrainConfig, ns: argparse.Namespace, results: dict[str, 
         # runs on CPU processes: a test of the code paths, not a measurement (smoke_test_note says what it is)
         "smoke_test": first.device.get("type") == "cpu",
     }
+    if (c := cards(results)) is not None:
+        report["cards"] = c
     refs = [r for r in REFERENCES if results.get(r)]
     if refs:
         report["reference"] = {r: summarize_path(results[r]) for r in refs}
@@ -450,6 +482,8 @@ def format_table(report: dict) -> str:
     if partial:
         lines.append(f"PARTIAL: {partial['pairs']} of {partial['repeats']} pair(s); {partial['stopped']}")
     lines.append(f"same DeepSpeed config in every run: {report['same_ds_config']}")
+    if report.get("cards"):
+        lines.append(format_cards(report["cards"]))
     if report.get("kept_runs"):
         lines.append("runs made by an earlier invocation of this command (--keep_runs): "
                      + ", ".join(report["kept_runs"]))

@@ -191,6 +191,34 @@ def test_headline_ratio_is_the_ratio_of_the_tables_medians_and_unsteady_repeats_
     assert "profiles" not in steady and "profiled step" not in reports.format_table(steady)
 
 
+def test_a_report_names_the_gpu_each_rounds_runs_ran_on_and_warns_when_a_round_spans_two():
+    def on(card: str | None, tflops: float = 2.0) -> RunResult:
+        r = _run(tflops)
+        r.device, r.fused = {"type": "cuda", "name": "NVIDIA H100 80GB HBM3", "uuid": card}, {"compile": "whole_model"}
+        return r
+
+    train, ns = TrainConfig(precision="bf16"), SimpleNamespace(world=1, repeats=2)
+    a, b = "GPU-aaaaaaaa-1111", "GPU-bbbbbbbb-2222"
+    one = reports.build_report(train, ns, {"deepspeed": [on(a), on(a)], "lightning": [on(a), on(a)]}, {}, [])
+    assert one["cards"]["distinct"] == 1 and one["cards"]["each_round_on_one_card"]
+    assert "every run on one GPU (GPU-aaaaaaaa)" in reports.format_table(one)
+    # a compare continued on another machine: round 1 on one card, round 2 (and its reference) on another
+    two = reports.build_report(train, ns, {"deepspeed": [on(a), on(b)], "lightning": [on(a), on(b)],
+                                           "unsharded": [on(a), on(b)]}, {}, [])
+    assert two["cards"]["distinct"] == 2 and two["cards"]["each_round_on_one_card"]
+    assert two["cards"]["rounds"] == [dict.fromkeys(("deepspeed", "lightning", "unsharded"), card)
+                                      for card in ("GPU-aaaaaaaa", "GPU-bbbbbbbb")]
+    text = reports.format_table(two)
+    assert "runs on 2 GPUs (round 1: GPU-aaaaaaaa; round 2: GPU-bbbbbbbb); each round on one GPU" in text
+    # a round whose pair was split over two calls on two machines: its ratio compares two machines
+    split = reports.build_report(train, ns, {"deepspeed": [on(a), on(a)], "lightning": [on(b), on(b)]}, {}, [])
+    assert not split["cards"]["each_round_on_one_card"]
+    assert "WARNING: a round's runs span GPUs" in reports.format_table(split)
+    # runs that record no card (a CPU, or runs made before the record) leave the report without the entry
+    cpu = reports.build_report(train, ns, {"deepspeed": [_run(2.0)], "lightning": [_run(2.0)]}, {}, [])
+    assert "cards" not in cpu and "run on one GPU" not in reports.format_table(cpu)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="what a compare on a machine without GPUs says")
 def test_a_compare_without_gpus_says_it_is_a_smoke_test_and_what_the_command_runs_on_gpus(tmp_path, monkeypatch,
                                                                                            capsys):

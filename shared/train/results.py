@@ -60,15 +60,18 @@ def write_json(path: str | Path, result: dict, **dumps) -> None:
 
 
 def device_info(device: torch.device | None = None) -> dict:
-    """What `device` is (default: this machine's, the first GPU where there is one, else the CPU)."""
+    """What `device` is (default: this machine's, the first GPU where there is one, else the CPU). `uuid` names the
+    GPU itself, so that a report whose runs were made over several calls can say which ran on the same card."""
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
+        uuid = getattr(props, "uuid", None)
         return {"type": "cuda", "name": props.name, "count": torch.cuda.device_count(),
-                "memory_gib": props.total_memory / 2**30, "capability": f"{props.major}.{props.minor}"}
+                "memory_gib": props.total_memory / 2**30, "capability": f"{props.major}.{props.minor}",
+                "uuid": None if uuid is None else str(uuid)}
     return {"type": "cpu", "name": platform.processor() or platform.machine(), "count": os.cpu_count(),
-            "memory_gib": None, "capability": None}
+            "memory_gib": None, "capability": None, "uuid": None}
 
 
 def differences(train: TrainConfig, there_train: dict, there_device: str | None, there_versions: dict) -> list[str]:
