@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> dict:
     clock = TimeLimit(ns.time_limit, t0, to_run, out_dir / "runs", ["python", "compare.py", *argv],
                       ("--keep_runs", "--keep-runs"),
                       kept_s=[(row, r.extra["launch_s"]) for (row, _), r in ns.kept.items()
-                              if (r.extra or {}).get("launch_s")])
+                              if (r.extra or {}).get("launch_s")], cold_rows=REFERENCES)
     stopped = None
     try:
         run_plan(plan, train, ns, out_dir, clock, results)

@@ -15,7 +15,7 @@ import torch
 
 import compare
 from harness import report as reports
-from harness.launch import TimeLimit, TimeLimitReached
+from harness.launch import REFERENCES, TimeLimit, TimeLimitReached
 from shared.model.config import preset
 from shared.tools.prepare_data import prepare
 from shared.train.config import TrainConfig
@@ -752,6 +752,37 @@ def test_time_limit_plans_a_row_at_its_own_longest_run(monkeypatch):
     with pytest.raises(TimeLimitReached, match="20 s left, and the longest run so far took 350 s; stopped before "
                                                "unsharded"):
         limit.before("unsharded (round 2)", rows=("unsharded",))
+
+
+def test_time_limit_plans_a_reference_rows_first_run_as_a_cold_compile(monkeypatch):
+    """As on one H100: the paths' runs took 138 and 144 s with warm caches; the unsharded row, planned at 144 s, was
+    started with about 195 s left and cut at 216 s by the call's end, every second of it lost. A reference row's
+    first run compiles graphs no path compiled: planned at COLD_FACTOR x the longest run so far, it is not started
+    there; once it has run, its own longest run plans it. The paths keep the plain plan."""
+    clock = [0.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+
+    def first_call(cold_rows):
+        limit = TimeLimit(477, 0.0, 4, ROOT / "runs", ["python", "compare.py"], ("--keep_runs",), cold_rows=cold_rows)
+        for row, took in (("deepspeed", 138.0), ("lightning", 144.0)):
+            limit.before(f"{row} (round 1)", rows=(row,))
+            clock[0] += took
+            limit.after(1)
+        return limit
+
+    clock[0] = 0.0
+    limit = first_call(REFERENCES)
+    assert limit.planned_s(("unsharded",)) == pytest.approx(144.0 * TimeLimit.COLD_FACTOR)
+    assert limit.planned_s(("deepspeed",)) == 138.0
+    with pytest.raises(TimeLimitReached, match=r"195 s left, and a first run of unsharded compiles cold: planned "
+                                               r"at 1.8x the longest run so far \(144 s\), 259 s; stopped before"):
+        limit.before("unsharded (round 1)", rows=("unsharded",))
+    clock[0] = 0.0
+    first_call(()).before("unsharded (round 1)", rows=("unsharded",))  # the plain plan: 144 s, started
+    # after its first run the row is planned at its own time (127 s in the next call), not at the factor
+    limit = TimeLimit(375, 0.0, 4, ROOT / "runs", ["python", "compare.py"], ("--keep_runs",), cold_rows=REFERENCES,
+                      kept_s=[("deepspeed", 138.0), ("lightning", 144.0), ("unsharded", 127.0)])
+    assert limit.planned_s(("unsharded",)) == 127.0
 
 
 @pytest.mark.parametrize("args, match", [(["--time_limit", "0", "--out", "r"], "--time_limit must be positive"),
