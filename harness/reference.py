@@ -160,6 +160,16 @@ class MasterAdamW:
                 p.grad = None
 
 
+def init_on(device: torch.device, train: TrainConfig) -> GPT:
+    """The GPT with the paths' initial weights: built on `device`, as DeepSpeed's zero.Init builds the paths' model
+    (each parameter made on the GPU, then initialized), so its init draws from the same generator (the GPU's, seeded
+    by seed_all) in the same order. Built on the CPU and moved, a GPU row drew other weights: on the shipped text its
+    first loss was 11.11 against the paths' 11.37 on one H100 (a draw's spread there: 11.14-11.45 over four seeds),
+    which the report's `same_start` check now catches."""
+    with torch.device(device):
+        return GPT(train.model())
+
+
 def build_model(mode: str, train: TrainConfig, device: torch.device) -> tuple[torch.nn.Module, GPT, str]:
     """(module to call, the GPT inside it, what was compiled)."""
     cuda = device.type == "cuda"
@@ -167,7 +177,7 @@ def build_model(mode: str, train: TrainConfig, device: torch.device) -> tuple[to
     if mode in ("ceiling", "unsharded"):
         if dist.get_world_size() != 1:
             raise ValueError(f"the {mode} row is one unsharded process: launch it with one process per run")
-        gpt = GPT(train.model()).to(device)
+        gpt = init_on(device, train)
         if mode == "ceiling":
             return (torch.compile(gpt) if cuda else gpt), gpt, "whole_model" if cuda else "none"
         gpt.to(COMPUTE_DTYPES[train.precision])  # the paths' 16-bit model: the fp32 initialization rounded
@@ -181,7 +191,7 @@ def build_model(mode: str, train: TrainConfig, device: torch.device) -> tuple[to
 
     # FSDP2's hooks sit on each block and its forward is compiled inside them (torchtitan's recipe): the paths'
     # own compiled blocks (shared/train/compile.py).
-    gpt = GPT(train.model()).to(device)
+    gpt = init_on(device, train)
     if cuda:
         compile_blocks(gpt)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
