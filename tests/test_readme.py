@@ -228,6 +228,29 @@ def test_the_docs_table_of_every_compare_quotes_the_reports_it_names():
         assert what in " ".join(docs_table_problems(text.replace(old, new, 1))), (old, new)
 
 
+def test_the_reference_rows_section_quotes_the_first_unsharded_compare():
+    """docs/results.md, "The reference rows": its table and step-0 losses, recomputed from the report and runs."""
+    text = (ROOT / "docs" / "results.md").read_text()
+    folder = RESULTS / "headline_pairs_1xh100/headline_1xh100"
+    report = json.loads((folder / "report.json").read_text())
+    of = report["fraction_of_unsharded"]
+    rows = {"raw path": (report["paths"]["deepspeed"], of["deepspeed"]["ratio"]),
+            "Lightning path": (report["paths"]["lightning"], of["lightning"]["ratio"]),
+            "unsharded": (report["reference"]["unsharded"], 1.0),
+            "PyTorch user's baseline (`ceiling`)": (report["reference"]["ceiling"], of["ceiling"]["ratio"])}
+    table = _table(text, "## The reference rows")
+    assert [r[0] for r in table] == list(rows)
+    for name, tflops, step_ms, fraction in table:
+        row, frac = rows[name]
+        assert _quotes(tflops, row["tflops_per_gpu"]) and _quotes(step_ms, row["step_time_s"]["median"] * 1e3), name
+        assert _quotes(fraction, frac), name
+    first = {p: json.loads((folder / "runs" / f"{p}_0.json").read_text())["losses"][0]
+             for p in ("unsharded", "ceiling", "deepspeed", "lightning")}
+    m = re.search(r"was ([0-9.]+) \(unsharded\) and ([0-9.]+) \(baseline\)\s+against the paths' ([0-9.]+)", text)
+    assert m and [_quotes(x, first[p]) for x, p in zip(m.groups(), ("unsharded", "ceiling", "deepspeed"))] == [True] * 3
+    assert first["deepspeed"] == first["lightning"]
+
+
 def test_every_link_of_the_readme_and_docs_leads_somewhere():
     """Relative links of README.md, docs/*.md and benchmarks/README.md: the file exists, and so does the heading an
     anchor names (GitHub's slugs)."""
@@ -263,6 +286,13 @@ def test_the_readmes_prose_numbers_are_their_sources():
     assert int(lo) == round(min(min(s) for s in steps) * 1e3) and int(hi) == round(max(max(s) for s in steps) * 1e3)
     fraction = re.search(r"so they run ([0-9.]+)x it", text).group(1)
     assert all(_quotes(fraction, f) for f in top["fraction_of_ceiling"].values())
+    pairs = json.loads((RESULTS / "headline_pairs_1xh100/headline_1xh100" / "report.json").read_text())
+    m = re.search(r"Its first GPU run \(one H100, one round\) put the paths at ([0-9.]+) and ([0-9.]+) of it and the "
+                  r"baseline at ([0-9.]+) \(`headline_pairs_1xh100/`", text)
+    of = pairs["fraction_of_unsharded"]
+    assert m and [_quotes(x, of[r]["ratio"]) for x, r in zip(m.groups(), ("deepspeed", "lightning", "ceiling"))] \
+        == [True] * 3
+    assert of["deepspeed"]["n"] == 1 and "H100" in pairs["device"]["name"] and pairs["partial"]["pairs"] == 1
     entry = RESULTS / "fast_profile_entry_points_1xh100"
     scripts = [json.loads((entry / f"{p}_script.json").read_text()) for p in ("raw", "lightning")]
     runs = RESULTS / "fast_profile_entry_points_1xh100/headline_1xh100/runs"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -96,3 +98,25 @@ def test_unsharded_step_skips_an_invalid_norm():
     assert all(torch.equal(a, b) for a, b in zip(before[0], masters.masters))
     assert all(torch.equal(a, b) for a, b in zip(before[1], masters.flat_lp))
     assert all(float(masters.inner.state[m]["step"]) == 0 for m in masters.masters)
+
+
+def test_two_draws_of_the_initial_weights_start_far_apart_on_the_shipped_text(tmp_path):
+    """Why a reference row's step-0 loss tells whether it drew the paths' weights (harness/report.same_start): on the
+    shipped text two inits of the 1.5b width part in their first loss by far more than the check's tolerance, while
+    the same draw gives the same loss. Two blocks on the CPU, one sequence, no dropout."""
+    from harness.reference import init_on
+    from harness.report import START_TOLERANCE
+    from shared.tools.prepare_data import prepare
+    from shared.train.data import train_loader
+
+    prepare(Path(__file__).resolve().parents[1] / "data" / "kjv.txt", tmp_path / "kjv")
+    train = TrainConfig(preset="1.5b", n_layer=2, seq_len=512, data=str(tmp_path / "kjv"), micro_batch=1, steps=20,
+                        warmup_steps=10)
+    x, y = next(iter(train_loader(train, 0, 0)))
+    first = []
+    for seed in (1234, 1, 1234):
+        seed_all(seed)
+        with torch.no_grad():
+            first.append(float(init_on(torch.device("cpu"), train).eval()(x, y)))
+    assert first[0] == first[2]  # the same draw: the same loss
+    assert abs(first[0] - first[1]) > 10 * START_TOLERANCE, first
