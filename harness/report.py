@@ -262,7 +262,9 @@ def format_cards(c: dict) -> str:
 def same_start(results: dict[str, list[RunResult]], refs: list[str]) -> dict:
     """Whether each reference row trained the paths' model from their weights: each of its runs' step-0 loss against
     the first raw run's, within START_TOLERANCE (per row, one difference per round). A run that fails it measured the
-    same architecture from other weights (or other dropout masks): its speed still compares, its losses do not."""
+    same architecture from other weights (or other dropout masks): its speed still compares, its losses do not.
+    One-GPU compares only: on N GPUs the paths' losses are the mean over N ranks' batches, a reference row's are one
+    rank's."""
     base = results["deepspeed"][0].losses[0]
     diff = {r: [abs(run.losses[0] - base) for run in results[r]] for r in refs}
     return {"deepspeed_first_loss": base, "abs_diff": diff, "tolerance": START_TOLERANCE,
@@ -334,7 +336,8 @@ def build_report(train: TrainConfig, ns: argparse.Namespace, results: dict[str, 
     refs = [r for r in REFERENCES if results.get(r)]
     if refs:
         report["reference"] = {r: summarize_path(results[r]) for r in refs}
-        report["same_start"] = same_start(results, refs)
+        if ns.world == 1:  # with N GPUs the paths log the mean loss of N ranks' batches, a reference row its own
+            report["same_start"] = same_start(results, refs)
         for r in refs:
             report["reference"][r]["world_size"] = results[r][0].world_size
     if "ceiling" in refs:
