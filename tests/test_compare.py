@@ -521,6 +521,23 @@ def test_parity_catches_each_fault_on_the_gpu(tmp_path):
     assert all(caught[f] for f in FAULTS), caught
 
 
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+def test_the_reference_rows_start_from_the_paths_weights_on_the_gpu(tmp_path):
+    """On a GPU the paths build their model under zero.Init, each parameter made on the GPU and initialized from its
+    generator; the reference rows build theirs on the GPU too (harness/reference.init_on), so both reference rows'
+    step-0 loss is the raw path's (same_start). Built on the CPU and moved, the rows drew other weights: on the
+    shipped text this small model's first loss differs by 0.07-0.33 between draws (three seeds on the CPU), far
+    outside the check's 5e-3."""
+    out = tmp_path / "report"
+    run([sys.executable, COMPARE, *GPU_BASE, "--steps", "3", "--warmup_steps", "1", "--precision", "bf16",
+         "--profile", "eager", "--reference", "unsharded,ceiling", "--out", out], timeout=540)
+    report = json.loads((out / "report.json").read_text())
+    assert report["device"]["type"] == "cuda" and report["train"]["data"] == "kjv"
+    start = report["same_start"]
+    assert start["ok"] and set(start["abs_diff"]) == {"unsharded", "ceiling"}, start
+
+
 @pytest.mark.slow
 def test_the_gpu_defaults_kernels_train_alike_on_every_row(tmp_path):
     """The padded vocabulary, the Triton loss and the Triton dropout masks (compare.py's GPU default; here on a CPU,
