@@ -99,9 +99,7 @@ class TimeLimit:
     names the command that runs the rest: `command` with a keep flag (the first of `keep_flags`) added if it has
     none."""
 
-    # On one H100 after the two paths' runs of 138 and 144 s (caches warm), the unsharded row's first run was cut at
-    # 216 s by the call's end, planned at 144 s; the PyTorch baseline's first run took 222 s, 1.54x
-    # (benchmarks/results/headline_pairs_1xh100/NOTES.md).
+    # The reference rows' first runs it was set from: docs/tuning.md ("Runs under a time limit").
     COLD_FACTOR = 1.8
 
     def __init__(self, limit_s: float | None, t0: float, runs: int, where: Path, command: list,

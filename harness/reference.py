@@ -163,9 +163,8 @@ class MasterAdamW:
 def init_on(device: torch.device, train: TrainConfig) -> GPT:
     """The GPT with the paths' initial weights: built on `device`, as DeepSpeed's zero.Init builds the paths' model
     (each parameter made on the GPU, then initialized), so its init draws from the same generator (the GPU's, seeded
-    by seed_all) in the same order. Built on the CPU and moved, a GPU row drew other weights: on the shipped text its
-    first loss was 11.11 against the paths' 11.37 on one H100 (two draws differ that much on this text:
-    tests/test_reference_rows.py), which the report's `same_start` check now catches."""
+    by seed_all) in the same order. Built on the CPU and moved, a GPU row drew other weights, which the report's
+    `same_start` check catches (docs/results.md, "The reference rows")."""
     with torch.device(device):
         return GPT(train.model())
 

@@ -55,9 +55,8 @@ PARITY_TOLERANCE = {
     "fp8": _BF16_TOLERANCE,
 }
 # Every reference row starts from the paths' weights and batch, so its first loss (step 0, before any update) is
-# theirs up to the precision of the forward: 2e-4 apart between the unsharded row and the PyTorch baseline on one
-# H100, 0 between the paths. Two draws of the initial weights part by far more: 0.11 on the shipped text at the 1.5b
-# width (tests/test_reference_rows.py), 0.26 between the paths and the rows that drew other weights on one H100.
+# theirs up to the precision of the forward; two draws of the initial weights part by far more (the measurements:
+# docs/results.md, "The reference rows").
 START_TOLERANCE = 5e-3
 # A path whose runs' TFLOPs/GPU differ by more than this (max/min) ran on an unsteady machine (other load,
 # thermals): its median, and the ratio, are flagged in the report and printed with a WARNING line.
