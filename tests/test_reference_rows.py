@@ -1,4 +1,5 @@
-"""The unsharded reference row's optimizer (harness/reference.MasterAdamW): the ZeRO-3 paths' step on one process."""
+"""The reference rows' own parts: the unsharded row's optimizer (harness/reference.MasterAdamW, the ZeRO-3 paths'
+step on one process) and the initial weights every row draws (harness/reference.init_on)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.reference import MasterAdamW
+from harness.reference import MasterAdamW, init_on
+from harness.report import START_TOLERANCE
 from shared.kernels.adamw import interpreted, reference_adamw_step
 from shared.model.gpt import GPT
+from shared.tools.prepare_data import prepare
 from shared.train.config import TrainConfig
+from shared.train.data import train_loader
 from shared.train.distributed import seed_all
 from shared.train.optim import build_scheduler
 
@@ -104,11 +108,6 @@ def test_two_draws_of_the_initial_weights_start_far_apart_on_the_shipped_text(tm
     """Why a reference row's step-0 loss tells whether it drew the paths' weights (harness/report.same_start): on the
     shipped text two inits of the 1.5b width part in their first loss by far more than the check's tolerance, while
     the same draw gives the same loss. Two blocks on the CPU, one sequence, no dropout."""
-    from harness.reference import init_on
-    from harness.report import START_TOLERANCE
-    from shared.tools.prepare_data import prepare
-    from shared.train.data import train_loader
-
     prepare(Path(__file__).resolve().parents[1] / "data" / "kjv.txt", tmp_path / "kjv")
     train = TrainConfig(preset="1.5b", n_layer=2, seq_len=512, data=str(tmp_path / "kjv"), micro_batch=1, steps=20,
                         warmup_steps=10)
