@@ -108,6 +108,17 @@ def _files_under_default_outputs() -> set[Path]:
     return {p for d in DEFAULT_OUTPUTS for p in (ROOT / d).rglob("*") if p.is_file()}
 
 
+@pytest.fixture(scope="session")
+def kjv(tmp_path_factory):
+    """The shipped text (data/kjv.txt) as byte-level token files (shared.tools.prepare_data), made once per session
+    under pytest's tmp folder; its prefix."""
+    from shared.tools.prepare_data import prepare
+
+    prefix = tmp_path_factory.mktemp("kjv") / "kjv"
+    prepare(ROOT / "data" / "kjv.txt", prefix, "byte")
+    return prefix
+
+
 @pytest.fixture(autouse=True)
 def no_output_in_the_checkout():
     """Fail a test that leaves a new file under runs/ or reports/ at the repo root (a launch without --out)."""

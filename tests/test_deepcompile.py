@@ -20,7 +20,7 @@ import shared.model.config as model_config
 from shared.train.config import DEEPCOMPILE_WARMUP, TrainConfig
 from shared.train.ds_config import build_ds_config, load_user_ds_config
 from shared.train.ds_runtime import normalize_cuda_arch_list
-from tests.helpers import GPU_BASE, LIGHTNING, RAW, ROOT, load, run, torchrun
+from tests.helpers import GPU_BASE, LIGHTNING, RAW, load, run, torchrun
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -322,15 +322,6 @@ def test_lightning_hands_engine_compile_to_the_gpt():
 
 
 # ---- on the GPU ---------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def kjv(tmp_path_factory):
-    from shared.tools.prepare_data import prepare
-
-    prefix = tmp_path_factory.mktemp("kjv") / "kjv"
-    prepare(ROOT / "data" / "kjv.txt", prefix, "byte")
-    return prefix
 
 
 def test_the_lightning_strategy_hands_every_deepcompile_option_to_compile_engine(monkeypatch):

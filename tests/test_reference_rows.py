@@ -3,8 +3,6 @@ step on one process) and the initial weights every row draws (harness/reference.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -12,7 +10,6 @@ from harness.reference import MasterAdamW, init_on
 from harness.report import START_TOLERANCE
 from shared.kernels.adamw import interpreted, reference_adamw_step
 from shared.model.gpt import GPT
-from shared.tools.prepare_data import prepare
 from shared.train.config import TrainConfig
 from shared.train.data import train_loader
 from shared.train.distributed import seed_all
@@ -104,13 +101,11 @@ def test_unsharded_step_skips_an_invalid_norm():
     assert all(float(masters.inner.state[m]["step"]) == 0 for m in masters.masters)
 
 
-def test_two_draws_of_the_initial_weights_start_far_apart_on_the_shipped_text(tmp_path):
+def test_two_draws_of_the_initial_weights_start_far_apart_on_the_shipped_text(kjv):
     """Why a reference row's step-0 loss tells whether it drew the paths' weights (harness/report.same_start): on the
     shipped text two inits of the 1.5b width part in their first loss by far more than the check's tolerance, while
     the same draw gives the same loss. Two blocks on the CPU, one sequence, no dropout."""
-    prepare(Path(__file__).resolve().parents[1] / "data" / "kjv.txt", tmp_path / "kjv")
-    train = TrainConfig(preset="1.5b", n_layer=2, seq_len=512, data=str(tmp_path / "kjv"), micro_batch=1, steps=20,
-                        warmup_steps=10)
+    train = TrainConfig(preset="1.5b", n_layer=2, seq_len=512, data=str(kjv), micro_batch=1, steps=20, warmup_steps=10)
     x, y = next(iter(train_loader(train, 0, 0)))
     first = []
     for seed in (1234, 1, 1234):

@@ -26,14 +26,6 @@ SCRIPTS = {"raw": RAW, "lightning": LIGHTNING}
 BASE = ["--preset", "tiny", "--precision", "fp32", "--warmup_steps", "1", "--log_every", "2"]
 
 
-@pytest.fixture(scope="module")
-def kjv(tmp_path_factory):
-    """The KJV text as byte-level token files (shared.tools.prepare_data), once per module."""
-    prefix = tmp_path_factory.mktemp("data") / "kjv"
-    prepare(ROOT / "data" / "kjv.txt", prefix, "byte")
-    return prefix
-
-
 @pytest.mark.parametrize("path, step", [("raw", "fast"), ("lightning", "fast"), ("raw", "fused")])
 def test_resume_before_the_midpoint_gives_the_same_losses_as_an_uninterrupted_run(tmp_path, kjv, path, step):
     # Resumed at step 2 of 8, on real text: Lightning once counted its in-epoch batch index from the restored
