@@ -221,11 +221,15 @@ def smoke_test_note(preset: str, gpu_flags: dict) -> str:
 
 
 def over_rounds(runs: list[RunResult], base: list[RunResult]) -> dict:
-    """A path's TFLOPs/GPU over a reference row's, as the ratio of their medians, with the per-round ratios' range
-    (each run over the same round's reference run) as its spread."""
-    per_round = [r.tflops_per_gpu / b.tflops_per_gpu for r, b in zip(runs, base)]
-    ratio = statistics.median(r.tflops_per_gpu for r in runs) / statistics.median(b.tflops_per_gpu for b in base)
-    return {"ratio": ratio, "min": min(per_round), "max": max(per_round), "n": len(per_round)}
+    """A row's TFLOPs/GPU over a reference row's, over the rounds both ran (a reference row may run in fewer rounds
+    than the paths: `ceiling:1`, or a compare cut before a round's reference run): the ratio of their medians over
+    those rounds, with the per-round ratios' range (each run over the same round's reference run) as its spread.
+    Medians over different rounds would mix machines and clocks, and the ratio could land outside its own range."""
+    n = min(len(runs), len(base))
+    per_round = [r.tflops_per_gpu / b.tflops_per_gpu for r, b in zip(runs[:n], base[:n])]
+    ratio = statistics.median(r.tflops_per_gpu for r in runs[:n]) / statistics.median(b.tflops_per_gpu
+                                                                                       for b in base[:n])
+    return {"ratio": ratio, "min": min(per_round), "max": max(per_round), "n": n}
 
 
 def cards(results: dict[str, list[RunResult]]) -> dict | None:
@@ -340,10 +344,8 @@ def build_report(train: TrainConfig, ns: argparse.Namespace, results: dict[str, 
         for r in refs:
             report["reference"][r]["world_size"] = results[r][0].world_size
     if "ceiling" in refs:
-        ceiling = report["reference"]["ceiling"]["tflops_per_gpu"]
-        report["fraction_of_ceiling"] = {p: report["paths"][p]["tflops_per_gpu"] / ceiling for p in PATHS}
-        if "fsdp2" in refs:
-            report["fraction_of_ceiling"]["fsdp2"] = report["reference"]["fsdp2"]["tflops_per_gpu"] / ceiling
+        report["fraction_of_ceiling"] = {p: over_rounds(results[p], results["ceiling"])["ratio"]
+                                         for p in (*PATHS, "fsdp2") if results.get(p)}
     if "unsharded" in refs:  # what ZeRO-3 costs: each row over the same round's unsharded run
         report["fraction_of_unsharded"] = {p: over_rounds(results[p], results["unsharded"])
                                            for p in (*PATHS, "fsdp2", "ceiling") if results.get(p)}
@@ -488,13 +490,13 @@ def format_table(report: dict) -> str:
                      f"[{o['min']:.3f}, {o['max']:.3f}] over {o['n']} round(s)")
     if "fraction_of_unsharded" in report:
         f = report["fraction_of_unsharded"]
-        lines.append("fraction of unsharded (what ZeRO-3 costs; median TFLOPs / unsharded median, same run; per round "
-                     "[min, max]): " + ", ".join(f"{p} {f[p]['ratio']:.3f} [{f[p]['min']:.3f}, {f[p]['max']:.3f}]"
-                                                 for p in PATHS))
+        lines.append("fraction of unsharded (what ZeRO-3 costs; median TFLOPs / unsharded median over the rounds both "
+                     "ran; per round [min, max]): "
+                     + ", ".join(f"{p} {f[p]['ratio']:.3f} [{f[p]['min']:.3f}, {f[p]['max']:.3f}]" for p in PATHS))
     if "fraction_of_ceiling" in report:
         f = report["fraction_of_ceiling"]
-        lines.append(f"fraction of the PyTorch user's baseline (ceiling row; median TFLOPs / its median, same run): "
-                     f"deepspeed {f['deepspeed']:.3f}, lightning {f['lightning']:.3f}")
+        lines.append(f"fraction of the PyTorch user's baseline (ceiling row; median TFLOPs / its median over the "
+                     f"rounds both ran): deepspeed {f['deepspeed']:.3f}, lightning {f['lightning']:.3f}")
     if "unsharded_vs_ceiling" in report:
         lines.append(report["unsharded_vs_ceiling"])
     if "same_start" in report:
