@@ -138,14 +138,15 @@ def headline_problems(text: str) -> list[str]:
         if report is None:
             continue
         n, _, device = gpus.partition(" x ")
-        reference = name.startswith("plain PyTorch reference")
+        reference = next((row for label, row in (("plain PyTorch reference", "ceiling"), ("unsharded", "unsharded"))
+                          if name.startswith(label)), None)
         world = 1 if reference else report["world_size"]
         if int(n) != world or device not in report["device"]["name"]:
             problems.append(f"{name}: GPUs {gpus} vs {world} x {report['device']['name']}")
         if int(mb) != report["train"]["micro_batch"]:
             problems.append(f"{name}: micro-batch {mb} vs {report['train']['micro_batch']}")
         if reference:
-            if not _quotes(raw, report["reference"]["ceiling"]["tflops_per_gpu"]):
+            if not _quotes(raw, report["reference"][reference]["tflops_per_gpu"]):
                 problems.append(f"{name}: {raw}")
             continue
         _check_medians(name, raw, lightning, ratio, report, problems)
@@ -168,12 +169,14 @@ def headline_problems(text: str) -> list[str]:
 
 def test_the_headline_table_quotes_the_reports_it_names():
     text = (ROOT / "README.md").read_text()
-    assert len(_table(text, "## Headline results")) == 5
+    assert len(_table(text, "## Headline results")) == 7
     assert headline_problems(text) == []
 
 
 @pytest.mark.parametrize("old, new, what", [
     ("| 539.4 | 539.0 |", "| 539.4 | 539.1 |", "539.1"),
+    ("| 8 | 511.79 |", "| 8 | 511.80 |", "511.80"),
+    ("1.003 (3: 0.991-1.003)", "1.003 (2: 0.991-1.003)", "pairs"),
     ("| 1 x H200 | 16 | 539.4", "| 2 x H200 | 16 | 539.4", "GPUs"),
     ("| 1 x H200 | 16 | 539.4", "| 1 x H200 | 8 | 539.4", "micro-batch"),
     ("0.997 (1) | checksum |", "0.997 (1) | none |", "parity"),
@@ -228,27 +231,45 @@ def test_the_docs_table_of_every_compare_quotes_the_reports_it_names():
         assert what in " ".join(docs_table_problems(text.replace(old, new, 1))), (old, new)
 
 
-def test_the_reference_rows_section_quotes_the_first_unsharded_compare():
-    """docs/results.md, "The reference rows": its table and step-0 losses, recomputed from the report and runs."""
+def test_the_reference_rows_section_quotes_the_headline_pairs_runs():
+    """docs/results.md, "The reference rows": its table (each row's runs per round, each path's fraction of the same
+    round's unsharded run), the costs and the step-0 losses, recomputed from the runs and the report."""
     text = (ROOT / "docs" / "results.md").read_text()
     folder = RESULTS / "headline_pairs_1xh100/headline_1xh100"
     report = json.loads((folder / "report.json").read_text())
-    of = report["fraction_of_unsharded"]
-    rows = {"raw path": (report["paths"]["deepspeed"], of["deepspeed"]["ratio"]),
-            "Lightning path": (report["paths"]["lightning"], of["lightning"]["ratio"]),
-            "unsharded": (report["reference"]["unsharded"], 1.0),
-            "PyTorch user's baseline (`ceiling`)": (report["reference"]["ceiling"], of["ceiling"]["ratio"])}
+    names = {"raw path": "deepspeed", "Lightning path": "lightning", "unsharded": "unsharded",
+             "PyTorch user's baseline (`ceiling`)": "ceiling"}
+    runs = {row: [json.loads(f.read_text()) for f in sorted((folder / "runs").glob(f"{row}_*.json"))]
+            for row in names.values()}
     table = _table(text, "## The reference rows")
-    assert [r[0] for r in table] == list(rows)
+    assert [r[0] for r in table] == list(names)
     for name, tflops, step_ms, fraction in table:
-        row, frac = rows[name]
-        assert _quotes(tflops, row["tflops_per_gpu"]) and _quotes(step_ms, row["step_time_s"]["median"] * 1e3), name
-        assert _quotes(fraction, frac), name
-    first = {p: json.loads((folder / "runs" / f"{p}_0.json").read_text())["losses"][0]
-             for p in ("unsharded", "ceiling", "deepspeed", "lightning")}
-    m = re.search(r"was ([0-9.]+) \(unsharded\) and ([0-9.]+) \(baseline\)\s+against the paths' ([0-9.]+)", text)
-    assert m and [_quotes(x, first[p]) for x, p in zip(m.groups(), ("unsharded", "ceiling", "deepspeed"))] == [True] * 3
-    assert first["deepspeed"] == first["lightning"]
+        rs = runs[names[name]]
+        assert tflops.split(" / ") and len(tflops.split(" / ")) == len(rs) == len(step_ms.split(" / ")), name
+        assert all(_quotes(x, r["tflops_per_gpu"]) for x, r in zip(tflops.split(" / "), rs)), name
+        assert all(_quotes(x, r["step_time_s"]["median"] * 1e3) for x, r in zip(step_ms.split(" / "), rs)), name
+        of = [r["tflops_per_gpu"] / u["tflops_per_gpu"] for r, u in zip(rs, runs["unsharded"])]
+        assert len(fraction.split(" / ")) == len(of) and all(_quotes(x, f) for x, f in zip(fraction.split(" / "), of))
+    prose = " ".join(text.split())
+    step = {row: [r["step_time_s"]["median"] * 1e3 for r in runs[row]] for row in ("deepspeed", "unsharded")}
+    m = re.search(r"ZeRO-3 costs the raw path ([0-9.]+) and ([0-9.]+) ms of its step on one GPU \(rounds 1 and 2\), "
+                  r"([0-9.]+)-([0-9.]+)% of the unsharded row's speed over both paths. The report's "
+                  r"`fraction_of_unsharded` ratios \(([0-9.]+) raw, ([0-9.]+) Lightning\)", prose)
+    of = [r["tflops_per_gpu"] / u["tflops_per_gpu"] for p in ("deepspeed", "lightning")
+          for r, u in zip(runs[p], runs["unsharded"])]
+    quoted = [a - b for a, b in zip(step["deepspeed"], step["unsharded"])] + [
+        100 * (1 - max(of)), 100 * (1 - min(of)), *(report["fraction_of_unsharded"][p]["ratio"]
+                                                    for p in ("deepspeed", "lightning"))]
+    assert m and [_quotes(x, v) for x, v in zip(m.groups(), quoted)] == [True] * 6
+    first = {p: [r["losses"][0] for r in rs] for p, rs in runs.items()}
+    m = re.search(r"was ([0-9.]+) \(unsharded\) and ([0-9.]+) \(baseline\) against the paths' ([0-9.]+)", prose)
+    assert m and [_quotes(x, first[p][0]) for x, p in zip(m.groups(), ("unsharded", "ceiling", "deepspeed"))] \
+        == [True] * 3
+    assert first["deepspeed"][0] == first["lightning"][0]
+    m = re.search(r"round 2's unsharded run started ([0-9.e-]+) from the raw path's first run", prose)
+    diff = abs(first["unsharded"][1] - first["deepspeed"][0])
+    assert m and _quotes(m[1].split("e")[0], diff * 1e4) and m[1].endswith("e-4")
+    assert report["same_start"]["abs_diff"]["unsharded"][1] == diff and not report["same_start"]["ok"]
 
 
 def test_every_link_of_the_readme_and_docs_leads_somewhere():
@@ -275,24 +296,38 @@ def test_the_readmes_prose_numbers_are_their_sources():
     text = " ".join((ROOT / "README.md").read_text().split())
     top = json.loads((RESULTS / "together_1xh200" / "compare" / "report.json").read_text())
     ds, pl = (top["paths"][p]["tflops_per_gpu"] for p in ("deepspeed", "lightning"))
-    m = re.search(r"([0-9.]+) against ([0-9.]+) TFLOPs/GPU on one H200 \(ratio ([0-9.]+), one pair, inside one run's "
-                  r"own step spread\), ([0-9.]+) on two H200s", text)
+    pairs = json.loads((RESULTS / "headline_pairs_1xh100/headline_1xh100" / "report.json").read_text())
+    m = re.search(r"([0-9.]+) against raw DeepSpeed's ([0-9.]+) TFLOPs/GPU over (\d) interleaved pairs on one H100 "
+                  r"\(ratio ([0-9.]+), pairs ([0-9.]+)-([0-9.]+)\), ([0-9.]+) against ([0-9.]+) on one H200 \(ratio "
+                  r"([0-9.]+), one pair, inside one run's own step spread\), ([0-9.]+) on two H200s", text)
     two = json.loads((RESULTS / "deepcompile_2xh200" / "report.json").read_text())["ratio_lightning_over_deepspeed"]
-    quoted = (pl, ds, top["ratio_lightning_over_deepspeed"], two)
-    assert [_quotes(x, v) for x, v in zip(m.groups(), quoted)] == [True] * 4
+    spread = pairs["ratio_spread"]
+    quoted = (pairs["paths"]["lightning"]["tflops_per_gpu"], pairs["paths"]["deepspeed"]["tflops_per_gpu"],
+              spread["n"], pairs["ratio_lightning_over_deepspeed"], spread["min"], spread["max"], pl, ds,
+              top["ratio_lightning_over_deepspeed"], two)
+    assert m and [_quotes(x, v) for x, v in zip(m.groups(), quoted)] == [True] * 10
+    assert "partial" not in pairs or pairs["partial"]["pairs"] == pairs["repeats"]  # every pair finished
     steps = [json.loads((RESULTS / "together_1xh200" / "compare" / "runs" / f"{p}_0.json").read_text())["per_step_s"]
              for p in ("deepspeed", "lightning")]
     lo, hi = re.search(r"step spread \((\d+)-(\d+) ms\)", text).groups()
     assert int(lo) == round(min(min(s) for s in steps) * 1e3) and int(hi) == round(max(max(s) for s in steps) * 1e3)
-    fraction = re.search(r"so they run ([0-9.]+)x it", text).group(1)
-    assert all(_quotes(fraction, f) for f in top["fraction_of_ceiling"].values())
-    pairs = json.loads((RESULTS / "headline_pairs_1xh100/headline_1xh100" / "report.json").read_text())
-    m = re.search(r"Its first GPU run \(one H100, one round\) put the paths at ([0-9.]+) and ([0-9.]+) of it and the "
-                  r"baseline at ([0-9.]+) \(`headline_pairs_1xh100/`", text)
-    of = pairs["fraction_of_unsharded"]
-    assert m and [_quotes(x, of[r]["ratio"]) for x, r in zip(m.groups(), ("deepspeed", "lightning", "ceiling"))] \
-        == [True] * 3
-    assert of["deepspeed"]["n"] == 1 and "H100" in pairs["device"]["name"] and pairs["partial"]["pairs"] == 1
+    # what ZeRO-3 costs: each path's run over the same round's unsharded run, in the rounds that ran it
+    folder = RESULTS / "headline_pairs_1xh100/headline_1xh100/runs"
+    tflops = {row: [json.loads(f.read_text())["tflops_per_gpu"] for f in sorted(folder.glob(f"{row}_*.json"))]
+              for row in ("deepspeed", "lightning", "unsharded", "ceiling")}
+    of = {row: [r / u for r, u in zip(tflops[row], tflops["unsharded"])]
+          for row in ("deepspeed", "lightning", "ceiling")}
+    m = re.search(r"In rounds 1 and 2 \(two cards\) the raw path ran at ([0-9.]+)-([0-9.]+) of it, Lightning at "
+                  r"([0-9.]+)-([0-9.]+), the PyTorch user's baseline \(.*?\) at ([0-9.]+): no ceiling", text)
+    quoted = (min(of["deepspeed"]), max(of["deepspeed"]), min(of["lightning"]), max(of["lightning"]), *of["ceiling"])
+    assert m and len(tflops["unsharded"]) == 2 and [_quotes(x, v) for x, v in zip(m.groups(), quoted)] == [True] * 5
+    assert pairs["cards"]["distinct"] == 2 and pairs["cards"]["each_round_on_one_card"]
+    lo, hi = re.search(r"ZeRO-3 itself costs ([0-9.]+)-([0-9.]+)% on one GPU", text).groups()
+    paths = of["deepspeed"] + of["lightning"]
+    assert _quotes(lo, 100 * (1 - max(paths))) and _quotes(hi, 100 * (1 - min(paths)))
+    m = re.search(r"the H100 row's runs spread ([0-9.]+)-([0-9.]+) \(raw\) and ([0-9.]+)-([0-9.]+) \(Lightning\)", text)
+    quoted = (min(tflops["deepspeed"]), max(tflops["deepspeed"]), min(tflops["lightning"]), max(tflops["lightning"]))
+    assert m and [_quotes(x, v) for x, v in zip(m.groups(), quoted)] == [True] * 4
     entry = RESULTS / "fast_profile_entry_points_1xh100"
     scripts = [json.loads((entry / f"{p}_script.json").read_text()) for p in ("raw", "lightning")]
     runs = RESULTS / "fast_profile_entry_points_1xh100/headline_1xh100/runs"
