@@ -226,9 +226,9 @@ def over_rounds(runs: list[RunResult], base: list[RunResult]) -> dict:
     those rounds, with the per-round ratios' range (each run over the same round's reference run) as its spread.
     Medians over different rounds would mix machines and clocks, and the ratio could land outside its own range."""
     n = min(len(runs), len(base))
-    per_round = [r.tflops_per_gpu / b.tflops_per_gpu for r, b in zip(runs[:n], base[:n])]
-    ratio = statistics.median(r.tflops_per_gpu for r in runs[:n]) / statistics.median(b.tflops_per_gpu
-                                                                                       for b in base[:n])
+    runs, base = runs[:n], base[:n]
+    per_round = [r.tflops_per_gpu / b.tflops_per_gpu for r, b in zip(runs, base)]
+    ratio = statistics.median(r.tflops_per_gpu for r in runs) / statistics.median(b.tflops_per_gpu for b in base)
     return {"ratio": ratio, "min": min(per_round), "max": max(per_round), "n": n}
 
 

@@ -92,6 +92,18 @@ def _fp8_compare(folder: str, gpu: str) -> dict:
     return report
 
 
+def _pairs_runs() -> dict[str, list[dict]]:
+    """The runs of the headline compare with both reference rows, per row in round order."""
+    folder = RESULTS / "headline_pairs_1xh100/headline_1xh100" / "runs"
+    return {row: [json.loads(f.read_text()) for f in sorted(folder.glob(f"{row}_*.json"))]
+            for row in ("deepspeed", "lightning", "unsharded", "ceiling")}
+
+
+def _of_unsharded(runs: dict[str, list[dict]], row: str) -> list[float]:
+    """Each run of `row` over the same round's unsharded run, in the rounds that ran one."""
+    return [r["tflops_per_gpu"] / u["tflops_per_gpu"] for r, u in zip(runs[row], runs["unsharded"])]
+
+
 def _table(text: str, heading: str) -> list[list[str]]:
     """The rows of the first table under `heading` (cells stripped)."""
     section = text[text.index(heading):]
@@ -235,12 +247,10 @@ def test_the_reference_rows_section_quotes_the_headline_pairs_runs():
     """docs/results.md, "The reference rows": its table (each row's runs per round, each path's fraction of the same
     round's unsharded run), the costs and the step-0 losses, recomputed from the runs and the report."""
     text = (ROOT / "docs" / "results.md").read_text()
-    folder = RESULTS / "headline_pairs_1xh100/headline_1xh100"
-    report = json.loads((folder / "report.json").read_text())
+    report = json.loads((RESULTS / "headline_pairs_1xh100/headline_1xh100" / "report.json").read_text())
     names = {"raw path": "deepspeed", "Lightning path": "lightning", "unsharded": "unsharded",
              "PyTorch user's baseline (`ceiling`)": "ceiling"}
-    runs = {row: [json.loads(f.read_text()) for f in sorted((folder / "runs").glob(f"{row}_*.json"))]
-            for row in names.values()}
+    runs = _pairs_runs()
     table = _table(text, "## The reference rows")
     assert [r[0] for r in table] == list(names)
     for name, tflops, step_ms, fraction in table:
@@ -248,15 +258,14 @@ def test_the_reference_rows_section_quotes_the_headline_pairs_runs():
         assert tflops.split(" / ") and len(tflops.split(" / ")) == len(rs) == len(step_ms.split(" / ")), name
         assert all(_quotes(x, r["tflops_per_gpu"]) for x, r in zip(tflops.split(" / "), rs)), name
         assert all(_quotes(x, r["step_time_s"]["median"] * 1e3) for x, r in zip(step_ms.split(" / "), rs)), name
-        of = [r["tflops_per_gpu"] / u["tflops_per_gpu"] for r, u in zip(rs, runs["unsharded"])]
+        of = _of_unsharded(runs, names[name])
         assert len(fraction.split(" / ")) == len(of) and all(_quotes(x, f) for x, f in zip(fraction.split(" / "), of))
     prose = " ".join(text.split())
     step = {row: [r["step_time_s"]["median"] * 1e3 for r in runs[row]] for row in ("deepspeed", "unsharded")}
     m = re.search(r"ZeRO-3 costs the raw path ([0-9.]+) and ([0-9.]+) ms of its step on one GPU \(rounds 1 and 2\), "
                   r"([0-9.]+)-([0-9.]+)% of the unsharded row's speed over both paths. The report's "
                   r"`fraction_of_unsharded` ratios \(([0-9.]+) raw, ([0-9.]+) Lightning\)", prose)
-    of = [r["tflops_per_gpu"] / u["tflops_per_gpu"] for p in ("deepspeed", "lightning")
-          for r, u in zip(runs[p], runs["unsharded"])]
+    of = _of_unsharded(runs, "deepspeed") + _of_unsharded(runs, "lightning")
     quoted = [a - b for a, b in zip(step["deepspeed"], step["unsharded"])] + [
         100 * (1 - max(of)), 100 * (1 - min(of)), *(report["fraction_of_unsharded"][p]["ratio"]
                                                     for p in ("deepspeed", "lightning"))]
@@ -312,11 +321,9 @@ def test_the_readmes_prose_numbers_are_their_sources():
     lo, hi = re.search(r"step spread \((\d+)-(\d+) ms\)", text).groups()
     assert int(lo) == round(min(min(s) for s in steps) * 1e3) and int(hi) == round(max(max(s) for s in steps) * 1e3)
     # what ZeRO-3 costs: each path's run over the same round's unsharded run, in the rounds that ran it
-    folder = RESULTS / "headline_pairs_1xh100/headline_1xh100/runs"
-    tflops = {row: [json.loads(f.read_text())["tflops_per_gpu"] for f in sorted(folder.glob(f"{row}_*.json"))]
-              for row in ("deepspeed", "lightning", "unsharded", "ceiling")}
-    of = {row: [r / u for r, u in zip(tflops[row], tflops["unsharded"])]
-          for row in ("deepspeed", "lightning", "ceiling")}
+    pair_runs = _pairs_runs()
+    tflops = {row: [r["tflops_per_gpu"] for r in rs] for row, rs in pair_runs.items()}
+    of = {row: _of_unsharded(pair_runs, row) for row in ("deepspeed", "lightning", "ceiling")}
     m = re.search(r"In rounds 1 and 2 \(two cards\) the raw path ran at ([0-9.]+)-([0-9.]+) of it, Lightning at "
                   r"([0-9.]+)-([0-9.]+), the PyTorch user's baseline \(.*?\) at ([0-9.]+): no ceiling", text)
     quoted = (min(of["deepspeed"]), max(of["deepspeed"]), min(of["lightning"]), max(of["lightning"]), *of["ceiling"])
