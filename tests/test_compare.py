@@ -538,6 +538,31 @@ def test_the_reference_rows_start_from_the_paths_weights_on_the_gpu(tmp_path):
     assert start["ok"] and set(start["abs_diff"]) == {"unsharded", "ceiling"}, start
 
 
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+def test_the_stock_row_trains_deepspeed_as_shipped_beside_the_fast_paths_on_the_gpu(tmp_path):
+    """--reference stock on a GPU: the raw path under the stock profile (DeepSpeed's own DeepCompile schedule and
+    ZeRO-3 step, no replacement of DeepSpeed internals, no Triton kernel of this project) trains beside the fast
+    paths in one compare, on the same model and batches, its timed steps past DeepSpeed's step-5 recompile; the
+    report rates each path over it."""
+    out = tmp_path / "report"
+    run([sys.executable, COMPARE, *GPU_BASE, "--steps", "10", "--warmup_steps", "2", "--precision", "bf16",
+         "--reference", "stock", "--out", out], timeout=560)
+    report = json.loads((out / "report.json").read_text())
+    runs = {row: json.loads((out / "runs" / f"{row}_0.json").read_text()) for row in ("deepspeed", "stock")}
+    raw, stock = runs["deepspeed"], runs["stock"]
+    assert (raw["train"]["profile"], raw["train"]["zero3_step"]) == ("fast", "fused") and raw["extra"]["patches"]
+    assert (stock["train"]["profile"], stock["train"]["compile"], stock["train"]["zero3_step"]) == (
+        "stock", "deepcompile", "deepspeed")
+    assert stock["extra"]["patches"] == [] and stock["warmup_steps"] >= 6 and stock["device"]["type"] == "cuda"
+    assert stock["train"]["micro_batch"] == raw["train"]["micro_batch"] == 8
+    # the same model from the same weights, trained alike (the dropout masks differ: torch's and the Triton kernel's)
+    assert report["train"]["data"] == "kjv" and raw["losses"][-1] < raw["losses"][0]
+    assert abs(stock["losses"][0] - raw["losses"][0]) < 0.05 and abs(stock["losses"][-1] - raw["losses"][-1]) < 0.1
+    assert set(report["over_stock"]) == {"deepspeed", "lightning"}
+    assert all(o["n"] == 1 and o["ratio"] > 0 for o in report["over_stock"].values())
+
+
 @pytest.mark.slow
 def test_the_gpu_defaults_kernels_train_alike_on_every_row(tmp_path):
     """The padded vocabulary, the Triton loss and the Triton dropout masks (compare.py's GPU default; here on a CPU,
