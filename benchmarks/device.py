@@ -80,9 +80,16 @@ class Command:
     command: str
     log: str
     needs_s: int | str = 60
-    when: str | None = None
+    when: str | None = None  # "param": runs where it is set; "param=name": where its comma list holds name or all
     env: dict = field(default_factory=dict)
     creates: str | None = None  # a file it writes: where that exists (kept from an earlier call), it is done
+
+    def runs(self, params: dict) -> bool:
+        if self.when is None:
+            return True
+        param, _, name = self.when.partition("=")
+        chosen = [v.strip() for v in params[param].split(",") if v.strip()]
+        return bool(chosen) and (not name or name in chosen or "all" in chosen)
 
 
 @dataclass
@@ -141,8 +148,8 @@ def check(stage: Stage) -> None:
     if len(set(logs)) != len(logs):
         raise StageError(f"{where}: two commands write the same log")
     for c in stage.commands():
-        if c.when is not None and c.when not in stage.params:
-            raise StageError(f"{where}: when = {c.when!r} is not a param")
+        if c.when is not None and c.when.partition("=")[0] not in stage.params:
+            raise StageError(f"{where}: when = {c.when!r} does not name a param")
         if isinstance(c.needs_s, str) and c.needs_s not in stage.params:
             raise StageError(f"{where}: needs_s = {c.needs_s!r} is neither seconds nor a param")
         if isinstance(c.needs_s, int | float) and not 0 < c.needs_s < stage.budget_s:
@@ -161,7 +168,21 @@ def settings(stage: Stage, sets: list[str]) -> dict[str, str]:
         params[name] = value
     if missing := [r for r in stage.required if not params[r]]:
         raise StageError(f"stage {stage.name!r} needs " + " ".join(f"--set {m}=..." for m in missing))
+    for name, choices in choices_of(stage).items():  # a param whose commands are chosen by name: no other value
+        if wrong := [v for v in params[name].split(",") if v.strip() and v.strip() not in (*choices, "all")]:
+            raise StageError(f"--set {name}={params[name]}: {', '.join(wrong)} chooses none of its commands; "
+                             f"name some of {', '.join(choices)} (comma-separated), or all")
     return params
+
+
+def choices_of(stage: Stage) -> dict[str, list[str]]:
+    """The params whose commands are chosen by name (`when = "param=name"`), with their names."""
+    choices: dict[str, list[str]] = {}
+    for c in stage.commands():
+        param, _, name = (c.when or "").partition("=")
+        if name:
+            choices.setdefault(param, []).append(name)
+    return choices
 
 
 def needs(stage: Stage, c: Command, params: dict) -> float:
@@ -455,7 +476,7 @@ def main(argv_: list[str] | None = None) -> int:
             call.record["ops_s"] = round(time.monotonic() - t, 1)
     status = call.run(stage.setup, env, parallel=False)
     if status == 0:
-        status = call.run([c for c in stage.run if c.when is None or params[c.when]], env, stage.parallel)
+        status = call.run([c for c in stage.run if c.runs(params)], env, stage.parallel)
     save = [sys.executable, "benchmarks/compile_cache.py", "save", str(ns.out or "$OUT")]
     if ns.dry_run:
         if ns.save_cache == "true":

@@ -350,19 +350,19 @@ def test_deepspeed_installed_per_call_is_imported_through_one_path_with_old_sour
 def test_the_headlines_script_runs_can_stand_for_the_resume_stages_drift_runs():
     """Each path's resume runs train with the headline's training-script run's settings (resume_check compares the
     runs' data, steps, seed and the rest): they differ only in the mid-run passes, the timing warm-up and the output,
-    so the headline's scripts=1 runs are the drift runs and `--set plain=` leaves the stage's own out."""
+    so the headline's scripts=all runs are the drift runs and `--set plain=` leaves the stage's own out."""
     def runs(stage: device.Stage, sets: list[str]) -> dict[str, list[str]]:
         params = device.settings(stage, sets)
         call = device.Call(stage, params, Path("/tmp/work"), None, "h100", dry_run=True)
         return {c.log: device.argv(c.command, {**call.values, "time_limit": 500}) for c in stage.commands()
-                if not c.when or params[c.when]}
+                if c.runs(params)}
 
     def training(cmd: list[str]) -> dict[str, str]:
         words = cmd[next(i for i, w in enumerate(cmd) if w.endswith("train.py")):]
         flags = dict(zip(words[1::2], words[2::2]))
         return {k: v for k, v in flags.items() if k not in ("--out", "--warmup_steps")}
 
-    headline = runs(STAGES["headline"], ["scripts=1"])
+    headline = runs(STAGES["headline"], ["scripts=all"])
     resume, without = runs(STAGES["resume"], []), runs(STAGES["resume"], ["plain="])
     for path in ("raw", "lightning"):
         assert training(resume[f"{path}_plain.log"]) == training(headline[f"{path}_script.log"]), path
@@ -371,3 +371,20 @@ def test_the_headlines_script_runs_can_stand_for_the_resume_stages_drift_runs():
                                                             "--ckpt_dir")} == training(headline[f"{path}_script.log"])
         assert f"{path}_plain.log" not in without and f"{path}_full.log" in without
     assert any("--out /tmp/zero3bench_kjv" in " ".join(c) for c in resume.values())  # the stage prepares the text
+
+
+def test_a_param_that_chooses_commands_by_name_runs_those_it_names_and_refuses_another_name():
+    """`when = "scripts=raw"`: the headline's training scripts run where `scripts` names them (or all), one a call
+    where a compare pair and both would not fit; a name that chooses no command is refused before any work."""
+    stage = STAGES["headline"]
+    logs = {sets: [c.log for c in stage.run if c.runs(device.settings(stage, [sets]))]
+            for sets in ("scripts=", "scripts=raw", "scripts=lightning", "scripts=all", "scripts=raw,lightning")}
+    assert logs["scripts="] == ["headline.log"]
+    assert logs["scripts=raw"] == ["headline.log", "raw_script.log"]
+    assert logs["scripts=lightning"] == ["headline.log", "lightning_script.log"]
+    assert logs["scripts=all"] == logs["scripts=raw,lightning"] == ["headline.log", "raw_script.log",
+                                                                      "lightning_script.log"]
+    for wrong in ("scripts=1", "scripts=raw,ligthning"):
+        with pytest.raises(device.StageError, match=r"chooses none of its commands; name some of raw, lightning"):
+            device.settings(stage, [wrong])
+    assert device.choices_of(STAGES["resume"]) == {}  # `when = "plain"`: any value but "" runs it
