@@ -547,7 +547,7 @@ def test_the_stock_row_trains_deepspeed_as_shipped_beside_the_fast_paths_on_the_
     report rates each path over it."""
     out = tmp_path / "report"
     run([sys.executable, COMPARE, *GPU_BASE, "--steps", "10", "--warmup_steps", "2", "--precision", "bf16",
-         "--reference", "stock", "--out", out], timeout=560)
+         "--repeats", "1", "--reference", "stock", "--out", out], timeout=560)
     report = json.loads((out / "report.json").read_text())
     runs = {row: json.loads((out / "runs" / f"{row}_0.json").read_text()) for row in ("deepspeed", "stock")}
     raw, stock = runs["deepspeed"], runs["stock"]
@@ -558,7 +558,7 @@ def test_the_stock_row_trains_deepspeed_as_shipped_beside_the_fast_paths_on_the_
     assert stock["train"]["micro_batch"] == raw["train"]["micro_batch"] == 8
     # the same model from the same weights, trained alike (the dropout masks differ: torch's and the Triton kernel's)
     assert report["train"]["data"] == "kjv" and raw["losses"][-1] < raw["losses"][0]
-    assert abs(stock["losses"][0] - raw["losses"][0]) < 0.05 and abs(stock["losses"][-1] - raw["losses"][-1]) < 0.1
+    assert abs(stock["losses"][0] - raw["losses"][0]) < 0.05 and abs(stock["losses"][-1] - raw["losses"][-1]) < 0.25
     assert set(report["over_stock"]) == {"deepspeed", "lightning"}
     assert all(o["n"] == 1 and o["ratio"] > 0 for o in report["over_stock"].values())
 

@@ -388,3 +388,19 @@ def test_a_param_that_chooses_commands_by_name_runs_those_it_names_and_refuses_a
         with pytest.raises(device.StageError, match=r"chooses none of its commands; name some of raw, lightning"):
             device.settings(stage, [wrong])
     assert device.choices_of(STAGES["resume"]) == {}  # `when = "plain"`: any value but "" runs it
+
+
+def test_the_headlines_references_setting_passes_compare_exactly_those_rows_and_none_when_empty():
+    """`--set references=` runs the paths alone: the template passes `--reference=<value>`, since a bare
+    `--reference` (what an empty value left of `--reference <value>`) asks compare for every reference row."""
+    import compare
+
+    stage = STAGES["headline"]
+    for value, rows in (("", []), ("unsharded,ceiling:1", ["unsharded", "ceiling"]), ("stock:2", ["stock"])):
+        params = device.settings(stage, [f"references={value}", "gpus=1"])
+        call = device.Call(stage, params, Path("/tmp/work"), None, "h100", dry_run=True)
+        cmd = device.argv(stage.run[0].command, {**call.values, "time_limit": 500})
+        args = cmd[cmd.index("compare.py") + 1:]
+        assert f"--reference={value}" in args
+        ns = compare.build_parser().parse_args(args)
+        assert compare.parse_references(ns.reference, ns.repeats, None)[0] == rows, value
