@@ -104,6 +104,13 @@ def _of_unsharded(runs: dict[str, list[dict]], row: str) -> list[float]:
     return [r["tflops_per_gpu"] / u["tflops_per_gpu"] for r, u in zip(runs[row], runs["unsharded"])]
 
 
+def _one_card_rounds(runs: dict[str, list[dict]]) -> list[int]:
+    """The rounds (0-based) whose runs, every row's, ran on one card: where a path's fraction of the unsharded row
+    compares setups, not machines."""
+    cards = lambda i: {rs[i]["device"]["uuid"] for rs in runs.values() if i < len(rs)}
+    return [i for i in range(len(runs["deepspeed"])) if len(cards(i)) == 1]
+
+
 def _table(text: str, heading: str) -> list[list[str]]:
     """The rows of the first table under `heading` (cells stripped)."""
     section = text[text.index(heading):]
@@ -187,7 +194,7 @@ def test_the_headline_table_quotes_the_reports_it_names():
 
 @pytest.mark.parametrize("old, new, what", [
     ("| 539.4 | 539.0 |", "| 539.4 | 539.1 |", "539.1"),
-    ("| 8 | 511.79 |", "| 8 | 511.80 |", "511.80"),
+    ("| 8 | 514.69 |", "| 8 | 514.70 |", "514.70"),
     ("1.003 (3: 0.991-1.003)", "1.003 (2: 0.991-1.003)", "pairs"),
     ("| 1 x H200 | 16 | 539.4", "| 2 x H200 | 16 | 539.4", "GPUs"),
     ("| 1 x H200 | 16 | 539.4", "| 1 x H200 | 8 | 539.4", "micro-batch"),
@@ -262,14 +269,22 @@ def test_the_reference_rows_section_quotes_the_headline_pairs_runs():
         assert len(fraction.split(" / ")) == len(of) and all(_quotes(x, f) for x, f in zip(fraction.split(" / "), of))
     prose = " ".join(text.split())
     step = {row: [r["step_time_s"]["median"] * 1e3 for r in runs[row]] for row in ("deepspeed", "unsharded")}
-    m = re.search(r"ZeRO-3 costs the raw path ([0-9.]+) and ([0-9.]+) ms of its step on one GPU \(rounds 1 and 2\), "
-                  r"([0-9.]+)-([0-9.]+)% of the unsharded row's speed over both paths. The report's "
+    assert _one_card_rounds(runs) == [0, 1] and len(runs["unsharded"]) == 3  # round 3's unsharded run: another card
+    m = re.search(r"ZeRO-3 costs the raw path ([0-9.]+) and ([0-9.]+) ms of its step on one GPU in the rounds whose "
+                  r"runs shared a card \(1 and 2\), ([0-9.]+)-([0-9.]+)% of the unsharded row's speed over both paths. "
+                  r"Round 3's unsharded run came from a third card, which held (\d+) MHz over its timed steps against "
+                  r"(\d+) and (\d+) for that round's paths: its fractions, ([0-9.]+) and ([0-9.]+), .*? The report's "
                   r"`fraction_of_unsharded` ratios \(([0-9.]+) raw, ([0-9.]+) Lightning\)", prose)
-    of = _of_unsharded(runs, "deepspeed") + _of_unsharded(runs, "lightning")
-    quoted = [a - b for a, b in zip(step["deepspeed"], step["unsharded"])] + [
-        100 * (1 - max(of)), 100 * (1 - min(of)), *(report["fraction_of_unsharded"][p]["ratio"]
-                                                    for p in ("deepspeed", "lightning"))]
-    assert m and [_quotes(x, v) for x, v in zip(m.groups(), quoted)] == [True] * 6
+    of = {p: _of_unsharded(runs, p) for p in ("deepspeed", "lightning")}
+    shared = of["deepspeed"][:2] + of["lightning"][:2]
+    clock = lambda row: runs[row][2]["extra"]["gpu_telemetry"]["sm_mhz"]["median"]
+    quoted = [a - b for a, b in zip(step["deepspeed"][:2], step["unsharded"])] + [
+        100 * (1 - max(shared)), 100 * (1 - min(shared)), *(clock(r) for r in ("unsharded", "deepspeed", "lightning")),
+        of["deepspeed"][2], of["lightning"][2], *(report["fraction_of_unsharded"][p]["ratio"]
+                                                  for p in ("deepspeed", "lightning"))]
+    assert m and [_quotes(x, v) for x, v in zip(m.groups(), quoted)] == [True] * 11
+    assert all(report["fraction_of_unsharded"][p]["n"] == 3 and report["fraction_of_unsharded"][p]["max"] < 1
+               for p in ("deepspeed", "lightning"))
     first = {p: [r["losses"][0] for r in rs] for p, rs in runs.items()}
     m = re.search(r"was ([0-9.]+) \(unsharded\) and ([0-9.]+) \(baseline\) against the paths' ([0-9.]+)", prose)
     assert m and [_quotes(x, first[p][0]) for x, p in zip(m.groups(), ("unsharded", "ceiling", "deepspeed"))] \
@@ -324,13 +339,20 @@ def test_the_readmes_prose_numbers_are_their_sources():
     pair_runs = _pairs_runs()
     tflops = {row: [r["tflops_per_gpu"] for r in rs] for row, rs in pair_runs.items()}
     of = {row: _of_unsharded(pair_runs, row) for row in ("deepspeed", "lightning", "ceiling")}
+    one_card = _one_card_rounds(pair_runs)
     m = re.search(r"In rounds 1 and 2 \(two cards\) the raw path ran at ([0-9.]+)-([0-9.]+) of it, Lightning at "
-                  r"([0-9.]+)-([0-9.]+), the PyTorch user's baseline \(.*?\) at ([0-9.]+): no ceiling", text)
-    quoted = (min(of["deepspeed"]), max(of["deepspeed"]), min(of["lightning"]), max(of["lightning"]), *of["ceiling"])
-    assert m and len(tflops["unsharded"]) == 2 and [_quotes(x, v) for x, v in zip(m.groups(), quoted)] == [True] * 5
-    assert pairs["cards"]["distinct"] == 2 and pairs["cards"]["each_round_on_one_card"]
-    lo, hi = re.search(r"ZeRO-3 itself costs ([0-9.]+)-([0-9.]+)% on one GPU", text).groups()
-    paths = of["deepspeed"] + of["lightning"]
+                  r"([0-9.]+)-([0-9.]+), the PyTorch user's baseline \(.*?\) at ([0-9.]+): no ceiling. Round 3's "
+                  r"unsharded run had a third card, at a higher clock: ([0-9.]+) and ([0-9.]+)", text)
+    shared = {p: [of[p][i] for i in one_card] for p in ("deepspeed", "lightning")}
+    quoted = (min(shared["deepspeed"]), max(shared["deepspeed"]), min(shared["lightning"]), max(shared["lightning"]),
+              *of["ceiling"], of["deepspeed"][2], of["lightning"][2])
+    assert m and one_card == [0, 1] and len(tflops["unsharded"]) == 3
+    assert [_quotes(x, v) for x, v in zip(m.groups(), quoted)] == [True] * 7
+    assert pairs["cards"]["distinct"] == 3 and not pairs["cards"]["each_round_on_one_card"]
+    clocks = [pair_runs[row][2]["extra"]["gpu_telemetry"]["sm_mhz"]["median"] for row in ("unsharded", "deepspeed")]
+    assert clocks[0] > clocks[1]  # "at a higher clock"
+    lo, hi = re.search(r"ZeRO-3 itself costs ([0-9.]+)-([0-9.]+)% on one GPU \(rounds run on one card\)", text).groups()
+    paths = shared["deepspeed"] + shared["lightning"]
     assert _quotes(lo, 100 * (1 - max(paths))) and _quotes(hi, 100 * (1 - min(paths)))
     m = re.search(r"the H100 row's runs spread ([0-9.]+)-([0-9.]+) \(raw\) and ([0-9.]+)-([0-9.]+) \(Lightning\)", text)
     quoted = (min(tflops["deepspeed"]), max(tflops["deepspeed"]), min(tflops["lightning"]), max(tflops["lightning"]))
