@@ -536,3 +536,25 @@ def test_the_fp8_pages_loss_curve_and_pairs_are_their_sources():
     m = re.search(r"Lightning / raw is ([0-9.]+) in fp8, per pair ([0-9.]+) and ([0-9.]+)", flat)
     assert m and [_quotes(x, v) for x, v in zip(m.groups(), (r["median"], r["min"], r["max"]))] == [True] * 3
     assert report["repeats"] == 2
+
+
+def test_the_training_scripts_section_quotes_each_script_and_the_compare_run_beside_it():
+    """docs/results.md, "The training scripts beside compare": each script's TFLOPs, the compare run of the same path
+    in the folder it names (its `headline_1xh100/`), their ratio, and that the script ran the fast profile with that
+    run's settings but the profiled warm-up step."""
+    text = (ROOT / "docs" / "results.md").read_text()
+    table = _table(text, "## The training scripts beside compare")
+    assert len(table) == 3
+    beside_runs = {"entry_points_same_call_1xh100": "entry_points_same_call_1xh100/headline_1xh100",
+                   "fast_profile_entry_points_1xh100": "fast_profile_entry_points_1xh100/headline_1xh100"}
+    for script, tflops, beside, ratio, source in table:
+        path = ROOT / source.strip("`")
+        run = json.loads(path.read_text())
+        row = {"raw_script.json": "deepspeed", "lightning_script.json": "lightning"}[path.name]
+        compared = json.loads((RESULTS / beside_runs[path.parent.name] / "runs" / f"{row}_0.json").read_text())
+        assert ("plain_deepspeed" if row == "deepspeed" else "lightning_app") in script
+        assert _quotes(tflops, run["tflops_per_gpu"]) and _quotes(beside.split(",")[0], compared["tflops_per_gpu"])
+        assert _quotes(ratio, run["tflops_per_gpu"] / compared["tflops_per_gpu"]), (source, ratio)
+        assert run["train"]["profile"] == "fast" and run["train"]["micro_batch"] == 8
+        differ = {k for k in compared["train"] if compared["train"][k] != run["train"].get(k)}
+        assert differ <= {"profile_step", "out"}, (source, differ)
