@@ -29,6 +29,7 @@ import torch
 
 from harness import autotune, explain
 from harness.launch import (
+    COLD_ROWS,
     FP8_REFUSAL,
     GRACE_S,
     ONE_PROCESS,
@@ -367,7 +368,8 @@ def main(argv: list[str] | None = None) -> dict:
     clock = TimeLimit(ns.time_limit, t0, to_run, out_dir / "runs", ["python", "compare.py", *argv],
                       ("--keep_runs", "--keep-runs"),
                       kept_s=[(row, r.extra["launch_s"]) for (row, _), r in ns.kept.items()
-                              if (r.extra or {}).get("launch_s")], cold_rows=REFERENCES)
+                              if (r.extra or {}).get("launch_s")],
+                      cold_rows=COLD_ROWS)
     stopped = None
     try:
         run_plan(plan, train, ns, out_dir, clock, results)

@@ -46,6 +46,9 @@ FP8_REFUSAL = ("the reference rows unsharded, ceiling and fsdp2 run bf16 or fp32
                "or compare them in a bf16 compare")
 # The rows that run as one unsharded process on one GPU, whatever the compare's world size.
 ONE_PROCESS = ("unsharded", "ceiling")
+# --time_limit: the rows a reference row's first run is planned from (TimeLimit; none named: every row). The stock
+# row compiles the paths' model with DeepCompile, the others compile models of their own.
+COLD_ROWS = {row: PATHS if row == "stock" else () for row in REFERENCES}
 # After SIGTERM to a run's process group: seconds before what is left of it gets SIGKILL. A run stops at its
 # next agreed preemption check (shared/train/preemption.CHECK_EVERY steps); a benchmark run keeps nothing worth
 # waiting for.
@@ -94,17 +97,20 @@ class TimeLimit:
     row the second call cannot finish because that call's own runs were warm. Each row keeps its own longest run, so
     a row that runs shorter is not planned at another row's cold compile, which would leave a call's time unused. A
     row of `cold_rows` with no run yet (compare's reference rows: they compile graphs no path compiled, so their first
-    run compiles cold) is planned at COLD_FACTOR times the longest run so far: a run cut by the call's end loses all
-    its time, one not started loses a call's start-up. With nothing run or kept yet, the first run starts. A stop
-    names the command that runs the rest: `command` with a keep flag (the first of `keep_flags`) added if it has
-    none."""
+    run compiles cold) is planned at COLD_FACTOR times the longest run so far of the rows `cold_rows` names for it
+    (none named: of any row): a run cut by the call's end loses all its time, one not started loses a call's
+    start-up. The stock row compiles the paths' model with DeepCompile as they do, so it is planned from the paths'
+    runs, not from a whole-model row's compile, which can take far longer. With nothing run or kept yet, the
+    first run starts. A stop names the command that runs the rest: `command` with a keep flag (the first of
+    `keep_flags`) added if it has none."""
 
     # The reference rows' first runs it was set from: docs/tuning.md ("Runs under a time limit").
     COLD_FACTOR = 1.8
 
     def __init__(self, limit_s: float | None, t0: float, runs: int, where: Path, command: list,
-                 keep_flags: tuple[str, ...], kept_s: list[tuple[str, float]] = (), cold_rows: tuple[str, ...] = ()):
-        self.limit_s, self.t0, self.left, self.where, self.cold_rows = limit_s, t0, runs, where, tuple(cold_rows)
+                 keep_flags: tuple[str, ...], kept_s: list[tuple[str, float]] = (),
+                 cold_rows: dict[str, tuple[str, ...]] | None = None):
+        self.limit_s, self.t0, self.left, self.where, self.cold_rows = limit_s, t0, runs, where, dict(cold_rows or {})
         self.command = [str(a) for a in command]
         if not set(keep_flags) & set(self.command):
             self.command.append(keep_flags[0])
@@ -115,9 +121,17 @@ class TimeLimit:
 
     def planned_s(self, rows: tuple[str, ...] = ()) -> float:
         """The seconds a run of these rows is planned at: each row's longest run, else the longest run of any row
-        (times COLD_FACTOR for a row of `cold_rows`)."""
-        return max((self.row_s.get(r, self.longest * (self.COLD_FACTOR if r in self.cold_rows else 1)) for r in rows),
-                   default=self.longest)
+        (for a row of `cold_rows`, COLD_FACTOR times the longest of the rows it names, or of any)."""
+        return max((self.row_s.get(r, self.cold_basis_s(r) * self.COLD_FACTOR if r in self.cold_rows else self.longest)
+                    for r in rows), default=self.longest)
+
+    def cold_basis_s(self, row: str) -> float:
+        """The longest run so far of the rows a cold row's first run is planned from."""
+        basis = self.cold_rows.get(row) or tuple(self.row_s)
+        return max((self.row_s[r] for r in basis if r in self.row_s), default=self.longest)
+
+    def basis_words(self, row: str) -> str:
+        return f" of {' and '.join(self.cold_rows[row])}" if self.cold_rows.get(row) else ""
 
     def fits(self, runs: int = 1, rows: tuple[str, ...] = ()) -> bool:
         """Whether `runs` runs of `rows` still fit in the time left (always before the first run)."""
@@ -132,7 +146,8 @@ class TimeLimit:
             cold = [r for r in self.rows if r in self.cold_rows and r not in self.row_s]
             plan = (f"the longest run of {' and '.join(self.rows)} took {self.planned_s(self.rows):.0f} s" if own else
                     f"a first run of {' and '.join(cold)} compiles cold: planned at {self.COLD_FACTOR:g}x the longest "
-                    f"run so far ({self.longest:.0f} s), {self.planned_s(self.rows):.0f} s" if cold else
+                    f"run so far{self.basis_words(cold[0])} ({self.cold_basis_s(cold[0]):.0f} s), "
+                    f"{self.planned_s(self.rows):.0f} s" if cold else
                     f"the longest run so far took {self.planned_s(self.rows):.0f} s")
             raise TimeLimitReached(
                 f"--time_limit {self.limit_s:g}: {max(left_s, 0):.0f} s left, and {plan}; "

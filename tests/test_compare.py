@@ -15,7 +15,7 @@ import torch
 
 import compare
 from harness import report as reports
-from harness.launch import REFERENCES, TimeLimit, TimeLimitReached
+from harness.launch import COLD_ROWS, TimeLimit, TimeLimitReached
 from shared.model.config import preset
 from shared.tools.prepare_data import prepare
 from shared.train.config import TrainConfig
@@ -851,18 +851,45 @@ def test_time_limit_plans_a_reference_rows_first_run_as_a_cold_compile(monkeypat
         return limit
 
     clock[0] = 0.0
-    limit = first_call(REFERENCES)
+    limit = first_call(COLD_ROWS)
     assert limit.planned_s(("unsharded",)) == pytest.approx(144.0 * TimeLimit.COLD_FACTOR)
     assert limit.planned_s(("deepspeed",)) == 138.0
     with pytest.raises(TimeLimitReached, match=r"195 s left, and a first run of unsharded compiles cold: planned "
                                                r"at 1.8x the longest run so far \(144 s\), 259 s; stopped before"):
         limit.before("unsharded (round 1)", rows=("unsharded",))
     clock[0] = 0.0
-    first_call(()).before("unsharded (round 1)", rows=("unsharded",))  # the plain plan: 144 s, started
+    first_call({}).before("unsharded (round 1)", rows=("unsharded",))  # the plain plan: 144 s, started
     # after its first run the row is planned at its own time (127 s in the next call), not at the factor
-    limit = TimeLimit(375, 0.0, 4, ROOT / "runs", ["python", "compare.py"], ("--keep_runs",), cold_rows=REFERENCES,
+    limit = TimeLimit(375, 0.0, 4, ROOT / "runs", ["python", "compare.py"], ("--keep_runs",), cold_rows=COLD_ROWS,
                       kept_s=[("deepspeed", 138.0), ("lightning", 144.0), ("unsharded", 127.0)])
     assert limit.planned_s(("unsharded",)) == 127.0
+
+
+def test_time_limit_plans_the_stock_rows_first_run_from_the_paths_runs(monkeypatch):
+    """The stock row compiles the paths' model with DeepCompile: its first run is planned at COLD_FACTOR x the paths'
+    longest run, not at a whole-model row's cold compile. As on one H100, a three-round compare kept the paths' runs
+    (up to 200 s) and an unsharded run of 310 s: planned from every row, a first stock run needed 558 s, more than a
+    warm call's 541, so no call could add it; from the paths' runs it needs 360 s. Another reference row not run yet
+    keeps the plan from every row."""
+    clock = [0.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    kept = [("deepspeed", 172.7), ("lightning", 200.0), ("unsharded", 310.0), ("ceiling", 222.0)]
+    limit = TimeLimit(541, 0.0, 2, ROOT / "runs", ["python", "compare.py"], ("--keep_runs",), kept_s=kept,
+                      cold_rows=COLD_ROWS)
+    assert limit.planned_s(("stock",)) == pytest.approx(200.0 * TimeLimit.COLD_FACTOR)
+    assert limit.planned_s(("fsdp2",)) == pytest.approx(310.0 * TimeLimit.COLD_FACTOR)
+    limit.before("stock (round 1)", rows=("stock",))  # 541 s left >= 360 s: started
+    clock[0] = 300.0
+    limit.after(1)
+    assert limit.planned_s(("stock",)) == 300.0  # then its own run plans it
+    with pytest.raises(TimeLimitReached, match=r"241 s left, and the longest run of stock took 300 s"):
+        limit.before("stock (round 2)", rows=("stock",))
+    clock[0] = 0.0
+    limit = TimeLimit(300, 0.0, 1, ROOT / "runs", ["python", "compare.py"], ("--keep_runs",), kept_s=kept,
+                      cold_rows=COLD_ROWS)
+    with pytest.raises(TimeLimitReached, match=r"300 s left, and a first run of stock compiles cold: planned at 1.8x "
+                                               r"the longest run so far of deepspeed and lightning \(200 s\), 360 s"):
+        limit.before("stock (round 1)", rows=("stock",))
 
 
 @pytest.mark.parametrize("args, match", [(["--time_limit", "0", "--out", "r"], "--time_limit must be positive"),
