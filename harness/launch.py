@@ -126,9 +126,8 @@ class TimeLimit:
                     for r in rows), default=self.longest)
 
     def cold_basis_s(self, row: str) -> float:
-        """The longest run so far of the rows a cold row's first run is planned from."""
-        basis = self.cold_rows.get(row) or tuple(self.row_s)
-        return max((self.row_s[r] for r in basis if r in self.row_s), default=self.longest)
+        """The longest run so far of the rows a cold row's first run is planned from (none named: of any row)."""
+        return max((self.row_s[r] for r in self.cold_rows.get(row, ()) if r in self.row_s), default=self.longest)
 
     def basis_words(self, row: str) -> str:
         return f" of {' and '.join(self.cold_rows[row])}" if self.cold_rows.get(row) else ""

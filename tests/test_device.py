@@ -347,23 +347,25 @@ def test_deepspeed_installed_per_call_is_imported_through_one_path_with_old_sour
     assert device.stable_deepspeed(env) is None and env == {"PYTHONPATH": str(ROOT)}
 
 
+def _commands(stage: device.Stage, sets: list[str]) -> dict[str, list[str]]:
+    """The argv of each command a call of `stage` with these settings runs on an H100, by its log."""
+    params = device.settings(stage, sets)
+    call = device.Call(stage, params, Path("/tmp/work"), None, "h100", dry_run=True)
+    return {c.log: device.argv(c.command, {**call.values, "time_limit": 500}) for c in stage.commands()
+            if c.runs(params)}
+
+
 def test_the_headlines_script_runs_can_stand_for_the_resume_stages_drift_runs():
     """Each path's resume runs train with the headline's training-script run's settings (resume_check compares the
     runs' data, steps, seed and the rest): they differ only in the mid-run passes, the timing warm-up and the output,
     so the headline's scripts=all runs are the drift runs and `--set plain=` leaves the stage's own out."""
-    def runs(stage: device.Stage, sets: list[str]) -> dict[str, list[str]]:
-        params = device.settings(stage, sets)
-        call = device.Call(stage, params, Path("/tmp/work"), None, "h100", dry_run=True)
-        return {c.log: device.argv(c.command, {**call.values, "time_limit": 500}) for c in stage.commands()
-                if c.runs(params)}
-
     def training(cmd: list[str]) -> dict[str, str]:
         words = cmd[next(i for i, w in enumerate(cmd) if w.endswith("train.py")):]
         flags = dict(zip(words[1::2], words[2::2]))
         return {k: v for k, v in flags.items() if k not in ("--out", "--warmup_steps")}
 
-    headline = runs(STAGES["headline"], ["scripts=all"])
-    resume, without = runs(STAGES["resume"], []), runs(STAGES["resume"], ["plain="])
+    headline = _commands(STAGES["headline"], ["scripts=all"])
+    resume, without = _commands(STAGES["resume"], []), _commands(STAGES["resume"], ["plain="])
     for path in ("raw", "lightning"):
         assert training(resume[f"{path}_plain.log"]) == training(headline[f"{path}_script.log"]), path
         full = training(resume[f"{path}_full.log"])
@@ -395,11 +397,8 @@ def test_the_headlines_references_setting_passes_compare_exactly_those_rows_and_
     `--reference` (what an empty value left of `--reference <value>`) asks compare for every reference row."""
     import compare
 
-    stage = STAGES["headline"]
     for value, rows in (("", []), ("unsharded,ceiling:1", ["unsharded", "ceiling"]), ("stock:2", ["stock"])):
-        params = device.settings(stage, [f"references={value}", "gpus=1"])
-        call = device.Call(stage, params, Path("/tmp/work"), None, "h100", dry_run=True)
-        cmd = device.argv(stage.run[0].command, {**call.values, "time_limit": 500})
+        cmd = _commands(STAGES["headline"], [f"references={value}", "gpus=1"])["headline.log"]
         args = cmd[cmd.index("compare.py") + 1:]
         assert f"--reference={value}" in args
         ns = compare.build_parser().parse_args(args)

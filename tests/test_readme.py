@@ -111,6 +111,17 @@ def _one_card_rounds(runs: dict[str, list[dict]]) -> list[int]:
     return [i for i in range(len(runs["deepspeed"])) if len(cards(i)) == 1]
 
 
+def _one_card_fractions(runs: dict[str, list[dict]]) -> list[float]:
+    """Both paths' fractions of the unsharded row in the rounds run on one card (what ZeRO-3 costs, quoted as a
+    range)."""
+    return [_of_unsharded(runs, p)[i] for p in ("deepspeed", "lightning") for i in _one_card_rounds(runs)]
+
+
+def _sm_mhz(run: dict) -> float:
+    """The median SM clock a run held over its timed steps (compare's clock reader)."""
+    return run["extra"]["gpu_telemetry"]["sm_mhz"]["median"]
+
+
 def _table(text: str, heading: str) -> list[list[str]]:
     """The rows of the first table under `heading` (cells stripped)."""
     section = text[text.index(heading):]
@@ -276,12 +287,11 @@ def test_the_reference_rows_section_quotes_the_headline_pairs_runs():
                   r"(\d+) and (\d+) for that round's paths: its fractions, ([0-9.]+) and ([0-9.]+), .*? The report's "
                   r"`fraction_of_unsharded` ratios \(([0-9.]+) raw, ([0-9.]+) Lightning\)", prose)
     of = {p: _of_unsharded(runs, p) for p in ("deepspeed", "lightning")}
-    shared = of["deepspeed"][:2] + of["lightning"][:2]
-    clock = lambda row: runs[row][2]["extra"]["gpu_telemetry"]["sm_mhz"]["median"]
-    quoted = [a - b for a, b in zip(step["deepspeed"][:2], step["unsharded"])] + [
-        100 * (1 - max(shared)), 100 * (1 - min(shared)), *(clock(r) for r in ("unsharded", "deepspeed", "lightning")),
-        of["deepspeed"][2], of["lightning"][2], *(report["fraction_of_unsharded"][p]["ratio"]
-                                                  for p in ("deepspeed", "lightning"))]
+    shared = _one_card_fractions(runs)
+    clocks = [_sm_mhz(runs[row][2]) for row in ("unsharded", "deepspeed", "lightning")]
+    quoted = [step["deepspeed"][i] - step["unsharded"][i] for i in _one_card_rounds(runs)] + [
+        100 * (1 - max(shared)), 100 * (1 - min(shared)), *clocks, of["deepspeed"][2], of["lightning"][2],
+        *(report["fraction_of_unsharded"][p]["ratio"] for p in ("deepspeed", "lightning"))]
     assert m and [_quotes(x, v) for x, v in zip(m.groups(), quoted)] == [True] * 11
     assert all(report["fraction_of_unsharded"][p]["n"] == 3 and report["fraction_of_unsharded"][p]["max"] < 1
                for p in ("deepspeed", "lightning"))
@@ -349,10 +359,9 @@ def test_the_readmes_prose_numbers_are_their_sources():
     assert m and one_card == [0, 1] and len(tflops["unsharded"]) == 3
     assert [_quotes(x, v) for x, v in zip(m.groups(), quoted)] == [True] * 7
     assert pairs["cards"]["distinct"] == 3 and not pairs["cards"]["each_round_on_one_card"]
-    clocks = [pair_runs[row][2]["extra"]["gpu_telemetry"]["sm_mhz"]["median"] for row in ("unsharded", "deepspeed")]
-    assert clocks[0] > clocks[1]  # "at a higher clock"
+    assert _sm_mhz(pair_runs["unsharded"][2]) > _sm_mhz(pair_runs["deepspeed"][2])  # "at a higher clock"
     lo, hi = re.search(r"ZeRO-3 itself costs ([0-9.]+)-([0-9.]+)% on one GPU \(rounds run on one card\)", text).groups()
-    paths = shared["deepspeed"] + shared["lightning"]
+    paths = _one_card_fractions(pair_runs)
     assert _quotes(lo, 100 * (1 - max(paths))) and _quotes(hi, 100 * (1 - min(paths)))
     m = re.search(r"the H100 row's runs spread ([0-9.]+)-([0-9.]+) \(raw\) and ([0-9.]+)-([0-9.]+) \(Lightning\)", text)
     quoted = (min(tflops["deepspeed"]), max(tflops["deepspeed"]), min(tflops["lightning"]), max(tflops["lightning"]))
