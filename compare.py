@@ -35,6 +35,7 @@ from harness.launch import (
     ONE_PROCESS,
     PATHS,
     REFERENCES,
+    SCRIPT_ROWS,
     TIME_LIMIT_EXIT,
     CompareError,
     Stopped,
@@ -50,7 +51,7 @@ from harness.order import round_order
 from harness.report import build_report, format_table, plot_phases, smoke_test_note, write_markdown
 from lightning_app.overheads import check_overheads
 from shared.train.cli import MORE_TITLE, Parser, add_config_args, apply_profile, config_from_args, option_group
-from shared.train.config import TrainConfig
+from shared.train.config import TrainConfig, normalize_precision
 from shared.train.data import SHIPPED
 from shared.train.distributed import check_before_start, gpu_memory_gib
 from shared.train.results import RunResult, differences, replace_text, versions
@@ -90,9 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run reference rows in every round: unsharded (the ZeRO-3 paths' bf16 weights, fp32 "
                         "masters, AdamW step and compile without sharding, one GPU: what ZeRO-3 itself costs), "
                         "ceiling (the PyTorch user's baseline: fp32 weights under autocast, torch's fused AdamW, "
-                        "whole model compiled, one GPU), fsdp2 (torch FSDP2 + compiled blocks) and stock (the raw "
-                        "path under --profile stock: DeepSpeed as shipped); each path is reported against "
-                        "them, per round (default with the flag: all four on GPUs, all but stock without); "
+                        "whole model compiled, one GPU), fsdp2 (torch FSDP2 + compiled blocks), stock (the raw "
+                        "path under --profile stock: DeepSpeed as shipped) and, with --precision fp8, bf16 (the raw "
+                        "path at bf16: what FP8 gains); each path is reported against them, per round (default "
+                        "with the flag: every row the compare can run: in fp8 stock and bf16, else the first four, "
+                        "stock on GPUs only); "
                         "row:N runs a row in the first N rounds only (unsharded,ceiling:1)")
     more.add_argument("--reference_rounds", "--reference-rounds", type=int, default=None,
                    help="run the reference rows in the first N rounds only (default: every round); the fractions of "
@@ -159,8 +162,11 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
                                  "drop the option")
         if ns.explain:
             explain.parse_factors(ns.factors)
-        # the bare flag on a CPU leaves out stock, whose eager DeepSpeed step says nothing the paths do not
-        every = REFERENCES if n_gpus else tuple(r for r in REFERENCES if r != "stock")
+        # the bare flag: every row this compare can run. On a CPU not stock, whose eager DeepSpeed step says nothing
+        # the paths do not; in fp8 the rows that train the paths' model (FP8_REFUSAL), in bf16 or fp32 all but bf16.
+        fp8 = normalize_precision(ns.precision or TrainConfig.precision) == "fp8"
+        every = tuple(r for r in REFERENCES if (n_gpus or r != "stock")
+                      and (r in SCRIPT_ROWS if fp8 else r != "bf16"))
         if ns.reference_rounds is not None and not (ns.reference and 1 <= ns.reference_rounds <= ns.repeats):
             raise ValueError(f"--reference_rounds {ns.reference_rounds} needs --reference and a value from 1 to "
                              f"--repeats ({ns.repeats})")
@@ -205,8 +211,11 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
         ns.report_dir = Path(ns.out or "reports/latest")
         train = config_from_args(ns, out=str(ns.report_dir / "runs" / "run.json"))
         check_overheads(train)
-        if train.precision == "fp8" and set(ns.references) - {"stock"}:
+        if train.precision == "fp8" and set(ns.references) - set(SCRIPT_ROWS):
             raise ValueError(FP8_REFUSAL)
+        # each row's config, the paths' own but for the rows that run a path's script under another (row_config)
+        ns.row_train = {row: row_config(row, train, row_world(ns, row), ns.resolved_profile.filled)
+                        for row in (*PATHS, *ns.references)}
         ns.kept = kept_runs(ns, train) if ns.keep_runs and not ns.autotune else {}
         ns.kept_candidates, ns.kept_commands = (autotune.kept_candidates(train, ns.world, ns.report_dir)
                                                 if ns.keep_runs and ns.autotune else ([], []))
@@ -214,8 +223,8 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
         device = torch.device("cuda" if n_gpus else "cpu")
         check_before_start(train, device, ns.world, ns.world,
                            lightning=not ns.autotune)  # the autotuner runs the raw path only
-        if "stock" in ns.references:  # DeepSpeed as shipped: its own config must run here too
-            check_before_start(row_config("stock", train, ns.world), device, ns.world, ns.world, lightning=False)
+        for row in set(SCRIPT_ROWS) & set(ns.references):  # DeepSpeed as shipped, bf16: their configs run here too
+            check_before_start(ns.row_train[row], device, ns.world, ns.world, lightning=False)
         if ns.explain:  # every factor's config must be valid before the first run starts
             for factor in explain.parse_factors(ns.factors):
                 explain.factor_config(train, factor)
@@ -266,7 +275,7 @@ def kept_runs(ns: argparse.Namespace, train: TrainConfig) -> dict[tuple[str, int
             if not path.is_file():
                 continue
             result = RunResult.from_json(path)
-            diff = differences(row_config(row, train, row_world(ns, row)), result.train, result.device.get("name"),
+            diff = differences(ns.row_train[row], result.train, result.device.get("name"),
                                result.versions)
             if result.world_size != row_world(ns, row):
                 diff.append(f"{result.world_size} process(es) there vs {row_world(ns, row)} now")
@@ -309,7 +318,7 @@ def run_plan(plan: list, train: TrainConfig, ns: argparse.Namespace, out_dir: Pa
             # unsharded and the ceiling are one process on the first GPU whatever the run's world size; with
             # --parallel every run of a group has a GPU of its own.
             env = {"CUDA_VISIBLE_DEVICES": visible_gpu(slot)} if ns.parallel or path in ONE_PROCESS else None
-            return launch(path, train, row_world(ns, path), out_dir / "runs" / f"{path}_{i}.json",
+            return launch(path, ns.row_train[path], row_world(ns, path), out_dir / "runs" / f"{path}_{i}.json",
                           out_dir / "logs" / f"{path}_{i}.log", ns.timeout, env=env)
 
         for path, result in run_group(group, launch_one).items():

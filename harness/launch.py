@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from shared.train.results import RunResult
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = {"deepspeed": ROOT / "plain_deepspeed" / "train.py", "lightning": ROOT / "lightning_app" / "train.py",
-           "stock": ROOT / "plain_deepspeed" / "train.py"}
+           "stock": ROOT / "plain_deepspeed" / "train.py", "bf16": ROOT / "plain_deepspeed" / "train.py"}
 # The reference rows are a module of this library, run as `torchrun -m harness.reference` (the paths are scripts).
 MODULES = {"unsharded": "harness.reference", "ceiling": "harness.reference", "fsdp2": "harness.reference"}
 SCRIPT_ARGS = {row: ["--mode", row] for row in MODULES}
@@ -37,18 +38,23 @@ PATHS = ("deepspeed", "lightning")
 # paths' 16-bit weights, fp32 masters and optimizer step without the sharding, one GPU (what ZeRO-3 costs is
 # measured against it); ceiling: the PyTorch user's baseline, fp32 weights under autocast and torch's fused AdamW,
 # one GPU; fsdp2: torch FSDP2 + compiled blocks on the run's GPUs; stock: the raw path under the stock profile,
-# DeepSpeed as shipped (shared/train/profiles.py), on the run's GPUs.
-REFERENCES = ("unsharded", "ceiling", "fsdp2", "stock")
+# DeepSpeed as shipped (shared/train/profiles.py), on the run's GPUs; bf16 (fp8 compares only): the raw path at bf16
+# under the paths' profile, its precision rules applied for bf16, on the run's GPUs: what FP8 gains, round by round.
+REFERENCES = ("unsharded", "ceiling", "fsdp2", "stock", "bf16")
 # The unsharded, ceiling and fsdp2 rows (harness/reference.py) build their own models, which no FP8 conversion
-# reaches: a bf16 row beside fp8 paths would read as what fp8 costs or saves.
+# reaches: beside fp8 paths they would read as what the setup costs when it is what fp8 saves.
 FP8_REFUSAL = ("the reference rows unsharded, ceiling and fsdp2 run bf16 or fp32 models of their own, not the paths' "
-               "FP8 conversion: with --precision fp8 use --reference stock (the raw path under the stock profile), "
-               "or compare them in a bf16 compare")
+               "FP8 conversion: with --precision fp8 use --reference stock (the raw path under the stock profile) "
+               "or bf16 (the raw path at bf16, for what FP8 gains), or compare them in a bf16 compare")
+BF16_ROW_REFUSAL = ("--reference bf16 runs the raw path at bf16 beside an FP8 compare (what FP8 gains); this compare "
+                    "trains in {precision}: add --precision fp8, or leave the bf16 row out")
+# The rows that run a path's script under another config (row_config), beside the paths on the run's GPUs.
+SCRIPT_ROWS = ("stock", "bf16")
 # The rows that run as one unsharded process on one GPU, whatever the compare's world size.
 ONE_PROCESS = ("unsharded", "ceiling")
 # --time_limit: the rows a reference row's first run is planned from (TimeLimit; none named: every row). The stock
-# row compiles the paths' model with DeepCompile, the others compile models of their own.
-COLD_ROWS = {row: PATHS if row == "stock" else () for row in REFERENCES}
+# and bf16 rows compile the paths' model with DeepCompile, the others compile models of their own.
+COLD_ROWS = {row: PATHS if row in SCRIPT_ROWS else () for row in REFERENCES}
 # After SIGTERM to a run's process group: seconds before what is left of it gets SIGKILL. A run stops at its
 # next agreed preemption check (shared/train/preemption.CHECK_EVERY steps); a benchmark run keeps nothing worth
 # waiting for.
@@ -217,26 +223,41 @@ def is_oom(text: str) -> bool:
     return "does not fit" in text or "out of memory" in text.lower()
 
 
-def row_config(row: str, train: TrainConfig, world: int) -> TrainConfig:
-    """The config a compare row runs: the compare's own, except the stock row's speed settings, which come from the
-    stock profile (its rules applied for this run: stage, attention backend, user JSON) and keep the compare's
-    warm-up where it is longer."""
-    if row != "stock":
+def row_config(row: str, train: TrainConfig, world: int, filled: Iterable[str] = ()) -> TrainConfig:
+    """The config a compare row runs: the compare's own, except
+    - stock: the speed settings come from the stock profile (its rules applied for this run: stage, attention backend,
+      user JSON), keeping the compare's warm-up where it is longer;
+    - bf16 (beside an fp8 compare): precision bf16, and the speed settings the paths' profile filled (`filled`, the
+      names in profiles.Resolved.filled) filled again for bf16, so that its rules for fp8 (the unfused tails) do not
+      carry over; the flags the user gave, the micro-batch and the warm-up stay the compare's. ValueError where the
+      compare is not fp8."""
+    if row not in SCRIPT_ROWS:
         return train
     from shared.train import profiles
 
-    given = {k: v for k, v in dataclasses.asdict(train).items() if k not in profiles.SPEED_FIELDS and k != "profile"}
-    stock = profiles.resolve(given, "stock", cuda=torch.cuda.is_available(), gpus=world)
-    settings = {**stock.filled, "warmup_steps": max(train.warmup_steps, stock.filled.get("warmup_steps", 0))}
-    return dataclasses.replace(train, profile="stock", **settings)
+    cuda = torch.cuda.is_available()
+    if row == "stock":
+        given = {k: v for k, v in dataclasses.asdict(train).items()
+                 if k not in profiles.SPEED_FIELDS and k != "profile"}
+        stock = profiles.resolve(given, "stock", cuda=cuda, gpus=world)
+        settings = {**stock.filled, "warmup_steps": max(train.warmup_steps, stock.filled.get("warmup_steps", 0))}
+        return dataclasses.replace(train, profile="stock", **settings)
+    if train.precision != "fp8":
+        raise ValueError(BF16_ROW_REFUSAL.format(precision=train.precision))
+    keep = {"micro_batch", "warmup_steps"}
+    given = {k: v for k, v in dataclasses.asdict(train).items() if (k not in filled or k in keep) and k != "profile"}
+    given.update(precision="bf16", fp8_recipe=TrainConfig.fp8_recipe)
+    bf16 = profiles.resolve(given, train.profile, cuda=cuda, gpus=world)
+    return dataclasses.replace(train, precision="bf16", fp8_recipe=TrainConfig.fp8_recipe, **bf16.filled)
 
 
 def launch(path: str, train: TrainConfig, world: int, out: Path, log: Path, timeout: int,
            env: dict | None = None) -> RunResult:
-    """Run one path in its own processes (torchrun, one process per GPU) and read back its RunResult.
+    """Run one row in its own processes (torchrun, one process per GPU) with `train`, the row's config (row_config),
+    and read back its RunResult.
 
     env: extra environment for the run (e.g. CUDA_VISIBLE_DEVICES to pin it to some of the GPUs)."""
-    run_cfg = dataclasses.replace(row_config(path, train, world), out=str(out))
+    run_cfg = dataclasses.replace(train, out=str(out))
     entry = ["-m", MODULES[path]] if path in MODULES else [str(SCRIPTS[path])]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
            *entry, *SCRIPT_ARGS.get(path, []), *to_argv(run_cfg)]

@@ -1009,6 +1009,60 @@ def test_the_stock_row_is_the_raw_path_under_the_stock_profile_and_the_report_ra
         reports.format_table(report)
 
 
+def test_the_bf16_row_is_the_raw_path_at_bf16_under_the_paths_profile_and_the_report_rates_fp8_over_it(monkeypatch):
+    """--precision fp8 --reference bf16: the raw path at bf16 with the settings the paths' profile gives bf16 (its fp8
+    rule, the unfused tails, does not carry over), the user's own flags, micro-batch and warm-up kept; refused beside
+    a compare that is not fp8. The report gives each fp8 path over it, round by round, and judges its step-0 loss
+    within a tolerance of its own (FP8's forward rounds further from bf16's than bf16's own precision)."""
+    from harness.launch import BF16_ROW_REFUSAL, COLD_ROWS, PATHS, row_config
+    from shared.model import config as model_config
+    from shared.model import fp8
+    from shared.train import profiles
+
+    monkeypatch.setattr(model_config, "cuda_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(fp8, "device_capability", lambda: (9, 0))
+    given = dict(preset="1.5b", precision="fp8", fp8_recipe="rowwise", micro_batch=8, triton_loss=False,
+                 warmup_steps=10, steps=20)
+    resolved = profiles.resolve(given, "fast", cuda=True, gpus=1)
+    train = TrainConfig(**given, **resolved.filled, profile="fast")
+    assert not train.triton_gelu_grad and not train.triton_dropout  # the fast profile's fp8 rule
+    bf16 = row_config("bf16", train, 1, resolved.filled)
+    fast_bf16 = profiles.resolve({**given, "precision": "bf16"}, "fast", cuda=True, gpus=1).filled
+    assert (bf16.precision, bf16.profile, bf16.fp8_recipe) == ("bf16", "fast", TrainConfig.fp8_recipe)
+    assert bf16.triton_gelu_grad and bf16.triton_dropout and bf16.compile == fast_bf16["compile"] == "deepcompile"
+    assert (bf16.triton_loss, bf16.micro_batch, bf16.warmup_steps, bf16.preset) == (False, 8, 10, "1.5b")
+    assert all(getattr(bf16, k) == v for k, v in fast_bf16.items() if k not in given)
+    assert COLD_ROWS["bf16"] == PATHS  # its first run compiles the paths' model with DeepCompile, as theirs did
+    with pytest.raises(ValueError, match=re.escape(BF16_ROW_REFUSAL.format(precision="bf16"))):
+        row_config("bf16", TrainConfig(preset="1.5b", precision="bf16"), 1, resolved.filled)
+
+    runs = {"deepspeed": [_run(2.2), _run(2.4)], "lightning": [_run(2.3), _run(2.2)], "bf16": [_run(2.0), _run(2.0)]}
+    for r in runs["bf16"]:
+        r.fused = {"compile": "deepcompile"}
+    runs["bf16"][0].losses = [5.02, 4.9]  # 0.02 from the raw path's step-0 loss: inside the bf16 row's tolerance
+    report = reports.build_report(train, SimpleNamespace(world=1, repeats=2), runs, {}, [])
+    over = report["over_bf16"]["deepspeed"]
+    assert over["ratio"] == pytest.approx(2.3 / 2.0) and (over["min"], over["max"], over["n"]) == (
+        pytest.approx(1.1), pytest.approx(1.2), 2)
+    table = reports.format_table(report)
+    assert "deepspeed in fp8 over the bf16 row (the same profile at bf16): 1.150x [1.100, 1.200] over 2 round(s)" \
+        in table
+    assert report["same_start"]["ok"]
+    assert report["same_start"]["tolerances"] == {"bf16": reports.START_TOLERANCES["bf16"]}
+    assert "bf16 2.00e-02 / 0.00e+00 (within 0.05)" in table
+    runs["bf16"][0].losses = [5.2, 4.9]  # another draw of the weights
+    assert not reports.build_report(train, SimpleNamespace(world=1, repeats=2), runs, {}, [])["same_start"]["ok"]
+
+
+def test_the_bf16_row_is_refused_beside_a_bf16_compare_and_left_out_of_its_bare_reference_flag(capsys):
+    with pytest.raises(SystemExit) as e:
+        compare.parse(["--reference", "bf16"])
+    assert e.value.code == 2
+    assert "--reference bf16 runs the raw path at bf16 beside an FP8 compare" in capsys.readouterr().err
+    assert "bf16" not in compare.parse(["--reference"])[1].references
+
+
 def test_the_bare_reference_flag_leaves_the_stock_row_out_on_a_cpu_where_it_runs_deepspeeds_eager_step():
     assert compare.parse(["--reference"])[1].references == ["unsharded", "ceiling", "fsdp2"]
     train, ns = compare.parse(["--reference", "stock"])

@@ -328,3 +328,27 @@ def test_both_paths_train_fp8_alike(tmp_path, profile, fp8_gpu):
     assert all(r["mfu_fp8"] is not None and r["mfu_fp8"] == pytest.approx(r["mfu"] / 2) for r in runs.values())
     assert report["loss_parity"]["ok"], report["loss_parity"]
     assert runs["deepspeed"]["losses"][-1] < runs["deepspeed"]["losses"][0]
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.timeout(700)
+def test_the_bf16_row_runs_beside_an_fp8_compare_and_the_report_rates_fp8_over_it_on_the_gpu(tmp_path, fp8_gpu):
+    """`compare.py --precision fp8 --reference bf16` (one GPU, one round, eager): the bf16 row is the raw path at bf16
+    with no FP8 conversion, trained from the paths' weights on the same batches; the report gives each fp8 path over
+    it."""
+    kjv = tmp_path / "kjv"
+    prepare(ROOT / "data" / "kjv.txt", kjv, "byte")
+    out = tmp_path / "report"
+    run([sys.executable, ROOT / "compare.py", *GPU_BASE, "--data", kjv, "--steps", "10", "--warmup_steps", "3",
+         "--precision", "fp8", "--profile", "eager", "--gpus", "1", "--repeats", "1", "--reference", "bf16",
+         "--out", out], timeout=600)
+    report = json.loads((out / "report.json").read_text())
+    bf16 = json.loads((out / "runs" / "bf16_0.json").read_text())
+    raw = json.loads((out / "runs" / "deepspeed_0.json").read_text())
+    assert bf16["train"]["precision"] == "bf16" and not bf16.get("fp8") and raw["fp8"]["n_converted"] == 8
+    assert bf16["train"]["micro_batch"] == raw["train"]["micro_batch"] and bf16["path"] == raw["path"]
+    assert report["same_start"]["ok"], report["same_start"]
+    assert set(report["over_bf16"]) == {"deepspeed", "lightning"}
+    assert all(o["n"] == 1 and o["ratio"] > 0 for o in report["over_bf16"].values())
+    assert bf16["losses"][-1] < bf16["losses"][0]
