@@ -223,7 +223,7 @@ def parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
         device = torch.device("cuda" if n_gpus else "cpu")
         check_before_start(train, device, ns.world, ns.world,
                            lightning=not ns.autotune)  # the autotuner runs the raw path only
-        for row in set(SCRIPT_ROWS) & set(ns.references):  # DeepSpeed as shipped, bf16: their configs run here too
+        for row in (r for r in ns.references if r in SCRIPT_ROWS):  # stock, bf16: their configs must run here too
             check_before_start(ns.row_train[row], device, ns.world, ns.world, lightning=False)
         if ns.explain:  # every factor's config must be valid before the first run starts
             for factor in explain.parse_factors(ns.factors):

@@ -88,8 +88,13 @@ class Command:
         if self.when is None:
             return True
         param, _, name = self.when.partition("=")
-        chosen = [v.strip() for v in params[param].split(",") if v.strip()]
+        chosen = names(params[param])
         return bool(chosen) and (not name or name in chosen or "all" in chosen)
+
+
+def names(value: str) -> list[str]:
+    """A param's comma list, blanks dropped (`when = "param=name"` chooses commands by these)."""
+    return [v.strip() for v in value.split(",") if v.strip()]
 
 
 @dataclass
@@ -169,7 +174,7 @@ def settings(stage: Stage, sets: list[str]) -> dict[str, str]:
     if missing := [r for r in stage.required if not params[r]]:
         raise StageError(f"stage {stage.name!r} needs " + " ".join(f"--set {m}=..." for m in missing))
     for name, choices in choices_of(stage).items():  # a param whose commands are chosen by name: no other value
-        if wrong := [v for v in params[name].split(",") if v.strip() and v.strip() not in (*choices, "all")]:
+        if wrong := [v for v in names(params[name]) if v not in (*choices, "all")]:
             raise StageError(f"--set {name}={params[name]}: {', '.join(wrong)} chooses none of its commands; "
                              f"name some of {', '.join(choices)} (comma-separated), or all")
     return params

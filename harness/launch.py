@@ -105,8 +105,8 @@ class TimeLimit:
     row of `cold_rows` with no run yet (compare's reference rows: they compile graphs no path compiled, so their first
     run compiles cold) is planned at COLD_FACTOR times the longest run so far of the rows `cold_rows` names for it
     (none named: of any row): a run cut by the call's end loses all its time, one not started loses a call's
-    start-up. The stock row compiles the paths' model with DeepCompile as they do, so it is planned from the paths'
-    runs, not from a whole-model row's compile, which can take far longer. With nothing run or kept yet, the
+    start-up. The stock and bf16 rows compile the paths' model with DeepCompile as they do, so they are planned from the
+    paths' runs, not from a whole-model row's compile, which can take far longer. With nothing run or kept yet, the
     first run starts. A stop names the command that runs the rest: `command` with a keep flag (the first of
     `keep_flags`) added if it has none."""
 
@@ -246,7 +246,7 @@ def row_config(row: str, train: TrainConfig, world: int, filled: Iterable[str] =
         raise ValueError(BF16_ROW_REFUSAL.format(precision=train.precision))
     keep = {"micro_batch", "warmup_steps"}
     given = {k: v for k, v in dataclasses.asdict(train).items() if (k not in filled or k in keep) and k != "profile"}
-    given.update(precision="bf16", fp8_recipe=TrainConfig.fp8_recipe)
+    given["precision"] = "bf16"
     bf16 = profiles.resolve(given, train.profile, cuda=cuda, gpus=world)
     return dataclasses.replace(train, precision="bf16", fp8_recipe=TrainConfig.fp8_recipe, **bf16.filled)
 
