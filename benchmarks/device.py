@@ -14,11 +14,12 @@ them as the device scripts before it did (they are in benchmarks/archive/, with 
   - DeepCompile's two ops built once, side by side, before any run races for them, with the image's
     TORCH_CUDA_ARCH_LIST=9.0a, which DeepSpeed 0.19.8's op builder cannot parse, rewritten to 9.0 for every command
     (shared/train/ds_runtime.normalize_cuda_arch_list);
-  - a time budget: a command starts only if the time left is at least what it needs (else it is skipped and said so),
-    runs under a timeout of what is left less what the commands after it need (those that could still start once
-    it had its own need: a fresh machine's slower run is not cut for one that would not fit anyway), and compare.py
-    and ablation.py get that as --time_limit, so that they stop between runs and a later call continues them; the
-    call's device.json records each command's seconds, and the cache restore's and the op builds';
+  - a time budget: a command starts only if the time left is at least what it needs (else it is skipped and said so);
+    compare.py and ablation.py get as --time_limit what is left less what the commands after it need (those that
+    could still start once it had its own need: a fresh machine's slower run is not cut for one that would not fit
+    anyway), so that they stop between runs and a later call continues them; any other command, which would leave
+    nothing if cut (a training run writes its JSON at its end), runs until the budget's end; the call's device.json
+    records each command's seconds, and the cache restore's and the op builds';
   - DeepSpeed imported through one path on a machine (stable_deepspeed), so that its ops built once serve every
     later call there;
   - continuation: `--keep warm` continues the stage's folder from the copy the last call left on this machine (calls
@@ -288,10 +289,12 @@ class Call:
         for i, c in enumerate(commands):
             # what is left, less what the commands after it need, but never less than it needs itself; a later
             # command that could not start after this one anyway reserves nothing (a run slower than its need,
-            # a fresh machine's, is not cut to keep time for it)
+            # a fresh machine's, is not cut to keep time for it). Only a command told its {time_limit} (compare.py,
+            # ablation.py: they stop between runs) keeps time for the later ones: any other, a training run, would
+            # leave nothing if cut, so it runs to the budget's end and they are skipped instead
             left, own = self.left(), needs(self.stage, c, self.params)
-            after = 0.0 if parallel else reserved([needs(self.stage, d, self.params) for d in commands[i + 1:]
-                                                   if not self.done(d)], left - own)
+            after = 0.0 if parallel or "{time_limit}" not in c.command else reserved(
+                [needs(self.stage, d, self.params) for d in commands[i + 1:] if not self.done(d)], left - own)
             limit = min(left, max(left - after, own))
             values = {**self.values, "time_limit": max(int(limit - TIME_LIMIT_MARGIN_S), 1)}
             cmd, own_env = argv(c.command, values), {k: fill(v, values) for k, v in c.env.items()}
