@@ -366,11 +366,14 @@ def test_the_readmes_prose_numbers_are_their_sources():
     m = re.search(r"the H100 row's runs spread ([0-9.]+)-([0-9.]+) \(raw\) and ([0-9.]+)-([0-9.]+) \(Lightning\)", text)
     quoted = (min(tflops["deepspeed"]), max(tflops["deepspeed"]), min(tflops["lightning"]), max(tflops["lightning"]))
     assert m and [_quotes(x, v) for x, v in zip(m.groups(), quoted)] == [True] * 4
-    entry = RESULTS / "fast_profile_entry_points_1xh100"
+    entry = RESULTS / "entry_points_same_call_1xh100"
     scripts = [json.loads((entry / f"{p}_script.json").read_text()) for p in ("raw", "lightning")]
-    runs = RESULTS / "fast_profile_entry_points_1xh100/headline_1xh100/runs"
-    compared = [json.loads((runs / f"{p}_0.json").read_text()) for p in ("deepspeed", "lightning")]
-    m = re.search(r"ran at ([0-9.]+) and ([0-9.]+) TFLOPs/GPU: ([0-9.]+) and ([0-9.]+) of a compare's run", text)
+    runs = RESULTS / "entry_points_same_call_1xh100/headline_1xh100/runs"
+    # each script ran in the call of one compare round: raw after round 1, Lightning after round 2
+    compared = [json.loads((runs / f"{r}.json").read_text()) for r in ("deepspeed_0", "lightning_1")]
+    assert [s["device"]["uuid"] for s in scripts] == [c["device"]["uuid"] for c in compared]  # "in the same call"
+    m = re.search(r"ran at ([0-9.]+) and ([0-9.]+) TFLOPs/GPU: ([0-9.]+) and ([0-9.]+) of a compare's run of the same "
+                  r"path in the same call", text)
     quoted = [s["tflops_per_gpu"] for s in scripts] + [s["tflops_per_gpu"] / c["tflops_per_gpu"]
                                                        for s, c in zip(scripts, compared)]
     assert [_quotes(x, v) for x, v in zip(m.groups(), quoted)] == [True] * 4
@@ -549,21 +552,37 @@ def test_the_fp8_pages_loss_curve_and_pairs_are_their_sources():
 
 def test_the_training_scripts_section_quotes_each_script_and_the_compare_run_beside_it():
     """docs/results.md, "The training scripts beside compare": each script's TFLOPs, the compare run of the same path
-    in the folder it names (its `headline_1xh100/`), their ratio, and that the script ran the fast profile with that
-    run's settings but the profiled warm-up step."""
+    it names in the folder's `headline_1xh100/runs/`, their ratio, and that the script ran the fast profile with that
+    run's settings but the profiled warm-up step; a script "the same call" as its run trained on that run's card; the
+    prose's loss gaps and range of ratios are the table's."""
     text = (ROOT / "docs" / "results.md").read_text()
     table = _table(text, "## The training scripts beside compare")
-    assert len(table) == 3
-    beside_runs = {"entry_points_same_call_1xh100": "entry_points_same_call_1xh100/headline_1xh100",
-                   "fast_profile_entry_points_1xh100": "fast_profile_entry_points_1xh100/headline_1xh100"}
+    assert len(table) == 4
+    beside_runs = {"entry_points_same_call_1xh100": "entry_points_same_call_1xh100/headline_1xh100/runs",
+                   "fast_profile_entry_points_1xh100": "fast_profile_entry_points_1xh100/headline_1xh100/runs"}
+    ratios, gaps = [], {}
     for script, tflops, beside, ratio, source in table:
         path = ROOT / source.strip("`")
         run = json.loads(path.read_text())
         row = {"raw_script.json": "deepspeed", "lightning_script.json": "lightning"}[path.name]
-        compared = json.loads((RESULTS / beside_runs[path.parent.name] / "runs" / f"{row}_0.json").read_text())
+        name = re.search(r"\(`(\w+)`\)", beside)[1]
+        assert name.startswith(row + "_"), (source, name)
+        compared = json.loads((RESULTS / beside_runs[path.parent.name] / f"{name}.json").read_text())
         assert ("plain_deepspeed" if row == "deepspeed" else "lightning_app") in script
-        assert _quotes(tflops, run["tflops_per_gpu"]) and _quotes(beside.split(",")[0], compared["tflops_per_gpu"])
+        assert _quotes(beside.split(" ")[0], compared["tflops_per_gpu"]) and _quotes(tflops, run["tflops_per_gpu"])
         assert _quotes(ratio, run["tflops_per_gpu"] / compared["tflops_per_gpu"]), (source, ratio)
+        ratios.append(run["tflops_per_gpu"] / compared["tflops_per_gpu"])
         assert run["train"]["profile"] == "fast" and run["train"]["micro_batch"] == 8
         differ = {k for k in compared["train"] if compared["train"][k] != run["train"].get(k)}
         assert differ <= {"profile_step", "out"}, (source, differ)
+        if "the same call" in beside:
+            assert run["device"]["uuid"] == compared["device"]["uuid"], source
+            timed = slice(run["warmup_steps"], None)
+            gaps[row] = max(abs(a - b) for a, b in zip(run["losses"][timed], compared["losses"][timed]))
+    assert set(gaps) == {"deepspeed", "lightning"}
+    m = re.search(r"its losses stayed within ([0-9.e-]+) \(raw\) and ([0-9.e-]+)\s+\(Lightning\)", text)
+    assert m and [float(m[i + 1]) == float(f"{gaps[p]:.1e}") for i, p in enumerate(("deepspeed", "lightning"))] == [
+        True, True]
+    m = re.search(r"Every script ran ([0-9.]+)-([0-9.]+)% below compare's run of its path", text)
+    assert m and _quotes(m[1], 100 * (1 - max(ratios))) and _quotes(m[2], 100 * (1 - min(ratios)))
+    assert max(ratios) < 1
