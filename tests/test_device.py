@@ -322,32 +322,19 @@ def test_a_command_that_outlasts_its_need_is_not_cut_for_a_later_one_that_could_
 
 def test_a_run_without_a_time_limit_is_not_cut_to_keep_time_for_the_commands_after_it(tmp_path, monkeypatch):
     """A training run cut mid-way leaves nothing (its JSON comes at its end): a fresh machine's run that outlasts its
-    need runs on to the budget's end, and the later command that no longer fits is skipped, not the run cut for it.
-    Only a command told its --time_limit, which stops between its runs, keeps time for the later ones."""
+    need runs on to the budget's end, and the later command that would have fitted after its need is skipped, not
+    the run cut for it. Only a command told its --time_limit, which stops between its runs, keeps time for later."""
     monkeypatch.setattr(device, "WARM", tmp_path / "warm")
     monkeypatch.setattr(device, "COMPILE_CACHE", tmp_path / "none")
+    count = tmp_path / "count.py"
+    count.write_text("import pathlib, sys\npathlib.Path(sys.argv[1]).mkdir(exist_ok=True)\n")
     table = tmp_path / "stages.toml"
-    table.write_text("""
-[pair]
-question = "a run slower than its need, then one that would fit after its need"
-budget_s = 30
-min_gpus = 0
-
-[[pair.run]]
-command = "python -c 'import time; time.sleep(6)'"
-log = "run.log"
-needs_s = 1
-
-[[pair.run]]
-command = "python -c 'print(1)'"
-log = "after.log"
-needs_s = 18
-""")
-    args = ["pair", "--stages", str(table), "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out")]
-    assert device.main(args) == 3  # 22 s left: reserving 18 for the second would have cut the run at 4 s
-    run, after = json.loads((tmp_path / "out" / "device.json").read_text())["commands"]
-    assert run["exit"] == 0 and not run.get("timed_out") and run["seconds"] >= 6
-    assert "would not fit" in after["skipped"]
+    table.write_text(TABLE.format(budget=20, count=count))  # 12 s after packing's share: slow needs 1, big 8
+    args = ["probe", "--stages", str(table), "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out")]
+    assert device.main([*args, "--set", "slow=yes", "--set", "big=8"]) == 3
+    first, slow, big = json.loads((tmp_path / "out" / "device.json").read_text())["commands"]
+    assert slow["timed_out"] and slow["seconds"] > 8  # keeping big's 8 s would have cut it after about 4
+    assert "would not fit" in big["skipped"]
 
 
 def test_deepspeed_installed_per_call_is_imported_through_one_path_with_old_sources(tmp_path, monkeypatch):
