@@ -80,8 +80,11 @@ def test_compare_help_lists_the_presets_and_the_gpu_defaults():
 
 
 def _quotes(printed: str, value: float) -> bool:
-    """Whether `printed` is `value` rounded to as many decimals as it shows."""
-    return float(printed) == round(value, len(printed.partition(".")[2]))
+    """Whether `printed` is `value` rounded to as many decimals as it shows (in scientific notation, "3.2e-3", as many
+    as its mantissa shows)."""
+    mantissa, e, _ = printed.partition("e")
+    decimals = len(mantissa.partition(".")[2])
+    return float(printed) == (float(f"{value:.{decimals}e}") if e else round(value, decimals))
 
 
 def _fp8_compare(folder: str, gpu: str) -> dict:
@@ -570,8 +573,8 @@ def test_the_training_scripts_section_quotes_each_script_and_the_compare_run_bes
         compared = json.loads((RESULTS / beside_runs[path.parent.name] / f"{name}.json").read_text())
         assert ("plain_deepspeed" if row == "deepspeed" else "lightning_app") in script
         assert _quotes(beside.split(" ")[0], compared["tflops_per_gpu"]) and _quotes(tflops, run["tflops_per_gpu"])
-        assert _quotes(ratio, run["tflops_per_gpu"] / compared["tflops_per_gpu"]), (source, ratio)
         ratios.append(run["tflops_per_gpu"] / compared["tflops_per_gpu"])
+        assert _quotes(ratio, ratios[-1]), (source, ratio)
         assert run["train"]["profile"] == "fast" and run["train"]["micro_batch"] == 8
         differ = {k for k in compared["train"] if compared["train"][k] != run["train"].get(k)}
         assert differ <= {"profile_step", "out"}, (source, differ)
@@ -581,8 +584,7 @@ def test_the_training_scripts_section_quotes_each_script_and_the_compare_run_bes
             gaps[row] = max(abs(a - b) for a, b in zip(run["losses"][timed], compared["losses"][timed]))
     assert set(gaps) == {"deepspeed", "lightning"}
     m = re.search(r"its losses stayed within ([0-9.e-]+) \(raw\) and ([0-9.e-]+)\s+\(Lightning\)", text)
-    assert m and [float(m[i + 1]) == float(f"{gaps[p]:.1e}") for i, p in enumerate(("deepspeed", "lightning"))] == [
-        True, True]
+    assert m and _quotes(m[1], gaps["deepspeed"]) and _quotes(m[2], gaps["lightning"])
     m = re.search(r"Every script ran ([0-9.]+)-([0-9.]+)% below compare's run of its path", text)
     assert m and _quotes(m[1], 100 * (1 - max(ratios))) and _quotes(m[2], 100 * (1 - min(ratios)))
     assert max(ratios) < 1
