@@ -58,10 +58,11 @@ PARITY_TOLERANCE = {
 # theirs up to the precision of the forward; two draws of the initial weights part by far more (the measurements:
 # docs/results.md, "The reference rows").
 START_TOLERANCE = 5e-3
-# The bf16 row beside an fp8 compare runs the same weights through bf16 linears where the paths cast to FP8: its step-0
-# loss sits further from theirs than the forward's bf16 rounding (docs/fp8.md), still well inside what another draw
-# of the weights moves it.
-START_TOLERANCES = {"bf16": 5e-2}
+# The bf16 row beside an fp8 compare runs the same weights through bf16 linears where the paths cast to FP8, and the
+# stock row draws its residual and MLP dropout masks from torch's generator where the paths' Triton kernel draws its
+# own: each one's step-0 loss sits further from the paths' than the forward's bf16 rounding (docs/fp8.md,
+# docs/results.md), still well inside what another draw of the weights moves it.
+START_TOLERANCES = {"bf16": 5e-2, "stock": 5e-2}
 # A path whose runs' TFLOPs/GPU differ by more than this (max/min) ran on an unsteady machine (other load,
 # thermals): its median, and the ratio, are flagged in the report and printed with a WARNING line.
 REPEAT_SPREAD_BOUND = 1.10
@@ -269,8 +270,8 @@ def format_cards(c: dict) -> str:
 
 def same_start(results: dict[str, list[RunResult]], refs: list[str]) -> dict:
     """Whether each reference row trained the paths' model from their weights: each of its runs' step-0 loss against
-    the first raw run's, within the row's tolerance (START_TOLERANCE; START_TOLERANCES for the bf16 row beside fp8
-    paths), one difference per round. A run that fails it measured the same architecture from other weights (or other
+    the first raw run's, within the row's tolerance (START_TOLERANCE; START_TOLERANCES for the bf16 and stock rows),
+    one difference per round. A run that fails it measured the same architecture from other weights (or other
     dropout masks): its speed still compares, its losses do not. One-GPU compares only: on N GPUs the paths' losses
     are the mean over N ranks' batches, a reference row's are one rank's."""
     base = results["deepspeed"][0].losses[0]
