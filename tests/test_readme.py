@@ -7,6 +7,7 @@ import statistics
 import pytest
 
 import compare
+from harness import report as reports
 from shared.model.config import PRESETS
 from tests.helpers import ROOT
 
@@ -102,6 +103,12 @@ def _pairs_runs() -> dict[str, list[dict]]:
             for row in ("deepspeed", "lightning", "unsharded", "ceiling")}
 
 
+def _stock_runs() -> list[dict]:
+    """The headline compare's stock runs (DeepSpeed as shipped), in round order."""
+    folder = RESULTS / "headline_pairs_1xh100/headline_1xh100" / "runs"
+    return [json.loads(f.read_text()) for f in sorted(folder.glob("stock_*.json"))]
+
+
 def _of_unsharded(runs: dict[str, list[dict]], row: str) -> list[float]:
     """Each run of `row` over the same round's unsharded run, in the rounds that ran one."""
     return [r["tflops_per_gpu"] / u["tflops_per_gpu"] for r, u in zip(runs[row], runs["unsharded"])]
@@ -171,8 +178,8 @@ def headline_problems(text: str) -> list[str]:
         if report is None:
             continue
         n, _, device = gpus.partition(" x ")
-        reference = next((row for label, row in (("plain PyTorch reference", "ceiling"), ("unsharded", "unsharded"))
-                          if name.startswith(label)), None)
+        reference = next((row for label, row in (("plain PyTorch reference", "ceiling"), ("unsharded", "unsharded"),
+                                                 ("DeepSpeed as shipped", "stock")) if name.startswith(label)), None)
         world = 1 if reference else report["world_size"]
         if int(n) != world or device not in report["device"]["name"]:
             problems.append(f"{name}: GPUs {gpus} vs {world} x {report['device']['name']}")
@@ -202,7 +209,7 @@ def headline_problems(text: str) -> list[str]:
 
 def test_the_headline_table_quotes_the_reports_it_names():
     text = (ROOT / "README.md").read_text()
-    assert len(_table(text, "## Headline results")) == 7
+    assert len(_table(text, "## Headline results")) == 8
     assert headline_problems(text) == []
 
 
@@ -309,6 +316,63 @@ def test_the_reference_rows_section_quotes_the_headline_pairs_runs():
     assert report["same_start"]["abs_diff"]["unsharded"][1] == diff and not report["same_start"]["ok"]
 
 
+def test_the_stock_section_quotes_the_stock_runs_and_the_paths_beside_them():
+    """docs/results.md, "What the fast profile adds over DeepSpeed as shipped": each row's runs per round (TFLOPs, step
+    ms, SM clock), the report's over_stock, the profiled step's figures and the stock row's step-0 loss."""
+    text = (ROOT / "docs" / "results.md").read_text()
+    report = json.loads((RESULTS / "headline_pairs_1xh100/headline_1xh100" / "report.json").read_text())
+    runs = {"stock": _stock_runs(), **_pairs_runs()}
+    names = {"stock": "stock", "raw path": "deepspeed", "Lightning path": "lightning"}
+    table = _table(text, "### What the fast profile adds over DeepSpeed as shipped")
+    assert [r[0] for r in table] == list(names)
+    for name, tflops, step_ms, mhz in table:
+        rs = runs[names[name]][:2]
+        for printed, value in ((tflops, lambda r: r["tflops_per_gpu"]),
+                               (step_ms, lambda r: r["step_time_s"]["median"] * 1e3), (mhz, _sm_mhz)):
+            assert [_quotes(x, value(r)) for x, r in zip(printed.split(" / "), rs)] == [True, True], (name, printed)
+    for r in runs["stock"]:
+        assert (r["train"]["profile"], r["extra"]["patches"], r["train"]["micro_batch"]) == ("stock", [], 8)
+    prose = " ".join(text.split())
+    m = re.search(r"raw ([0-9.]+)x \[([0-9.]+), ([0-9.]+)\], Lightning ([0-9.]+)x \[([0-9.]+), ([0-9.]+)\]\. The stock "
+                  r"runs' card held the higher clock", prose)
+    over = report["over_stock"]
+    assert m and [_quotes(x, over[p][k]) for x, (p, k) in zip(m.groups(), [(p, k) for p in PATHS for k in (
+        "ratio", "min", "max")])] == [True] * 6
+    table_md = (RESULTS / "headline_pairs_1xh100/headline_1xh100/report.md").read_text()
+    profiled = {row: re.search(rf"  {row} +whole step wall +[0-9.]+ +busy +([0-9.]+) .*?compiled \(triton\) "
+                               rf"([0-9.]+).*?copy and fill ([0-9.]+)", table_md).groups()
+                for row in ("deepspeed", "stock")}
+    m = re.search(r"busy ([0-9.]+) ms against the raw path's ([0-9.]+): inductor's generated kernels ([0-9.]+) ms "
+                  r"against ([0-9.]+) .*? copies ([0-9.]+) against ([0-9.]+)", prose)
+    assert m and list(m.groups()) == [profiled[r][i] for i in range(3) for r in ("stock", "deepspeed")]
+    m = re.search(r"Its step-0 loss sits ([0-9.e-]+) off the raw path's \(([0-9.]+) against ([0-9.]+)\)", prose)
+    first = runs["stock"][0]["losses"][0], runs["deepspeed"][0]["losses"][0]
+    assert m and _quotes(m[1].split("e")[0], abs(first[0] - first[1]) * 1e3) and m[1].endswith("e-3")
+    assert _quotes(m[2], first[0]) and _quotes(m[3], first[1])
+    assert all(d <= reports.START_TOLERANCES["stock"] for d in report["same_start"]["abs_diff"]["stock"])
+
+
+def test_the_training_pages_checkpoint_costs_are_the_raw_full_run():
+    """docs/training.md quotes the 1.5b raw run that validated and saved mid-run, and the run without those passes."""
+    text = " ".join((ROOT / "docs" / "training.md").read_text().split())
+    full = json.loads((RESULTS / "resume_1xh100" / "raw_full.json").read_text())
+    plain = json.loads((RESULTS / "entry_points_same_call_1xh100" / "raw_script.json").read_text())
+    m = re.search(r"a checkpoint took ([0-9.]+) s \(median of (\d), about (\d+) of the run's ([0-9.]+) ms median "
+                  r"steps\), a validation pass ([0-9.]+) s, and the run trained within ([0-9.e-]+) of the losses of a "
+                  r"run without the mid-run passes, at ([0-9.]+) TFLOPs/GPU against that run's ([0-9.]+), on another "
+                  r"card", text)
+    saves = [s["seconds"] for s in full["extra"]["saves"]]
+    step = full["step_time_s"]["median"]
+    assert m and _quotes(m[1], statistics.median(saves)) and int(m[2]) == len(saves)
+    assert int(m[3]) == round(statistics.median(saves) / step) and _quotes(m[4], step * 1e3)
+    assert _quotes(m[5], statistics.median(v["seconds"] for v in full["extra"]["val"]))
+    diff = max(abs(a - b) for a, b in zip(full["losses"], plain["losses"]))
+    assert _quotes(m[6].split("e")[0], diff * 1e3) and m[6].endswith("e-3")
+    assert _quotes(m[7], full["tflops_per_gpu"]) and _quotes(m[8], plain["tflops_per_gpu"])
+    assert full["device"]["uuid"] != plain["device"]["uuid"] and full["train"]["profile"] == plain["train"]["profile"]
+    assert [v["step"] for v in full["extra"]["val"]] == [s["step"] for s in full["extra"]["saves"]] == [10, 20]
+
+
 def test_every_link_of_the_readme_and_docs_leads_somewhere():
     """Relative links of README.md, docs/*.md and benchmarks/README.md: the file exists, and so does the heading an
     anchor names (GitHub's slugs)."""
@@ -361,11 +425,23 @@ def test_the_readmes_prose_numbers_are_their_sources():
               *of["ceiling"], of["deepspeed"][2], of["lightning"][2])
     assert m and one_card == [0, 1] and len(tflops["unsharded"]) == 3
     assert [_quotes(x, v) for x, v in zip(m.groups(), quoted)] == [True] * 7
-    assert pairs["cards"]["distinct"] == 3 and not pairs["cards"]["each_round_on_one_card"]
+    assert pairs["cards"]["distinct"] == 4 and not pairs["cards"]["each_round_on_one_card"]
     assert _sm_mhz(pair_runs["unsharded"][2]) > _sm_mhz(pair_runs["deepspeed"][2])  # "at a higher clock"
     lo, hi = re.search(r"ZeRO-3 itself costs ([0-9.]+)-([0-9.]+)% on one GPU \(rounds run on one card\)", text).groups()
     paths = _one_card_fractions(pair_runs)
     assert _quotes(lo, 100 * (1 - max(paths))) and _quotes(hi, 100 * (1 - min(paths)))
+    # over DeepSpeed as shipped: the report's over_stock, and the clocks of the stock runs and of the paths' runs beside
+    over, stock = pairs["over_stock"], _stock_runs()
+    m = re.search(r"The fast profile runs ([0-9.]+)x \(raw\) and ([0-9.]+)x \(Lightning\) DeepSpeed as shipped", text)
+    assert m and [_quotes(x, over[p]["ratio"]) for x, p in zip(m.groups(), PATHS)] == [True] * 2
+    m = re.search(r"ran at ([0-9.]+)x it \(raw, rounds ([0-9.]+)-([0-9.]+)\) and ([0-9.]+)x \(Lightning, ([0-9.]+)-"
+                  r"([0-9.]+)\)\. The stock runs had a fourth card, which held a higher clock \((\d+) and (\d+) MHz "
+                  r"against (\d+)-(\d+)\)", text)
+    beside = [_sm_mhz(pair_runs[p][i]) for p in PATHS for i in range(len(stock))]
+    quoted = [over[p][k] for p in PATHS for k in ("ratio", "min", "max")] + [_sm_mhz(r) for r in stock] + [
+        min(beside), max(beside)]
+    assert m and [_quotes(x, v) for x, v in zip(m.groups(), quoted)] == [True] * 10
+    assert all(over[p]["n"] == len(stock) == 2 for p in PATHS) and min(_sm_mhz(r) for r in stock) > max(beside)
     m = re.search(r"the H100 row's runs spread ([0-9.]+)-([0-9.]+) \(raw\) and ([0-9.]+)-([0-9.]+) \(Lightning\)", text)
     quoted = (min(tflops["deepspeed"]), max(tflops["deepspeed"]), min(tflops["lightning"]), max(tflops["lightning"]))
     assert m and [_quotes(x, v) for x, v in zip(m.groups(), quoted)] == [True] * 4
