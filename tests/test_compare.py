@@ -1007,8 +1007,8 @@ def test_the_stock_row_is_the_raw_path_under_the_stock_profile_and_the_report_ra
         pytest.approx(1.1), pytest.approx(1.25), 2)
     assert "deepspeed over the stock row (DeepSpeed as shipped): 1.167x [1.100, 1.250] over 2 round(s)" in \
         reports.format_table(report)
-    # its dropout masks are torch's, not the paths' kernel's: its step-0 loss moves by their noise (6.9e-3 at 1.5b on
-    # one H100, benchmarks/results/headline_pairs_1xh100/), not by another draw of the weights (0.1 or more)
+    # its dropout masks are torch's, not the paths' kernel's: its step-0 loss moves by their noise, not by another draw
+    # of the weights (the measurements: docs/results.md, "What the fast profile adds over DeepSpeed as shipped")
     runs["stock"][0].losses = [runs["deepspeed"][0].losses[0] + 7e-3, 1.0]
     report = reports.build_report(TrainConfig(precision="fp32"), SimpleNamespace(world=1, repeats=2), runs, {}, [])
     assert report["same_start"]["ok"] and report["same_start"]["tolerances"] == {"stock": 5e-2}
