@@ -373,6 +373,38 @@ def test_the_training_pages_checkpoint_costs_are_the_raw_full_run():
     assert [v["step"] for v in full["extra"]["val"]] == [s["step"] for s in full["extra"]["saves"]] == [10, 20]
 
 
+
+def test_the_training_pages_resumes_are_the_resume_checks():
+    """docs/training.md and docs/results.md quote each path's 1.5b resume from its step-10 checkpoint: the resume
+    checks' parity and costs, both paths on one card."""
+    text = " ".join((ROOT / "docs" / "training.md").read_text().split())
+    results = " ".join((ROOT / "docs" / "results.md").read_text().split())
+    checks = {path: json.loads((RESULTS / "resume_1xh100" / call / "resume_check.json").read_text())
+              for path, call in (("raw", "call3"), ("lightning", "call4"))}
+    m = re.search(r"over steps 10-19 the resumed runs' losses sat ([0-9.e-]+) \(raw\) and ([0-9.e-]+) \(Lightning\) "
+                  r"from the full runs', gradient norms ([0-9.e-]+) and ([0-9.e-]+) relative, final checksums "
+                  r"([0-9.e-]+) and ([0-9.e-]+) relative, all inside resume_check's bounds", text)
+    assert m
+    for i, key in enumerate(("max_abs_diff", "grad_norm_max_rel_diff", "checksum_rel_diff")):
+        for j, path in enumerate(("raw", "lightning")):
+            printed = m[1 + 2 * i + j]
+            mantissa, _, exponent = printed.partition("e")
+            assert _quotes(mantissa, checks[path]["parity"][key] / 10 ** int(exponent)), (key, path, printed)
+    assert all(c["ok"] and c["resumed_at"] == 10 and c["steps"] == [10, 20] for c in checks.values())
+    m = re.search(r"Lightning's checkpoint took ([0-9.]+) s \(median of (\d)\) and its validation pass ([0-9.]+) s, "
+                  r"the raw path's ([0-9.]+) s and ([0-9.]+) s", text)
+    costs = {path: c["costs"] for path, c in checks.items()}
+    assert m and _quotes(m[1], costs["lightning"]["checkpoint"]["median_s"])
+    assert int(m[2]) == len(costs["lightning"]["checkpoint"]["passes"])
+    assert _quotes(m[3], costs["lightning"]["validation"]["median_s"])
+    assert _quotes(m[4], costs["raw"]["checkpoint"]["median_s"]) and _quotes(m[5], costs["raw"]["validation"]["median_s"])
+    runs = [json.loads((RESULTS / "resume_1xh100" / name).read_text()) for name in (
+        "call3/raw_full.json", "call3/raw_resumed.json", "call4/lightning_full.json", "call4/lightning_resumed.json")]
+    assert len({r["device"]["uuid"] for r in runs}) == 1 and {r["train"]["profile"] for r in runs} == {"fast"}
+    assert [r["path"] for r in runs] == ["deepspeed", "deepspeed", "lightning", "lightning"]
+    m = re.search(r"each path resumed from step 10 trained within ([0-9.e-]+) of its full run's losses", results)
+    assert m and all(c["parity"]["max_abs_diff"] < float(m[1]) for c in checks.values())
+
 def test_every_link_of_the_readme_and_docs_leads_somewhere():
     """Relative links of README.md, docs/*.md and benchmarks/README.md: the file exists, and so does the heading an
     anchor names (GitHub's slugs)."""
