@@ -430,6 +430,7 @@ def test_a_path_difference_within_the_same_paths_run_to_run_drift_passes():
     cross = [(ck(12.0), ck(12.12)), (ck(12.1), ck(12.02))]  # 6e-3 and 4e-3 between the paths
     alone = reports.parity(cross[:1], "bf16", 3)
     assert alone["failed"] == ["checksum"] and alone["run_to_run"] is None
+    assert "with one run per path the same path's run-to-run drift is not measured" in reports.format_parity(alone)
     same = [(ck(12.0), ck(12.1)), (ck(12.12), ck(12.02))]  # 5e-3 between runs of one path
     report = reports.parity(cross, "bf16", 3, same)
     assert report["ok"] and report["run_to_run"]["checksum"] == pytest.approx(5e-3)
@@ -437,7 +438,7 @@ def test_a_path_difference_within_the_same_paths_run_to_run_drift_passes():
     assert report["bound"]["loss"] == reports.PARITY_TOLERANCE["bf16"]["loss"]  # no drift there: the fixed bound
     assert "same path run to run 5.00e-03 -> bound 7.50e-03" in reports.format_parity(report)
     far = reports.parity([(ck(12.0), ck(12.2))], "bf16", 3, same)  # 1e-2: beyond 1.5x the drift
-    assert far["failed"] == ["checksum"]
+    assert far["failed"] == ["checksum"] and "drift is not measured" not in reports.format_parity(far)
 
 
 def test_fp32_bounds_are_tight_and_unrecorded_measures_are_not_judged():
