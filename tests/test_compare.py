@@ -575,8 +575,8 @@ def test_the_gpu_defaults_kernels_train_alike_on_every_row(tmp_path):
     out = tmp_path / "report"
     flags = ["--vocab_size", "300", "--vocab_multiple", "128", "--triton_loss", "true", "--triton_dropout", "true",
              "--fused_bias_dropout_add", "true"]
-    run([sys.executable, COMPARE, "--steps", "3", "--warmup_steps", "1", "--precision", "fp32", "--reference",
-         "ceiling,fsdp2", *flags, "--out", out], timeout=400)
+    run([sys.executable, COMPARE, "--repeats", "1", "--steps", "3", "--warmup_steps", "1", "--precision", "fp32",
+         "--reference", "ceiling,fsdp2", *flags, "--out", out], timeout=400)
     report = json.loads((out / "report.json").read_text())
     runs = {name: json.loads((out / "runs" / f"{name}_0.json").read_text())
             for name in ("deepspeed", "lightning", "ceiling", "fsdp2")}
@@ -652,8 +652,8 @@ def test_the_unsharded_row_trains_the_fused_steps_model_in_bf16(tmp_path):
     interpreter) on fp32 masters and bf16 weights, as the raw path's ZeRO-3 step does, and trains to its losses.
     Not bit for bit: LOSS_TOL (written down below) bounds the difference."""
     out = tmp_path / "report"
-    run([sys.executable, COMPARE, "--steps", "4", "--warmup_steps", "1", "--precision", "bf16", "--zero3_step",
-         "fused", "--reference", "unsharded", "--data", "synthetic", "--out", out], timeout=400)
+    run([sys.executable, COMPARE, "--repeats", "1", "--steps", "4", "--warmup_steps", "1", "--precision", "bf16",
+         "--zero3_step", "fused", "--reference", "unsharded", "--data", "synthetic", "--out", out], timeout=400)
     report = json.loads((out / "report.json").read_text())
     row = report["reference"]["unsharded"]
     assert row["fused"]["optimizer_step"] == "adamw_kernel" and row["compile"] == "none"
