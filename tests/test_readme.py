@@ -347,7 +347,7 @@ def test_the_stock_section_quotes_the_stock_runs_and_the_paths_beside_them():
     assert m and list(m.groups()) == [profiled[r][i] for i in range(3) for r in ("stock", "deepspeed")]
     m = re.search(r"Its step-0 loss sits ([0-9.e-]+) off the raw path's \(([0-9.]+) against ([0-9.]+)\)", prose)
     first = runs["stock"][0]["losses"][0], runs["deepspeed"][0]["losses"][0]
-    assert m and _quotes(m[1].split("e")[0], abs(first[0] - first[1]) * 1e3) and m[1].endswith("e-3")
+    assert m and _quotes(m[1], abs(first[0] - first[1]))
     assert _quotes(m[2], first[0]) and _quotes(m[3], first[1])
     assert all(d <= reports.START_TOLERANCES["stock"] for d in report["same_start"]["abs_diff"]["stock"])
 
@@ -367,11 +367,10 @@ def test_the_training_pages_checkpoint_costs_are_the_raw_full_run():
     assert int(m[3]) == round(statistics.median(saves) / step) and _quotes(m[4], step * 1e3)
     assert _quotes(m[5], statistics.median(v["seconds"] for v in full["extra"]["val"]))
     diff = max(abs(a - b) for a, b in zip(full["losses"], plain["losses"]))
-    assert _quotes(m[6].split("e")[0], diff * 1e3) and m[6].endswith("e-3")
+    assert _quotes(m[6], diff)
     assert _quotes(m[7], full["tflops_per_gpu"]) and _quotes(m[8], plain["tflops_per_gpu"])
     assert full["device"]["uuid"] != plain["device"]["uuid"] and full["train"]["profile"] == plain["train"]["profile"]
     assert [v["step"] for v in full["extra"]["val"]] == [s["step"] for s in full["extra"]["saves"]] == [10, 20]
-
 
 
 def test_the_training_pages_resumes_are_the_resume_checks():
@@ -385,11 +384,9 @@ def test_the_training_pages_resumes_are_the_resume_checks():
                   r"from the full runs', gradient norms ([0-9.e-]+) and ([0-9.e-]+) relative, final checksums "
                   r"([0-9.e-]+) and ([0-9.e-]+) relative, all inside resume_check's bounds", text)
     assert m
-    for i, key in enumerate(("max_abs_diff", "grad_norm_max_rel_diff", "checksum_rel_diff")):
-        for j, path in enumerate(("raw", "lightning")):
-            printed = m[1 + 2 * i + j]
-            mantissa, _, exponent = printed.partition("e")
-            assert _quotes(mantissa, checks[path]["parity"][key] / 10 ** int(exponent)), (key, path, printed)
+    quoted = [checks[path]["parity"][key] for key in ("max_abs_diff", "grad_norm_max_rel_diff", "checksum_rel_diff")
+              for path in ("raw", "lightning")]
+    assert [_quotes(x, v) for x, v in zip(m.groups(), quoted)] == [True] * 6, m.groups()
     assert all(c["ok"] and c["resumed_at"] == 10 and c["steps"] == [10, 20] for c in checks.values())
     m = re.search(r"Lightning's checkpoint took ([0-9.]+) s \(median of (\d)\) and its validation pass ([0-9.]+) s, "
                   r"the raw path's ([0-9.]+) s and ([0-9.]+) s", text)
@@ -405,6 +402,7 @@ def test_the_training_pages_resumes_are_the_resume_checks():
     assert [r["path"] for r in runs] == ["deepspeed", "deepspeed", "lightning", "lightning"]
     m = re.search(r"each path resumed from step 10 trained within ([0-9.e-]+) of its full run's losses", results)
     assert m and all(c["parity"]["max_abs_diff"] < float(m[1]) for c in checks.values())
+
 
 def test_every_link_of_the_readme_and_docs_leads_somewhere():
     """Relative links of README.md, docs/*.md and benchmarks/README.md: the file exists, and so does the heading an
