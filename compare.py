@@ -29,6 +29,7 @@ import torch
 
 from harness import autotune, explain
 from harness.launch import (
+    COLD_FACTORS,
     COLD_ROWS,
     FP8_REFUSAL,
     GRACE_S,
@@ -378,7 +379,7 @@ def main(argv: list[str] | None = None) -> dict:
                       ("--keep_runs", "--keep-runs"),
                       kept_s=[(row, r.extra["launch_s"]) for (row, _), r in ns.kept.items()
                               if (r.extra or {}).get("launch_s")],
-                      cold_rows=COLD_ROWS)
+                      cold_rows=COLD_ROWS, cold_factors=COLD_FACTORS)
     stopped = None
     try:
         run_plan(plan, train, ns, out_dir, clock, results)

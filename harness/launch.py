@@ -55,6 +55,10 @@ ONE_PROCESS = ("unsharded", "ceiling")
 # --time_limit: the rows a reference row's first run is planned from (TimeLimit; none named: every row). The stock
 # and bf16 rows compile the paths' model with DeepCompile, the others compile models of their own.
 COLD_ROWS = {row: PATHS if row in SCRIPT_ROWS else () for row in REFERENCES}
+# --time_limit: a cold row's factor where it is not TimeLimit.COLD_FACTOR. The bf16 row compiles the fp8 paths' model
+# without the FP8 casts, a smaller graph than theirs, so it is planned at the paths' longest run: at 1.8x a cold fp8
+# run, no 10-minute call could ever start it (docs/tuning.md, "Runs under a time limit").
+COLD_FACTORS = {"bf16": 1.0}
 # After SIGTERM to a run's process group: seconds before what is left of it gets SIGKILL. A run stops at its
 # next agreed preemption check (shared/train/preemption.CHECK_EVERY steps); a benchmark run keeps nothing worth
 # waiting for.
@@ -103,20 +107,21 @@ class TimeLimit:
     row the second call cannot finish because that call's own runs were warm. Each row keeps its own longest run, so
     a row that runs shorter is not planned at another row's cold compile, which would leave a call's time unused. A
     row of `cold_rows` with no run yet (compare's reference rows: they compile graphs no path compiled, so their first
-    run compiles cold) is planned at COLD_FACTOR times the longest run so far of the rows `cold_rows` names for it
-    (none named: of any row): a run cut by the call's end loses all its time, one not started loses a call's
-    start-up. The stock and bf16 rows compile the paths' model with DeepCompile as they do, so they are planned from the
-    paths' runs, not from a whole-model row's compile, which can take far longer. With nothing run or kept yet, the
-    first run starts. A stop names the command that runs the rest: `command` with a keep flag (the first of
-    `keep_flags`) added if it has none."""
+    run compiles cold) is planned at COLD_FACTOR (or its row's entry in `cold_factors`) times the longest run so far
+    of the rows `cold_rows` names for it (none named: of any row): a run cut by the call's end loses all its time, one
+    not started loses a call's start-up. The stock and bf16 rows compile the paths' model with DeepCompile as they
+    do, so they are planned from the paths' runs, not from a whole-model row's compile, which can take far longer.
+    With nothing run or kept yet, the first run starts. A stop names the command that runs the rest: `command` with a
+    keep flag (the first of `keep_flags`) added if it has none."""
 
     # The reference rows' first runs it was set from: docs/tuning.md ("Runs under a time limit").
     COLD_FACTOR = 1.8
 
     def __init__(self, limit_s: float | None, t0: float, runs: int, where: Path, command: list,
                  keep_flags: tuple[str, ...], kept_s: list[tuple[str, float]] = (),
-                 cold_rows: dict[str, tuple[str, ...]] | None = None):
+                 cold_rows: dict[str, tuple[str, ...]] | None = None, cold_factors: dict[str, float] | None = None):
         self.limit_s, self.t0, self.left, self.where, self.cold_rows = limit_s, t0, runs, where, dict(cold_rows or {})
+        self.cold_factors = dict(cold_factors or {})
         self.command = [str(a) for a in command]
         if not set(keep_flags) & set(self.command):
             self.command.append(keep_flags[0])
@@ -127,9 +132,12 @@ class TimeLimit:
 
     def planned_s(self, rows: tuple[str, ...] = ()) -> float:
         """The seconds a run of these rows is planned at: each row's longest run, else the longest run of any row
-        (for a row of `cold_rows`, COLD_FACTOR times the longest of the rows it names, or of any)."""
-        return max((self.row_s.get(r, self.cold_basis_s(r) * self.COLD_FACTOR if r in self.cold_rows else self.longest)
-                    for r in rows), default=self.longest)
+        (for a row of `cold_rows`, its cold factor times the longest of the rows it names, or of any)."""
+        return max((self.row_s.get(r, self.cold_basis_s(r) * self.cold_factor(r) if r in self.cold_rows
+                                   else self.longest) for r in rows), default=self.longest)
+
+    def cold_factor(self, row: str) -> float:
+        return self.cold_factors.get(row, self.COLD_FACTOR)
 
     def cold_basis_s(self, row: str) -> float:
         """The longest run so far of the rows a cold row's first run is planned from (none named: of any row)."""
@@ -150,8 +158,8 @@ class TimeLimit:
             own = all(r in self.row_s for r in self.rows) and self.rows
             cold = [r for r in self.rows if r in self.cold_rows and r not in self.row_s]
             plan = (f"the longest run of {' and '.join(self.rows)} took {self.planned_s(self.rows):.0f} s" if own else
-                    f"a first run of {' and '.join(cold)} compiles cold: planned at {self.COLD_FACTOR:g}x the longest "
-                    f"run so far{self.basis_words(cold[0])} ({self.cold_basis_s(cold[0]):.0f} s), "
+                    f"a first run of {' and '.join(cold)} compiles cold: planned at {self.cold_factor(cold[0]):g}x "
+                    f"the longest run so far{self.basis_words(cold[0])} ({self.cold_basis_s(cold[0]):.0f} s), "
                     f"{self.planned_s(self.rows):.0f} s" if cold else
                     f"the longest run so far took {self.planned_s(self.rows):.0f} s")
             raise TimeLimitReached(

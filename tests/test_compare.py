@@ -893,6 +893,31 @@ def test_time_limit_plans_the_stock_rows_first_run_from_the_paths_runs(monkeypat
         limit.before("stock (round 1)", rows=("stock",))
 
 
+def test_time_limit_plans_the_bf16_rows_first_run_at_the_fp8_paths_longest(monkeypatch):
+    """The bf16 row compiles the fp8 paths' model without the casts: its first run is planned at the paths' longest
+    run, not at 1.8x it. As on one H100, the raw fp8 run compiled cold in 331 s and the Lightning run took 279 s in
+    the next call; at 1.8x (596 s) no call under 10 minutes could ever start the bf16 row."""
+    from harness.launch import COLD_FACTORS
+
+    clock = [0.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    kept = [("deepspeed", 331.0), ("lightning", 279.0)]
+    limit = TimeLimit(541, 0.0, 4, ROOT / "runs", ["python", "compare.py"], ("--keep_runs",), kept_s=kept,
+                      cold_rows=COLD_ROWS, cold_factors=COLD_FACTORS)
+    assert limit.planned_s(("bf16",)) == 331.0
+    assert limit.planned_s(("stock",)) == pytest.approx(331.0 * TimeLimit.COLD_FACTOR)  # the others keep 1.8x
+    limit.before("bf16 (round 1)", rows=("bf16",))  # 541 s left >= 331 s: started
+    clock[0] = 136.0
+    limit.after(1)
+    assert limit.planned_s(("bf16",)) == 136.0  # then its own run plans it
+    clock[0] = 0.0
+    limit = TimeLimit(300, 0.0, 1, ROOT / "runs", ["python", "compare.py"], ("--keep_runs",), kept_s=kept,
+                      cold_rows=COLD_ROWS, cold_factors=COLD_FACTORS)
+    with pytest.raises(TimeLimitReached, match=r"300 s left, and a first run of bf16 compiles cold: planned at 1x "
+                                               r"the longest run so far of deepspeed and lightning \(331 s\), 331 s"):
+        limit.before("bf16 (round 1)", rows=("bf16",))
+
+
 @pytest.mark.parametrize("args, match", [(["--time_limit", "0", "--out", "r"], "--time_limit must be positive"),
                                          (["--time_limit", "60"], "got --time_limit 60 without --out"),
                                          (["--time_limit", "60", "--out", "r", "--explain"], "--explain/--autotune"),
