@@ -56,8 +56,8 @@ ONE_PROCESS = ("unsharded", "ceiling")
 # and bf16 rows compile the paths' model with DeepCompile, the others compile models of their own.
 COLD_ROWS = {row: PATHS if row in SCRIPT_ROWS else () for row in REFERENCES}
 # --time_limit: a cold row's factor where it is not TimeLimit.COLD_FACTOR. The bf16 row compiles the fp8 paths' model
-# without the FP8 casts, a smaller graph than theirs, so it is planned at the paths' longest run: at 1.8x a cold fp8
-# run, no 10-minute call could ever start it (docs/tuning.md, "Runs under a time limit").
+# without the FP8 casts, a smaller graph than theirs, so it is planned at the paths' longest run: at COLD_FACTOR times
+# a cold fp8 run, no 10-minute call could ever start it (docs/tuning.md, "Runs under a time limit").
 COLD_FACTORS = {"bf16": 1.0}
 # After SIGTERM to a run's process group: seconds before what is left of it gets SIGKILL. A run stops at its
 # next agreed preemption check (shared/train/preemption.CHECK_EVERY steps); a benchmark run keeps nothing worth
