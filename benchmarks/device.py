@@ -296,6 +296,10 @@ class Call:
             after = 0.0 if parallel or "{time_limit}" not in c.command else reserved(
                 [needs(self.stage, d, self.params) for d in commands[i + 1:] if not self.done(d)], left - own)
             limit = min(left, max(left - after, own))
+            # a command cut at its limit gets SIGTERM, then up to GRACE_S to stop before SIGKILL: one that runs to the
+            # budget's end is told early enough that the grace, too, ends inside the budget (else the device call's
+            # own limit cuts the packing, and every result of the call is lost)
+            stop_at = limit if "{time_limit}" in c.command else max(limit - GRACE_S, 1)
             values = {**self.values, "time_limit": max(int(limit - TIME_LIMIT_MARGIN_S), 1)}
             cmd, own_env = argv(c.command, values), {k: fill(v, values) for k, v in c.env.items()}
             entry = {"command": shlex.join(cmd), "log": c.log, **({"env": own_env} if own_env else {})}
@@ -315,7 +319,7 @@ class Call:
             log = open(self.work / c.log, "w")
             proc = subprocess.Popen(cmd, cwd=ROOT, env={**env, **own_env}, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
-            started.append((proc, log, entry, limit, time.monotonic()))
+            started.append((proc, log, entry, stop_at, time.monotonic()))
             if not parallel:
                 status = max(status, self.wait(*started.pop()))
         for item in started:
@@ -335,9 +339,9 @@ class Call:
         entry["exit"], entry["seconds"] = proc.returncode, round(time.monotonic() - t, 1)
         print(f"  exit {proc.returncode} after {entry['seconds']:.0f} s"
               + (" (timed out: what was left of the budget)" if entry.get("timed_out") else ""), flush=True)
-        if proc.returncode == 0:
-            return 0
-        return 3 if entry.get("timed_out") or proc.returncode == 3 else 1
+        if entry.get("timed_out"):  # its exit status can read 0: stop_group reaped it first
+            return 3
+        return 0 if proc.returncode == 0 else 3 if proc.returncode == 3 else 1
 
 
 def keep_source(stages: dict[str, Stage], stage: Stage, keep: str | None, device: str) -> Path | None:

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -199,6 +200,7 @@ needs_s = "big"
 
 
 def test_a_call_skips_what_would_not_fit_packs_its_folder_and_keeps_it_warm(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(device, "GRACE_S", 1)  # these budgets are seconds: a second of grace
     monkeypatch.setattr(device, "WARM", tmp_path / "warm")
     monkeypatch.setattr(device, "COMPILE_CACHE", tmp_path / "none")
     count = tmp_path / "count.py"  # makes the folder if need be and writes in it how many files it held
@@ -304,6 +306,7 @@ def test_a_command_whose_file_the_kept_folder_holds_is_done_and_not_run_again(tm
 def test_a_command_that_outlasts_its_need_is_not_cut_for_a_later_one_that_could_not_start_anyway(tmp_path, monkeypatch):
     """A fresh machine's run takes longer than the warm one its need_s was set by: where the command after it would
     not fit once this one had its need, nothing is kept for that one, and this one runs to the budget's end."""
+    monkeypatch.setattr(device, "GRACE_S", 1)  # these budgets are seconds: a second of grace
     monkeypatch.setattr(device, "WARM", tmp_path / "warm")
     monkeypatch.setattr(device, "COMPILE_CACHE", tmp_path / "none")
     count = tmp_path / "count.py"
@@ -324,6 +327,7 @@ def test_a_run_without_a_time_limit_is_not_cut_to_keep_time_for_the_commands_aft
     """A training run cut mid-way leaves nothing (its JSON comes at its end): a fresh machine's run that outlasts its
     need runs on to the budget's end, and the later command that would have fitted after its need is skipped, not
     the run cut for it. Only a command told its --time_limit, which stops between its runs, keeps time for later."""
+    monkeypatch.setattr(device, "GRACE_S", 1)  # these budgets are seconds: a second of grace
     monkeypatch.setattr(device, "WARM", tmp_path / "warm")
     monkeypatch.setattr(device, "COMPILE_CACHE", tmp_path / "none")
     count = tmp_path / "count.py"
@@ -335,6 +339,28 @@ def test_a_run_without_a_time_limit_is_not_cut_to_keep_time_for_the_commands_aft
     first, slow, big = json.loads((tmp_path / "out" / "device.json").read_text())["commands"]
     assert slow["timed_out"] and slow["seconds"] > 8  # keeping big's 8 s would have cut it after about 4
     assert "would not fit" in big["skipped"]
+
+
+def test_a_run_that_ignores_sigterm_is_stopped_and_packed_inside_the_budget(tmp_path, monkeypatch):
+    """A run cut at the budget's end gets SIGTERM, then GRACE_S before SIGKILL: the SIGTERM comes early enough that the
+    grace ends inside the budget too. Sent at the budget's end, the grace ran past it, and the device call's own
+    limit cut the packing: nothing of the call came back."""
+    monkeypatch.setattr(device, "WARM", tmp_path / "warm")
+    monkeypatch.setattr(device, "COMPILE_CACHE", tmp_path / "none")
+    monkeypatch.setattr(device, "GRACE_S", 4)
+    count = tmp_path / "count.py"
+    count.write_text("import pathlib, sys\npathlib.Path(sys.argv[1]).mkdir(exist_ok=True)\n")
+    table = tmp_path / "stages.toml"
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, lambda *a: None); time.sleep(60)"
+    table.write_text(TABLE.format(budget=16, count=count).replace("import time; time.sleep(60)", stubborn))
+    args = ["probe", "--stages", str(table), "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out")]
+    t0 = time.monotonic()
+    assert device.main([*args, "--set", "slow=yes", "--set", "big=1"]) == 3
+    took = time.monotonic() - t0
+    first, slow, big = json.loads((tmp_path / "out" / "device.json").read_text())["commands"]
+    assert slow["timed_out"] and slow["seconds"] >= device.GRACE_S  # SIGTERM ignored: killed once the grace was over
+    assert slow["seconds"] <= 16 - device.PACK_S and took < 16  # its grace, and the packing, inside the budget
+    assert (tmp_path / "out" / "probe.tar.gz").is_file()
 
 
 def test_deepspeed_installed_per_call_is_imported_through_one_path_with_old_sources(tmp_path, monkeypatch):
