@@ -292,14 +292,14 @@ class Call:
             # a fresh machine's, is not cut to keep time for it). Only a command told its {time_limit} (compare.py,
             # ablation.py: they stop between runs) keeps time for the later ones: any other, a training run, would
             # leave nothing if cut, so it runs to the budget's end and they are skipped instead
-            left, own = self.left(), needs(self.stage, c, self.params)
-            after = 0.0 if parallel or "{time_limit}" not in c.command else reserved(
+            left, own, stops_itself = self.left(), needs(self.stage, c, self.params), "{time_limit}" in c.command
+            after = 0.0 if parallel or not stops_itself else reserved(
                 [needs(self.stage, d, self.params) for d in commands[i + 1:] if not self.done(d)], left - own)
             limit = min(left, max(left - after, own))
             # a command cut at its limit gets SIGTERM, then up to GRACE_S to stop before SIGKILL: one that runs to the
             # budget's end is told early enough that the grace, too, ends inside the budget (else the device call's
             # own limit cuts the packing, and every result of the call is lost)
-            stop_at = limit if "{time_limit}" in c.command else max(limit - GRACE_S, 1)
+            stop_at = limit if stops_itself else max(limit - GRACE_S, 1)
             values = {**self.values, "time_limit": max(int(limit - TIME_LIMIT_MARGIN_S), 1)}
             cmd, own_env = argv(c.command, values), {k: fill(v, values) for k, v in c.env.items()}
             entry = {"command": shlex.join(cmd), "log": c.log, **({"env": own_env} if own_env else {})}
