@@ -96,6 +96,17 @@ def _fp8_compare(folder: str, gpu: str) -> dict:
     return report
 
 
+def _fp8_bf16_compare() -> dict:
+    """The one-card fp8 compare with its bf16 row in every round: whole (`_fp8_compare`), every run of a round on
+    one card and all on the same one, the bf16 row in each round, the fast profile at micro-batch 8."""
+    report = _fp8_compare("fp8_bf16_1xh100", "H100")
+    assert report["cards"]["distinct"] == 1 and report["cards"]["each_round_on_one_card"]
+    assert report["reference"]["bf16"]["tflops_spread"]["n"] == report["repeats"] == 2
+    assert all(report["over_bf16"][p]["n"] == 2 for p in ("deepspeed", "lightning"))
+    assert (report["train"]["profile"], report["train"]["micro_batch"]) == ("fast", 8)
+    return report
+
+
 def _pairs_runs() -> dict[str, list[dict]]:
     """The runs of the headline compare with both reference rows, per row in round order."""
     folder = RESULTS / "headline_pairs_1xh100/headline_1xh100" / "runs"
@@ -491,23 +502,16 @@ def test_the_readmes_prose_numbers_are_their_sources():
         assert (r["train"]["profile"], r["train"]["micro_batch"]) == ("fast", 8) and "H100" in r["device"]["name"]
     assert all("--compile" not in s["command"] and "--profile" not in s["command"] for s in scripts)  # no speed flag
     fp8_runs = RESULTS / "fp8_vs_bf16_1xh100"
-    fp8 = _fp8_compare("fp8_vs_bf16_1xh100/fp8_1xh100", "H100")
-    curve_runs = sorted((RESULTS / "fp8_vs_bf16_1xh100/fp8_curve_1xh100").glob("bf16_*.json"))
-    bf16 = [json.loads(f.read_text())
-            for f in [RESULTS / "fp8_vs_bf16_1xh100/bf16_1xh100/runs/deepspeed_0.json", *curve_runs]]
+    fp8 = _fp8_bf16_compare()
     m = re.search(r"`--precision fp8` ran ([0-9.]+) \(raw\) and ([0-9.]+) \(Lightning\) TFLOPs/GPU on one H100 "
-                  r"\((\d) pairs\), ([0-9.]+)x bf16", text)
-    raw = fp8["paths"]["deepspeed"]["tflops_spread"]["median"]
-    quoted = [raw, fp8["paths"]["lightning"]["tflops_spread"]["median"], fp8["repeats"],
-              raw / statistics.median(r["tflops_per_gpu"] for r in bf16)]
-    assert [_quotes(x, v) for x, v in zip(m.groups(), quoted)] == [True] * 4
+                  r"\((\d) pairs\), ([0-9.]+)x the same compare's bf16 row", text)
+    quoted = [fp8["paths"][p]["tflops_spread"]["median"] for p in ("deepspeed", "lightning")]
+    quoted += [fp8["repeats"], fp8["over_bf16"]["deepspeed"]["ratio"]]
+    assert m and [_quotes(x, v) for x, v in zip(m.groups(), quoted)] == [True] * 4
     h200 = _fp8_compare("fp8_vs_bf16_1xh200/fp8_1xh200", "H200")
     m = re.search(r"and ([0-9.]+) and ([0-9.]+) on one H200 \((\d) pairs\)", text)
     quoted = [h200["paths"][p]["tflops_spread"]["median"] for p in ("deepspeed", "lightning")] + [h200["repeats"]]
     assert m and [_quotes(x, v) for x, v in zip(m.groups(), quoted)] == [True] * 3
-    for r in bf16:
-        assert "H100" in r["device"]["name"] and r["train"]["profile"] == "fast" and r["train"]["micro_batch"] == 8
-        assert r["train"]["precision"] == "bf16" and r["path"] == "deepspeed"
     curve = json.loads((fp8_runs / "loss_curves_300_steps" / "loss_curves.json").read_text())
     m = re.search(r"its loss lags bf16's for (\d+) steps, then matches", text)
     assert m and [w["steps"] for w in curve["windows"] if not w["ok"]] == [[10, 10 + int(m[1])]]
@@ -549,25 +553,75 @@ def test_the_sync_counts_quoted_are_the_runs_records():
     assert runs["ceiling"]["total"] == 0 and "the ceiling's step none" in " ".join(README.split())
 
 
-def test_the_fp8_pages_table_quotes_its_runs():
-    """docs/fp8.md's measured table: each precision's TFLOPs/GPU, the raw run's MFU and the peak memory are the run
-    JSONs' of the folder it links."""
-    text = (ROOT / "docs" / "fp8.md").read_text()
-    assert "](../benchmarks/results/fp8_vs_bf16_1xh100/)" in text
-    rows = _table(text, "## Measured: one H100")
-    assert [r[0].split()[0] for r in rows] == ["fp8", "bf16"]
-    for row in rows:
-        precision = row[0].split()[0]
-        ds, pl = (json.loads((RESULTS / "fp8_vs_bf16_1xh100" / f"{precision}_1xh100" / "runs" / f"{p}_0.json")
-                             .read_text()) for p in ("deepspeed", "lightning"))
-        assert ds["train"]["precision"] == pl["train"]["precision"] == precision
-        assert _quotes(row[1], ds["tflops_per_gpu"]) and _quotes(row[2], pl["tflops_per_gpu"]), row
-        mfus = [m.strip().rstrip("%") for m in row[3].split("/")]
-        assert _quotes(mfus[0], 100 * ds["mfu"]), row
-        assert len(mfus) == (2 if precision == "fp8" else 1)
-        if precision == "fp8":
-            assert _quotes(mfus[1], 100 * ds["mfu_fp8"]), row
-        assert _quotes(row[4], max(ds["peak_mem_gib"], pl["peak_mem_gib"])), row
+def test_the_fp8_pages_h100_figures_are_its_one_card_compare():
+    """docs/fp8.md's H100 section: the table's medians, spreads, MFUs, steps, clocks and peak memory per row, the
+    ratios over the bf16 row and between the paths, the gap to 620 and the kernel times, from the compare's report,
+    its runs and its step_budget.json."""
+    raw_text = (ROOT / "docs" / "fp8.md").read_text()
+    text = " ".join(raw_text.split())
+    assert "](../benchmarks/results/fp8_bf16_1xh100/)" in raw_text
+    report = _fp8_bf16_compare()
+    runs = {row: [json.loads(f.read_text()) for f in sorted((RESULTS / "fp8_bf16_1xh100/runs").glob(f"{row}_*.json"))]
+            for row in ("deepspeed", "lightning", "bf16")}
+    rows = _table(raw_text, "## Measured: one H100")
+    assert [r[0] for r in rows] == ["raw, fp8 (tensorwise)", "Lightning, fp8 (tensorwise)", "raw, bf16"]
+    sources = [report["paths"]["deepspeed"], report["paths"]["lightning"], report["reference"]["bf16"]]
+    for row, src, name in zip(rows, sources, runs):
+        spread = src["tflops_spread"]
+        m = re.fullmatch(r"([0-9.]+) \[([0-9.]+)-([0-9.]+)\]", row[1])
+        assert m and [_quotes(x, spread[k]) for x, k in zip(m.groups(), ("median", "min", "max"))] == [True] * 3, row
+        mfus = [x.strip().rstrip("%") for x in row[2].split("/")]
+        expected = [src["mfu"]] + ([src["mfu_fp8"]] if src["mfu_fp8"] else [])
+        assert len(mfus) == len(expected) and all(_quotes(x, 100 * v) for x, v in zip(mfus, expected)), row
+        assert _quotes(row[3], 1e3 * src["step_time_s"]["median"]), row
+        clocks = row[4].split(",")
+        assert len(clocks) == 2 and all(_quotes(x.strip(), _sm_mhz(r)) for x, r in zip(clocks, runs[name])), row
+        assert _quotes(row[5], src["peak_mem_gib"]), row
+    over, ratio = report["over_bf16"], report["ratio_spread"]
+    m = re.search(r"fp8 over bf16, round by round on the same card: ([0-9.]+)x \[([0-9.]+)-([0-9.]+)\] \(raw\) and "
+                  r"([0-9.]+)x \[([0-9.]+)-([0-9.]+)\] \(Lightning\)", text)
+    quoted = [over[p][k] for p in ("deepspeed", "lightning") for k in ("ratio", "min", "max")]
+    assert m and [_quotes(x, v) for x, v in zip(m.groups(), quoted)] == [True] * 6
+    m = re.search(r"Lightning / raw in fp8: ([0-9.]+), per pair ([0-9.]+) and ([0-9.]+)", text)
+    quoted = [report["ratio_lightning_over_deepspeed"], ratio["min"], ratio["max"]]
+    assert m and [_quotes(x, v) for x, v in zip(m.groups(), quoted)] == [True] * 3
+    parity = report["loss_parity"]
+    m = re.search(r"\(loss ([0-9.e-]+) against ([0-9.e-]+)\)", text)
+    assert m and _quotes(m[1], parity["max_abs_diff"]) and _quotes(m[2], parity["bound"]["loss"]) and parity["ok"]
+    budget = json.loads((RESULTS / "fp8_bf16_1xh100" / "step_budget.json").read_text())["runs"]
+    fp8, bf16 = budget[0], budget[2]
+    assert (fp8["row"], fp8["precision"], bf16["precision"]) == ("deepspeed_0", "fp8", "bf16")
+    assert fp8["target_tflops_per_gpu"] == 620
+    m = re.search(r"the raw fp8 step needs to be ([0-9.]+) ms \(([0-9.]+)%\) shorter", text)
+    assert m and _quotes(m[1], fp8["gap_ms"]) and _quotes(m[2], 100 * fp8["gap_ms"] / fp8["median_step_ms"])
+    kinds, delta = fp8["by_kind_ms"], fp8["vs_baseline_ms"]
+    m = re.search(r"the FP8 matmuls take ([0-9.]+) ms against bf16's ([0-9.]+), but inductor's generated kernels "
+                  r"grow from ([0-9.]+) to ([0-9.]+) ms.*?The casts take back ([0-9.]+) of the ([0-9.]+) ms the "
+                  r"matmuls save", text)
+    quoted = [kinds["matmul"], bf16["by_kind_ms"]["matmul"], bf16["by_kind_ms"]["compiled (triton)"],
+              kinds["compiled (triton)"], delta["compiled (triton)"], -delta["matmul"]]
+    assert m and [_quotes(x, v) for x, v in zip(m.groups(), quoted)] == [True] * 6
+
+
+def test_the_fp8_pages_cross_machine_figures_are_their_runs():
+    """docs/fp8.md's earlier H100 measurement across three machines: the two-pair compare's medians and ratio, and
+    fp8 over the median of the three bf16 raw runs."""
+    text = " ".join((ROOT / "docs" / "fp8.md").read_text().split())
+    fp8 = _fp8_compare("fp8_vs_bf16_1xh100/fp8_1xh100", "H100")
+    curve_runs = sorted((RESULTS / "fp8_vs_bf16_1xh100/fp8_curve_1xh100").glob("bf16_*.json"))
+    bf16 = [json.loads(f.read_text())
+            for f in [RESULTS / "fp8_vs_bf16_1xh100/bf16_1xh100/runs/deepspeed_0.json", *curve_runs]]
+    for r in bf16:
+        assert "H100" in r["device"]["name"] and r["train"]["profile"] == "fast" and r["train"]["micro_batch"] == 8
+        assert r["train"]["precision"] == "bf16" and r["path"] == "deepspeed"
+    ds, pl = (fp8["paths"][p]["tflops_spread"] for p in ("deepspeed", "lightning"))
+    m = re.search(r"an fp8 compare of two pairs \(raw ([0-9.]+) \[([0-9.]+)-([0-9.]+)\], Lightning ([0-9.]+) "
+                  r"\[([0-9.]+)-([0-9.]+)\], Lightning / raw ([0-9.]+)\) over the median of three bf16 raw runs, one "
+                  r"per machine \(([0-9.]+)\), ([0-9.]+)x", text)
+    bf16_median = statistics.median(r["tflops_per_gpu"] for r in bf16)
+    quoted = [ds["median"], ds["min"], ds["max"], pl["median"], pl["min"], pl["max"],
+              fp8["ratio_lightning_over_deepspeed"], bf16_median, ds["median"] / bf16_median]
+    assert m and [_quotes(x, v) for x, v in zip(m.groups(), quoted)] == [True] * len(quoted)
 
 
 def test_the_fp8_pages_h200_figures_are_its_compare_and_step_budget():
@@ -633,9 +687,9 @@ def test_the_fp8_pages_300_step_figures_are_the_curve_runs():
     assert int(m[7]) == len(f) - 1 and [float(m[5]), float(m[6])] == sorted([round(f[-1], 3), round(b[-1], 3)])
 
 
-def test_the_fp8_pages_loss_curve_and_pairs_are_their_sources():
+def test_the_fp8_pages_loss_curve_is_its_judgement():
     """docs/fp8.md's loss-curve table is loss_curves.py's judgement row by row (steps, drift, offset, bound, bias,
-    verdict), it shows the plot that judgement wrote, and its two-pair figures are the fp8 compare's report."""
+    verdict), and it shows the plot that judgement wrote."""
     text = (ROOT / "docs" / "fp8.md").read_text()
     folder = RESULTS / "fp8_vs_bf16_1xh100"
     curve = json.loads((folder / "loss_curves_300_steps" / "loss_curves.json").read_text())
@@ -648,16 +702,6 @@ def test_the_fp8_pages_loss_curve_and_pairs_are_their_sources():
         for cell, key in zip(row[1:5], ("drift", "offset", "bound", "bias")):
             assert float(cell) == float(f"{w[key]:.2e}"), (row, key)
         assert row[5] == ("yes" if w["ok"] else "no"), row
-    report = _fp8_compare("fp8_vs_bf16_1xh100/fp8_1xh100", "H100")
-    flat = " ".join(text.split())
-    for path, name in (("deepspeed", "raw"), ("lightning", "Lightning")):
-        s = report["paths"][path]["tflops_spread"]
-        m = re.search(rf"{name} ([0-9.]+) \[([0-9.]+)-([0-9.]+)\]", flat)
-        assert m and [_quotes(x, v) for x, v in zip(m.groups(), (s["median"], s["min"], s["max"]))] == [True] * 3
-    r = report["ratio_spread"]
-    m = re.search(r"Lightning / raw is ([0-9.]+) in fp8, per pair ([0-9.]+) and ([0-9.]+)", flat)
-    assert m and [_quotes(x, v) for x, v in zip(m.groups(), (r["median"], r["min"], r["max"]))] == [True] * 3
-    assert report["repeats"] == 2
 
 
 def test_the_training_scripts_section_quotes_each_script_and_the_compare_run_beside_it():
