@@ -603,6 +603,33 @@ def test_the_fp8_pages_h100_figures_are_its_one_card_compare():
     assert m and [_quotes(x, v) for x, v in zip(m.groups(), quoted)] == [True] * 6
 
 
+def test_the_fp8_pages_gelu_kernels_are_the_profiled_steps():
+    """docs/fp8.md's GELU kernels table: every "ms (calls)" it quotes is a kernel of that phase's top list in the
+    run it names (fp8, then bf16), each row's difference is theirs, and the sum is set against the gap to 620."""
+    raw_text = (ROOT / "docs" / "fp8.md").read_text()
+    folder = RESULTS / "fp8_bf16_1xh100" / "runs"
+    runs = {p: json.loads((folder / f"{p}_0.json").read_text())["extra"]["profile"]["phases"]
+            for p in ("deepspeed", "bf16")}
+    rows = _table(raw_text, "The casts, kernel by kernel")
+    assert [r[0] for r in rows] == ["forward", "backward"]
+    total = 0.0
+    for phase, bf16_cell, fp8_cell, more in rows:
+        sums = []
+        for cell, run in ((bf16_cell, "bf16"), (fp8_cell, "deepspeed")):
+            quoted = re.findall(r"([0-9.]+) \((\d+)[ )]", cell)
+            assert quoted, cell
+            top = [(round(k["ms"], 2), k["calls"]) for k in runs[run][phase]["top"]]
+            assert all((float(ms), int(calls)) in top for ms, calls in quoted), (phase, run, quoted, top)
+            sums.append(sum(float(ms) for ms, _ in quoted))
+        assert _quotes(more, sums[1] - sums[0]), (phase, more, sums)
+        total += float(more)
+    text = " ".join(raw_text.split())
+    budget = json.loads((RESULTS / "fp8_bf16_1xh100" / "step_budget.json").read_text())["runs"][0]
+    m = re.search(r"fp8's GELU kernels take ([0-9.]+) ms more than bf16's, against the ([0-9.]+) ms the step is "
+                  r"short of 620", text)
+    assert m and _quotes(m[1], total) and _quotes(m[2], budget["gap_ms"])
+
+
 def test_the_fp8_pages_cross_machine_figures_are_their_runs():
     """docs/fp8.md's earlier H100 measurement across three machines: the two-pair compare's medians and ratio, and
     fp8 over the median of the three bf16 raw runs."""
