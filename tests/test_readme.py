@@ -605,7 +605,7 @@ def test_the_fp8_pages_h100_figures_are_its_one_card_compare():
 
 def test_the_fp8_pages_gelu_kernels_are_the_profiled_steps():
     """docs/fp8.md's GELU kernels table: every "ms (calls)" it quotes is a kernel of that phase's top list in the
-    run it names (fp8, then bf16), each row's difference is theirs, and the sum is set against the gap to 620."""
+    run it names (bf16, then fp8), each row's difference is theirs, and the sum is set against the gap to 620."""
     raw_text = (ROOT / "docs" / "fp8.md").read_text()
     folder = RESULTS / "fp8_bf16_1xh100" / "runs"
     runs = {p: json.loads((folder / f"{p}_0.json").read_text())["extra"]["profile"]["phases"]
