@@ -198,10 +198,16 @@ needs_s = "big"
 """
 
 
-def test_a_call_skips_what_would_not_fit_packs_its_folder_and_keeps_it_warm(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(device, "GRACE_S", 1)  # these budgets are seconds: a second of grace
+@pytest.fixture
+def call_here(tmp_path, monkeypatch):
+    """A driver's call kept to tmp_path: no warm folder or compile cache of this machine, and a second of grace after
+    a SIGTERM, as these tables' budgets are seconds."""
     monkeypatch.setattr(device, "WARM", tmp_path / "warm")
     monkeypatch.setattr(device, "COMPILE_CACHE", tmp_path / "none")
+    monkeypatch.setattr(device, "GRACE_S", 1)
+
+
+def test_a_call_skips_what_would_not_fit_packs_its_folder_and_keeps_it_warm(tmp_path, call_here, capsys):
     count = tmp_path / "count.py"  # makes the folder if need be and writes in it how many files it held
     count.write_text("import pathlib, sys\np = pathlib.Path(sys.argv[1])\np.mkdir(exist_ok=True)\n"
                      "(p / 'n').write_text(str(len(list(p.iterdir()))))\n")
@@ -282,9 +288,7 @@ creates = "{{work}}/kept/second.json"
 """
 
 
-def test_a_command_whose_file_the_kept_folder_holds_is_done_and_not_run_again(tmp_path, monkeypatch):
-    monkeypatch.setattr(device, "WARM", tmp_path / "warm")
-    monkeypatch.setattr(device, "COMPILE_CACHE", tmp_path / "none")
+def test_a_command_whose_file_the_kept_folder_holds_is_done_and_not_run_again(tmp_path, call_here):
     append = tmp_path / "append.py"  # writes its file and notes that it ran
     append.write_text("import pathlib, sys\nout, ran, name = map(pathlib.Path, sys.argv[1:])\n"
                       "out.parent.mkdir(exist_ok=True)\nout.write_text('{}')\n"
@@ -302,12 +306,9 @@ def test_a_command_whose_file_the_kept_folder_holds_is_done_and_not_run_again(tm
         "first.json", "second.json"]
 
 
-def test_a_command_that_outlasts_its_need_is_not_cut_for_a_later_one_that_could_not_start_anyway(tmp_path, monkeypatch):
+def test_a_command_that_outlasts_its_need_is_not_cut_for_a_later_one_that_could_not_start_anyway(tmp_path, call_here):
     """A fresh machine's run takes longer than the warm one its need_s was set by: where the command after it would
     not fit once this one had its need, nothing is kept for that one, and this one runs to the budget's end."""
-    monkeypatch.setattr(device, "GRACE_S", 1)  # these budgets are seconds: a second of grace
-    monkeypatch.setattr(device, "WARM", tmp_path / "warm")
-    monkeypatch.setattr(device, "COMPILE_CACHE", tmp_path / "none")
     count = tmp_path / "count.py"
     count.write_text("import pathlib, sys\npathlib.Path(sys.argv[1]).mkdir(exist_ok=True)\n")
     table = tmp_path / "stages.toml"
@@ -322,13 +323,10 @@ def test_a_command_that_outlasts_its_need_is_not_cut_for_a_later_one_that_could_
     assert device.reserved([], 10.0) == 0 and device.reserved([10.0, 1.0], 10.0) == 10.0
 
 
-def test_a_run_without_a_time_limit_is_not_cut_to_keep_time_for_the_commands_after_it(tmp_path, monkeypatch):
+def test_a_run_without_a_time_limit_is_not_cut_to_keep_time_for_the_commands_after_it(tmp_path, call_here):
     """A training run cut mid-way leaves nothing (its JSON comes at its end): a fresh machine's run that outlasts its
     need runs on to the budget's end, and the later command that would have fitted after its need is skipped, not
     the run cut for it. Only a command told its --time_limit, which stops between its runs, keeps time for later."""
-    monkeypatch.setattr(device, "GRACE_S", 1)  # these budgets are seconds: a second of grace
-    monkeypatch.setattr(device, "WARM", tmp_path / "warm")
-    monkeypatch.setattr(device, "COMPILE_CACHE", tmp_path / "none")
     count = tmp_path / "count.py"
     count.write_text("import pathlib, sys\npathlib.Path(sys.argv[1]).mkdir(exist_ok=True)\n")
     table = tmp_path / "stages.toml"
@@ -340,13 +338,11 @@ def test_a_run_without_a_time_limit_is_not_cut_to_keep_time_for_the_commands_aft
     assert "would not fit" in big["skipped"]
 
 
-def test_a_run_that_ignores_sigterm_is_stopped_and_packed_inside_the_budget(tmp_path, monkeypatch):
+def test_a_run_that_ignores_sigterm_is_stopped_and_packed_inside_the_budget(tmp_path, call_here, monkeypatch):
     """A run cut at the budget's end gets SIGTERM, then GRACE_S before SIGKILL: the SIGTERM comes early enough that the
     grace ends inside the budget too. Sent at the budget's end, the grace ran past it, and the device call's own
     limit cut the packing: nothing of the call came back."""
-    monkeypatch.setattr(device, "WARM", tmp_path / "warm")
-    monkeypatch.setattr(device, "COMPILE_CACHE", tmp_path / "none")
-    monkeypatch.setattr(device, "GRACE_S", 4)
+    monkeypatch.setattr(device, "GRACE_S", 4)  # more than the fixture's second: a grace the test can see
     count = tmp_path / "count.py"
     count.write_text("import pathlib, sys\npathlib.Path(sys.argv[1]).mkdir(exist_ok=True)\n")
     table = tmp_path / "stages.toml"
